@@ -1,0 +1,28 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+FIXTURES = Path(os.environ.get("VITKIT_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def tiny_kwargs(name: str) -> dict:
+    """Shrink a registered model to test size, keeping its family (patch size, hybrid stages, ...)."""
+    from vitkit.models import get_entry
+
+    entry = get_entry(name)
+    if entry.arch == "resnetv2":
+        return dict(img_size=64, num_classes=5, layers=(1, 1, 1, 1), width_factor=1, channels=(128, 128, 256, 256), stem_width=32)
+    p = entry.kwargs["patch_size"]
+    kw = dict(embed_dim=48, depth=2, num_heads=3, mlp_dim=96, num_classes=5, img_size=2 * p)
+    if entry.kwargs.get("hybrid_layers"):
+        kw.update(hybrid_width=0.5, hybrid_layers=tuple(1 for _ in entry.kwargs["hybrid_layers"]))
+    return kw

@@ -1,0 +1,195 @@
+"""The model registry swept at tiny sizes, every option, parameter counts, the forward API and errors."""
+import pytest
+import torch
+
+import vitkit
+from vitkit.models import get_entry
+from vitkit.stats import count_params, model_stats
+
+from conftest import tiny_kwargs
+
+ALL = vitkit.list_models()
+
+
+def test_registry_has_every_model_of_the_issue():
+    want = {"vit_ti16", "vit_s16", "vit_s32", "vit_b8", "vit_b16", "vit_b32", "vit_l16", "vit_l32", "vit_h14",
+            "r50_vit_b16", "r26_vit_s32", "bit_r50x1", "bit_r101x1", "bit_r50x3"}
+    assert want <= set(ALL)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_sweep_forward_backward(name):
+    model = vitkit.create_model(name, **tiny_kwargs(name))
+    # zero-initialised weights (the head, the hybrid's last GroupNorm per block) block gradients by design
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("weight") and not p.any():
+                p.normal_(std=0.02)
+    model.train()
+    size = model.config.img_size
+    x = torch.randn(2, model.config.in_chans, *size)
+    y = model(x)
+    assert y.shape == (2, 5)
+    assert torch.isfinite(y).all()
+    y.square().sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, f"no gradient for {missing}"
+    zero = [n for n, p in model.named_parameters() if p.grad.abs().sum() == 0]
+    assert not zero, f"all-zero gradient for {zero}"
+
+
+@pytest.mark.parametrize("name,paper,expected_m", [("vit_b16", "ViT-B/16", 86), ("vit_l16", "ViT-L/16", 307), ("vit_h14", "ViT-H/14", 632)])
+def test_table1_param_counts_within_1_percent(name, paper, expected_m):
+    stats = model_stats(get_entry(name), num_classes=1000)
+    assert stats["paper_name"] == paper
+    assert abs(stats["params_m"] - expected_m) / expected_m < 0.01, stats
+
+
+def test_flops_of_vit_b16_and_tokens():
+    stats = model_stats(get_entry("vit_b16"))
+    assert stats["tokens"] == 197
+    # 2 * MACs; the commonly quoted 17.6 GMACs for ViT-B/16 at 224.
+    assert 34.5 < stats["gflops"] < 35.5
+
+
+def test_paper_names_are_aliases():
+    assert get_entry("ViT-B/16").name == "vit_b16"
+    assert get_entry("R50+ViT-B/16").name == "r50_vit_b16"
+    assert get_entry("vit-l/32").name == "vit_l32"
+    with pytest.raises(ValueError, match="unknown model"):
+        get_entry("vit_z99")
+
+
+def test_overrides_by_keyword():
+    m = vitkit.create_model("vit_b16", img_size=(32, 48), patch_size=8, in_chans=1, num_classes=10, num_heads=6,
+                            classifier="gap", pos_embed="sincos_2d", representation_size=64, drop_rate=0.1,
+                            drop_path_rate=0.2, depth=2)
+    c = m.config
+    assert c.img_size == (32, 48) and c.grid_size == (4, 6) and c.in_chans == 1 and c.num_heads == 6
+    assert m.cls_token is None and m(torch.randn(2, 1, 32, 48)).shape == (2, 10)
+    assert m.blocks[-1].drop_path1.p == pytest.approx(0.2) and m.blocks[0].drop_path1.p == 0
+    with pytest.raises(ValueError, match="unknown option"):
+        vitkit.create_model("vit_b16", heads=3)
+
+
+OPTIONS = [dict(classifier=c, pos_embed=p, representation_size=r)
+           for c in ("token", "gap") for p in ("learned_1d", "learned_2d", "sincos_2d", "none", "relative") for r in (None, 16)]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_every_option_builds_and_trains_one_step(opts):
+    model = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_dim=64,
+                                num_classes=4, drop_rate=0.1, drop_path_rate=0.1, **opts)
+    x, t = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for _ in range(2):  # the zero-initialised head passes no gradient down on the first step
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), t)
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert "head.weight" in changed and "patch_embed.proj.weight" in changed
+    if opts["pos_embed"] == "relative":
+        assert "blocks.0.attn.rel_pos.table" in changed
+
+
+def test_num_classes_zero_returns_pooled_features():
+    m = vitkit.create_model("vit_s16", img_size=32, depth=1, num_classes=0).eval()
+    assert m(torch.randn(2, 3, 32, 32)).shape == (2, 384)
+    m = vitkit.create_model("vit_s16", img_size=32, depth=1, num_classes=0, representation_size=100).eval()
+    assert m(torch.randn(2, 3, 32, 32)).shape == (2, 100)
+
+
+def test_gap_pools_normed_tokens_and_token_takes_class_token():
+    m = vitkit.create_model("vit_ti16", img_size=32, depth=1, classifier="gap", num_classes=0).eval()
+    x = torch.randn(2, 3, 32, 32)
+    feats = m.forward_features(x)
+    assert feats.shape == (2, 4, 192)  # no class token
+    torch.testing.assert_close(m(x), feats.mean(1))
+    m = vitkit.create_model("vit_ti16", img_size=32, depth=1, num_classes=0).eval()
+    feats = m.forward_features(x)
+    assert feats.shape == (2, 5, 192)
+    torch.testing.assert_close(m(x), feats[:, 0])
+
+
+@pytest.mark.parametrize("pos_embed", ["learned_1d", "relative"])
+def test_fused_and_explicit_attention_agree(pos_embed):
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=3, num_classes=10, pos_embed=pos_embed).eval()
+    torch.nn.init.normal_(m.head.weight, std=0.02)
+    for blk in m.blocks:
+        if blk.attn.rel_pos is not None:
+            torch.nn.init.normal_(blk.attn.rel_pos.table)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        fused = m(x)
+        out = m.forward_intermediates(x)
+        feats = m.forward_features(x)
+    assert (fused - out["logits"]).abs().max() < 1e-5
+    assert (feats - out["features"]).abs().max() < 1e-5
+    assert set(out["attention"]) == {0, 1, 2}
+    a = out["attention"][1]
+    assert a.shape == (3, 3, 17, 17)
+    torch.testing.assert_close(a.sum(-1), torch.ones(3, 3, 17))
+
+
+def test_forward_intermediates_only_the_layers_asked():
+    m = vitkit.create_model("vit_ti16", img_size=32, depth=4, num_classes=3).eval()
+    calls = []
+    for i, blk in enumerate(m.blocks):
+        orig = blk.attn.forward
+        blk.attn.forward = lambda x, return_attention=False, _o=orig, _i=i: (calls.append((_i, return_attention)), _o(x, return_attention))[1]
+    out = m.forward_intermediates(torch.randn(1, 3, 32, 32), layers=[-1, 1])
+    assert set(out["tokens"]) == {1, 3} and set(out["attention"]) == {1, 3}
+    assert calls == [(0, False), (1, True), (2, False), (3, True)]
+    assert set(m.forward_intermediates(torch.randn(1, 3, 32, 32), layers=2, attention=False)["tokens"]) == {2, 3}
+
+
+def test_rectangular_images_and_grayscale():
+    m = vitkit.create_model("vit_s32", img_size=(64, 96), in_chans=1, depth=1, num_classes=2)
+    assert m.config.num_tokens == 1 + 2 * 3
+    assert m(torch.randn(1, 1, 64, 96)).shape == (1, 2)
+
+
+@pytest.mark.parametrize("name", ["vit_s16", "r26_vit_s32", "bit_r50x1"])
+def test_bad_input_shape_is_a_clear_value_error(name):
+    m = vitkit.create_model(name, **tiny_kwargs(name))
+    c = m.config
+    with pytest.raises(ValueError, match=r"expected input of shape.*got \(1, 4, "):
+        m(torch.randn(1, 4, *c.img_size))
+    if c.arch == "vit":
+        h, w = c.img_size
+        with pytest.raises(ValueError, match=rf"expected input of shape \(B, 3, {h}, {w}\).*got \(1, 3, {h + 8}, {w}\)"):
+            m(torch.randn(1, 3, h + 8, w))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="not divisible by patch_size"):
+        vitkit.create_model("vit_b16", img_size=100)
+    with pytest.raises(ValueError, match="classifier"):
+        vitkit.create_model("vit_b16", classifier="max")
+    with pytest.raises(ValueError, match="pos_embed"):
+        vitkit.create_model("vit_b16", pos_embed="rope")
+
+
+def test_official_initialisation():
+    m = vitkit.create_model("vit_b16", depth=2)
+    assert torch.count_nonzero(m.cls_token) == 0
+    assert torch.count_nonzero(m.head.weight) == 0 and torch.count_nonzero(m.head.bias) == 0
+    assert 0.015 < m.pos_embed.weight.std().item() < 0.025
+    w = m.blocks[0].mlp.fc1.weight  # xavier uniform: bound sqrt(6 / (fan_in + fan_out))
+    assert w.abs().max() <= (6 / (768 + 3072)) ** 0.5
+    assert m.blocks[0].mlp.fc1.bias.abs().max() < 1e-4
+
+
+def test_set_img_size_resamples_the_position_embedding():
+    m = vitkit.create_model("vit_ti16", img_size=32, depth=1, num_classes=3)
+    m.set_img_size(48)
+    assert m.pos_embed.weight.shape == (1, 1 + 9, 192)
+    assert m(torch.randn(1, 3, 48, 48)).shape == (1, 3)
+
+
+def test_count_params_matches_manual():
+    m = vitkit.create_model("vit_ti16", img_size=32, depth=1, num_classes=3)
+    assert count_params(m) == sum(p.numel() for p in m.parameters())

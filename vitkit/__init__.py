@@ -1,0 +1,5 @@
+"""vitkit: Vision Transformers ("An Image Is Worth 16x16 Words", arXiv 2010.11929) in PyTorch."""
+from .models import ResNetV2, ResNetV2Config, ViTConfig, VisionTransformer, create_model, list_models
+
+__version__ = "0.1.0"
+__all__ = ["create_model", "list_models", "ViTConfig", "VisionTransformer", "ResNetV2", "ResNetV2Config"]

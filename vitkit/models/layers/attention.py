@@ -1,0 +1,120 @@
+"""Multi-head self-attention (Sec. 3.1, App. A) with an optional learned relative-position bias (App. D.4).
+
+The fused kernel `F.scaled_dot_product_attention` is the default path; the explicit softmax path
+runs only when the attention weights are asked for.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RelativePositionBias(nn.Module):
+    """A learned bias per head for every relative offset (dy, dx) between two patches.
+
+    Tokens in front of the patch grid (the class token) get three extra learned entries:
+    prefix-to-patch, patch-to-prefix and prefix-to-prefix, as in BEiT.
+    """
+
+    def __init__(self, grid_size: tuple[int, int], num_heads: int, num_prefix_tokens: int = 1) -> None:
+        super().__init__()
+        gh, gw = grid_size
+        self.grid_size = (gh, gw)
+        self.num_prefix_tokens = num_prefix_tokens
+        num_rel = (2 * gh - 1) * (2 * gw - 1)
+        self.table = nn.Parameter(torch.zeros(num_rel + (3 if num_prefix_tokens else 0), num_heads))
+        self.register_buffer("index", self._build_index(), persistent=False)
+
+    def _build_index(self) -> torch.Tensor:
+        gh, gw = self.grid_size
+        coords = torch.stack(torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")).flatten(1)  # (2, N)
+        rel = coords[:, :, None] - coords[:, None, :]  # (2, N, N)
+        idx = (rel[0] + gh - 1) * (2 * gw - 1) + (rel[1] + gw - 1)  # (N, N)
+        if not self.num_prefix_tokens:
+            return idx
+        n, p, base = gh * gw, self.num_prefix_tokens, (2 * gh - 1) * (2 * gw - 1)
+        full = torch.empty(n + p, n + p, dtype=torch.long)
+        full[p:, p:] = idx
+        full[:p, p:] = base  # prefix -> patch
+        full[p:, :p] = base + 1  # patch -> prefix
+        full[:p, :p] = base + 2  # prefix -> prefix
+        return full
+
+    def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
+        """Resample the table of relative offsets for a new patch grid; the prefix entries are kept."""
+        from .pos_embed import resample_pos_embed_grid
+
+        gh, gw = self.grid_size
+        nh, nw = new_grid
+        base = (2 * gh - 1) * (2 * gw - 1)
+        t = self.table.data
+        grid = resample_pos_embed_grid(t[:base].reshape(2 * gh - 1, 2 * gw - 1, -1), (2 * nh - 1, 2 * nw - 1), method)
+        self.table = nn.Parameter(torch.cat([grid.flatten(0, 1), t[base:]]))
+        self.grid_size = (nh, nw)
+        self.index = self._build_index().to(self.index.device)
+
+    def forward(self) -> torch.Tensor:
+        t = self.index.shape[0]
+        return self.table[self.index.flatten()].view(t, t, -1).permute(2, 0, 1)  # (T, T, H) -> (H, T, T)
+
+
+class Attention(nn.Module):
+    """Self-attention over tokens with a fused qkv projection: rows of `qkv.weight` are q, k, v, each head-major."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        rel_pos: RelativePositionBias | None = None,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"width {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.rel_pos = rel_pos
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Official init: xavier-uniform on each of the (D, D) q/k/v/out kernels, zero biases.
+        d = self.proj.in_features
+        with torch.no_grad():
+            for i in range(3):
+                nn.init.xavier_uniform_(self.qkv.weight[i * d : (i + 1) * d])
+            if self.qkv.bias is not None:
+                self.qkv.bias.zero_()
+        nn.init.xavier_uniform_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor, return_attention: bool = False):
+        """x: (B, T, D) -> (B, T, D); with `return_attention`, also the softmax weights (B, H, T, T)."""
+        B, T, D = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
+        q, k, v = qkv.unbind(0)  # each (B, H, T, hd)
+        bias = self.rel_pos() if self.rel_pos is not None else None  # (H, T, T) or None
+        drop = self.attn_drop if self.training else 0.0
+        if return_attention:
+            logits = (q * self.scale) @ k.transpose(-2, -1)  # (B, H, T, T)
+            if bias is not None:
+                logits = logits + bias
+            attn = logits.softmax(dim=-1)
+            out = F.dropout(attn, drop) @ v  # (B, H, T, hd)
+        else:
+            attn = None
+            if bias is not None:
+                bias = bias.to(q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)  # (B, H, T, hd)
+        out = out.transpose(1, 2).reshape(B, T, D)  # (B, H, T, hd) -> (B, T, D)
+        out = self.proj_drop(self.proj(out))
+        return (out, attn) if return_attention else out
+

@@ -1,0 +1,148 @@
+"""Position embeddings (Sec. 3.1, App. D.4): learned 1-D, learned 2-D (row + column), fixed 2-D sin-cos, none.
+
+Each module adds its embedding to the token sequence (B, T, D) whose first `num_prefix_tokens`
+rows are the class token (if any), followed by the patch grid in row-major order.
+(The relative variant lives inside attention: see `attention.RelativePositionBias`.)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RESAMPLE_METHODS = ("bilinear", "bicubic")
+
+
+def resample_pos_embed_grid(
+    grid: torch.Tensor, new_size: tuple[int, int], method: str = "bilinear"
+) -> torch.Tensor:
+    """Resample a (gh, gw, D) grid of embeddings to (nh, nw, D).
+
+    Args:
+        method: "bilinear" is the official method (`scipy.ndimage.zoom(order=1)` on the grid, which
+            equals bilinear interpolation with aligned corners); "bicubic" is timm's
+            (bicubic, corners not aligned, antialiased when shrinking).
+    """
+    if method not in RESAMPLE_METHODS:
+        raise ValueError(f"resampling method must be one of {RESAMPLE_METHODS}, got {method!r}")
+    gh, gw, d = grid.shape
+    if (gh, gw) == tuple(new_size):
+        return grid
+    x = grid.permute(2, 0, 1)[None].float()  # (gh, gw, D) -> (1, D, gh, gw)
+    if method == "bilinear":
+        x = F.interpolate(x, size=new_size, mode="bilinear", align_corners=True)
+    else:
+        x = F.interpolate(x, size=new_size, mode="bicubic", align_corners=False, antialias=True)
+    return x[0].permute(1, 2, 0).to(grid.dtype)  # (1, D, nh, nw) -> (nh, nw, D)
+
+
+def sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """Fixed 2-D sin-cos embedding (as big_vision's posemb_sincos_2d): (gh * gw, D), D divisible by 4."""
+    if dim % 4:
+        raise ValueError(f"sincos_2d position embedding needs a width divisible by 4, got {dim}")
+    gh, gw = grid_size
+    y, x = torch.meshgrid(torch.arange(gh, dtype=torch.float64), torch.arange(gw, dtype=torch.float64), indexing="ij")
+    omega = torch.arange(dim // 4, dtype=torch.float64) / max(dim // 4 - 1, 1)
+    omega = 1.0 / temperature**omega  # (D/4,)
+    y = y.flatten()[:, None] * omega[None, :]  # (N, D/4)
+    x = x.flatten()[:, None] * omega[None, :]
+    return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1).float()  # (N, D)
+
+
+class LearnedPosEmbed1d(nn.Module):
+    """The paper's default: one learned vector per sequence position, `weight` (1, T, D), init normal(0.02)."""
+
+    def __init__(self, grid_size: tuple[int, int], dim: int, num_prefix_tokens: int) -> None:
+        super().__init__()
+        self.grid_size, self.num_prefix_tokens = tuple(grid_size), num_prefix_tokens
+        self.weight = nn.Parameter(torch.empty(1, num_prefix_tokens + grid_size[0] * grid_size[1], dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weight
+
+    def grid(self) -> torch.Tensor:
+        """(gh * gw, D): the patch positions only."""
+        return self.weight[0, self.num_prefix_tokens :]
+
+    def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
+        p, (gh, gw) = self.num_prefix_tokens, self.grid_size
+        w = self.weight.data[0]
+        grid = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), new_grid, method)  # (nh, nw, D)
+        self.weight = nn.Parameter(torch.cat([w[:p], grid.flatten(0, 1)])[None])  # class position kept
+        self.grid_size = tuple(new_grid)
+
+
+class LearnedPosEmbed2d(nn.Module):
+    """App. D.4 '2-D': a row embedding and a column embedding of D/2 each, concatenated per patch.
+
+    Prefix tokens (the class token) get their own learned vectors, `prefix` (1, p, D).
+    """
+
+    def __init__(self, grid_size: tuple[int, int], dim: int, num_prefix_tokens: int) -> None:
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"learned_2d position embedding needs an even width, got {dim}")
+        self.grid_size, self.num_prefix_tokens = tuple(grid_size), num_prefix_tokens
+        self.row = nn.Parameter(torch.empty(grid_size[0], dim // 2))
+        self.col = nn.Parameter(torch.empty(grid_size[1], dim // 2))
+        self.prefix = nn.Parameter(torch.empty(1, num_prefix_tokens, dim)) if num_prefix_tokens else None
+        for p in (self.row, self.col, self.prefix):
+            if p is not None:
+                nn.init.normal_(p, std=0.02)
+
+    def grid(self) -> torch.Tensor:
+        gh, gw = self.grid_size
+        rows = self.row[:, None, :].expand(gh, gw, -1)  # (gh, gw, D/2)
+        cols = self.col[None, :, :].expand(gh, gw, -1)
+        return torch.cat([rows, cols], dim=-1).flatten(0, 1)  # (gh, gw, D) -> (N, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pe = self.grid()[None]  # (1, N, D)
+        if self.prefix is not None:
+            pe = torch.cat([self.prefix, pe], dim=1)  # (1, T, D)
+        return x + pe
+
+    def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
+        def one_axis(t: torch.Tensor, n: int) -> torch.Tensor:
+            return resample_pos_embed_grid(t.data[:, None, :], (n, 1), method)[:, 0]  # (g, 1, D/2) -> (n, D/2)
+
+        self.row = nn.Parameter(one_axis(self.row, new_grid[0]))
+        self.col = nn.Parameter(one_axis(self.col, new_grid[1]))
+        self.grid_size = tuple(new_grid)
+
+
+class SinCosPosEmbed2d(nn.Module):
+    """Fixed (not learned) 2-D sin-cos embedding of the patch grid; the class token gets none."""
+
+    def __init__(self, grid_size: tuple[int, int], dim: int, num_prefix_tokens: int) -> None:
+        super().__init__()
+        self.grid_size, self.num_prefix_tokens, self.dim = tuple(grid_size), num_prefix_tokens, dim
+        self.register_buffer("pe", sincos_2d(self.grid_size, dim)[None], persistent=False)  # (1, N, D)
+
+    def grid(self) -> torch.Tensor:
+        return self.pe[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.num_prefix_tokens
+        if p == 0:
+            return x + self.pe
+        return torch.cat([x[:, :p], x[:, p:] + self.pe], dim=1)
+
+    def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
+        self.grid_size = tuple(new_grid)
+        self.pe = sincos_2d(self.grid_size, self.dim)[None].to(self.pe.device)
+
+
+class NoPosEmbed(nn.Module):
+    """App. D.4 'no positional information': the tokens are a bag of patches."""
+
+    def __init__(self, grid_size: tuple[int, int], dim: int, num_prefix_tokens: int) -> None:
+        super().__init__()
+        self.grid_size = tuple(grid_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
+        self.grid_size = tuple(new_grid)

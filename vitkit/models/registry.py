@@ -1,0 +1,128 @@
+"""Every model of the paper by name: sizes declared once (Table 1), builders one line each."""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from .resnet import ResNetV2, ResNetV2Config
+from .vit import ViTConfig, VisionTransformer
+
+# Table 1: width D, depth L, MLP size, heads.
+VIT_SIZES: dict[str, dict[str, int]] = {
+    "Ti": dict(embed_dim=192, depth=12, mlp_dim=768, num_heads=3),
+    "S": dict(embed_dim=384, depth=12, mlp_dim=1536, num_heads=6),
+    "B": dict(embed_dim=768, depth=12, mlp_dim=3072, num_heads=12),
+    "L": dict(embed_dim=1024, depth=24, mlp_dim=4096, num_heads=16),
+    "H": dict(embed_dim=1280, depth=32, mlp_dim=5120, num_heads=16),
+}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    paper_name: str
+    arch: str  # "vit" or "resnetv2"
+    kwargs: dict
+
+    def default_config(self) -> ViTConfig | ResNetV2Config:
+        return (ViTConfig if self.arch == "vit" else ResNetV2Config)(**self.kwargs)
+
+
+_REGISTRY: dict[str, ModelEntry] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register(name: str, paper_name: str, arch: str, **kwargs) -> None:
+    _REGISTRY[name] = ModelEntry(name, paper_name, arch, kwargs)
+    for alias in (paper_name, paper_name.replace("ViT-", "ViT_"), paper_name.replace("/", "_")):
+        _ALIASES[_norm(alias)] = name
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9+]", "", name.lower())
+
+
+def vit(size: str, patch: int, **kw) -> dict:
+    return dict(VIT_SIZES[size], patch_size=patch, **kw)
+
+
+# ViT (Table 1 + the B/8 of the AugReg release and the Ti/S of DeiT/AugReg).
+for _s, _p in [("Ti", 16), ("S", 16), ("S", 32), ("B", 8), ("B", 16), ("B", 32), ("L", 16), ("L", 32), ("H", 14)]:
+    register(f"vit_{_s.lower()}{_p}", f"ViT-{_s}/{_p}", "vit", **vit(_s, _p))
+
+# Hybrids (Sec. 3.1): ResNet features -> 1x1 patch embedding. (3, 4, 9) is R50 with stage 4 folded
+# into stage 3 (output stride 16); (3, 4, 6, 3) keeps stage 4 (stride 32); R26 is (2, 2, 2, 2).
+register("r50_vit_b16", "R50+ViT-B/16", "vit", **vit("B", 16, hybrid_layers=(3, 4, 9)))
+register("r50_vit_b32", "R50+ViT-B/32", "vit", **vit("B", 32, hybrid_layers=(3, 4, 6, 3)))
+register("r50_vit_l16", "R50+ViT-L/16", "vit", **vit("L", 16, hybrid_layers=(3, 4, 9)))
+register("r50_vit_l32", "R50+ViT-L/32", "vit", **vit("L", 32, hybrid_layers=(3, 4, 6, 3)))
+register("r26_vit_s32", "R26+ViT-S/32", "vit", **vit("S", 32, hybrid_layers=(2, 2, 2, 2)))
+
+# The paper's CNN baseline: BiT ResNet-v2 (Sec. 4.1).
+register("bit_r50x1", "BiT-R50x1", "resnetv2", layers=(3, 4, 6, 3), width_factor=1)
+register("bit_r101x1", "BiT-R101x1", "resnetv2", layers=(3, 4, 23, 3), width_factor=1)
+register("bit_r50x3", "BiT-R50x3", "resnetv2", layers=(3, 4, 6, 3), width_factor=3)
+register("bit_r152x4", "BiT-R152x4", "resnetv2", layers=(3, 8, 36, 3), width_factor=4)
+
+
+def list_models(pattern: str | None = None) -> list[str]:
+    """Names of the registered models, optionally filtered by a glob pattern ("vit_*")."""
+    return [n for n in _REGISTRY if not pattern or fnmatch.fnmatch(n, pattern)]
+
+
+def get_entry(name: str) -> ModelEntry:
+    """The registry entry for a short name ("vit_b16") or a paper name ("ViT-B/16", "R50+ViT-B/16")."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    key = _ALIASES.get(_norm(name))
+    if key is None:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(_REGISTRY)}")
+    return _REGISTRY[key]
+
+
+def build_config(name: str, **overrides) -> ViTConfig | ResNetV2Config:
+    entry = get_entry(name)
+    cls = ViTConfig if entry.arch == "vit" else ResNetV2Config
+    _check_fields(cls, overrides)
+    return cls(**{**entry.kwargs, **overrides})
+
+
+def config_with(config: ViTConfig | ResNetV2Config, **overrides) -> ViTConfig | ResNetV2Config:
+    """A copy of `config` with fields replaced by keyword; unknown keywords raise a ValueError naming the valid ones."""
+    _check_fields(type(config), overrides)
+    overrides = dict(overrides)
+    # fields derived in __post_init__ are derived again unless given
+    if isinstance(config, ViTConfig) and "classifier" in overrides:
+        overrides.setdefault("class_token", None)
+    if isinstance(config, ResNetV2Config) and {"layers", "width_factor"} & set(overrides):
+        overrides.setdefault("channels", None)
+        overrides.setdefault("stem_width", None)
+    return dataclasses.replace(config, **overrides)
+
+
+def _check_fields(cls: type, overrides: dict) -> None:
+    fields = {f.name for f in dataclasses.fields(cls)} - {"arch"}
+    unknown = set(overrides) - fields
+    if unknown:
+        arch = "vit" if cls is ViTConfig else "resnetv2"
+        raise ValueError(f"unknown option(s) {sorted(unknown)} for a {arch} model; valid: {sorted(fields)}")
+
+
+def build_model(config: ViTConfig | ResNetV2Config) -> nn.Module:
+    return VisionTransformer(config) if config.arch == "vit" else ResNetV2(config)
+
+
+def create_model(name: str, **overrides) -> nn.Module:
+    """Build a registered model with random (official-style) initialisation.
+
+    Args:
+        name: a short name from `list_models()` ("vit_b16") or the paper's name ("ViT-B/16").
+        **overrides: any config field by keyword, named as timm users know them: img_size,
+            patch_size, in_chans, num_classes, num_heads, classifier, pos_embed,
+            representation_size, drop_rate, drop_path_rate, ...
+    """
+    return build_model(build_config(name, **overrides))

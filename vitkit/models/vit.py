@@ -1,0 +1,308 @@
+"""The Vision Transformer of "An Image Is Worth 16x16 Words" (arXiv 2010.11929), read top to bottom.
+
+    image (B, C, H, W)
+      -> patches: conv, kernel = stride = P         (B, N, D)     Eq. 1, or a ResNet first (hybrid)
+      -> prepend the learnable [class] token        (B, 1 + N, D)
+      -> add the position embedding, dropout
+      -> L pre-norm blocks: x + MSA(LN(x)); x + MLP(LN(x))          Eq. 2, 3
+      -> final LayerNorm on every token                              Eq. 4
+      -> pool: the class token ('token') or the mean of all tokens ('gap')
+      -> [pre-logits Linear + tanh] -> head Linear (zero-initialised)
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .layers import (
+    Attention,
+    DropPath,
+    LearnedPosEmbed1d,
+    LearnedPosEmbed2d,
+    Mlp,
+    NoPosEmbed,
+    PatchEmbed,
+    RelativePositionBias,
+    SinCosPosEmbed2d,
+)
+from .layers.mlp import lecun_normal_
+from .layers.patch_embed import to_2tuple
+from .resnet import ResNetBackbone
+
+CLASSIFIERS = ("token", "gap")
+POS_EMBEDS = {
+    "learned_1d": LearnedPosEmbed1d,
+    "learned_2d": LearnedPosEmbed2d,
+    "sincos_2d": SinCosPosEmbed2d,
+    "none": NoPosEmbed,
+    "relative": NoPosEmbed,  # the relative bias lives in every attention layer instead
+}
+
+
+@dataclass
+class ViTConfig:
+    """Everything that defines a ViT. Serialised into every vitkit checkpoint.
+
+    Args:
+        img_size: input resolution, an int or (height, width); must be divisible by patch_size.
+        patch_size: P; for hybrids the total stride (backbone stride x the embedding kernel).
+        in_chans: input channels (1 for grayscale).
+        num_classes: classes of the head; 0 makes `model(x)` return the pooled features.
+        embed_dim, depth, num_heads, mlp_dim: D, L, heads and the MLP width (4D in the paper).
+        classifier: "token" (the class token) or "gap" (global average pooling of all tokens).
+        class_token: prepend a class token; None means "only when classifier == 'token'".
+        fc_norm: with "gap", normalise after pooling (timm's 'avg') instead of every token before it.
+        pos_embed: "learned_1d" | "learned_2d" | "sincos_2d" | "none" | "relative".
+        representation_size: width of the pre-logits Linear + tanh (pre-training head); None: no layer.
+        drop_rate, attn_drop_rate, drop_path_rate: dropout, attention dropout, stochastic depth
+            (the latter linear over depth from 0 to the given rate).
+        qkv_bias: bias on the query/key/value projections.
+        act: "gelu" (exact) or "gelu_tanh" (the official JAX code's approximation).
+        norm_eps: LayerNorm epsilon (1e-6 official and timm, 1e-12 HF).
+        hybrid_layers: blocks per ResNet stage for a hybrid (e.g. (3, 4, 9)); None: a plain ViT.
+        hybrid_width: the ResNet width factor; hybrid_ws_eps/_mode, hybrid_gn_eps: its numerics.
+        mean, std, interpolation, crop_pct: the preprocessing the weights expect.
+        class_names: names of the head's classes, if known.
+    """
+
+    img_size: tuple[int, int] = (224, 224)
+    patch_size: tuple[int, int] = (16, 16)
+    in_chans: int = 3
+    num_classes: int = 1000
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    classifier: str = "token"
+    class_token: bool | None = None
+    fc_norm: bool = False
+    pos_embed: str = "learned_1d"
+    representation_size: int | None = None
+    drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    qkv_bias: bool = True
+    act: str = "gelu"
+    norm_eps: float = 1e-6
+    hybrid_layers: tuple[int, ...] | None = None
+    hybrid_width: float = 1.0
+    hybrid_ws_eps: float = 1e-5
+    hybrid_ws_eps_mode: str = "std"
+    hybrid_gn_eps: float = 1e-6
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    interpolation: str = "bilinear"
+    crop_pct: float = 0.875
+    class_names: list[str] | None = field(default=None, repr=False)
+    arch: str = "vit"
+
+    def __post_init__(self) -> None:
+        self.img_size, self.patch_size = to_2tuple(self.img_size), to_2tuple(self.patch_size)
+        if self.classifier not in CLASSIFIERS:
+            raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {self.classifier!r}")
+        if self.pos_embed not in POS_EMBEDS:
+            raise ValueError(f"pos_embed must be one of {tuple(POS_EMBEDS)}, got {self.pos_embed!r}")
+        if self.class_token is None:
+            self.class_token = self.classifier == "token"
+        if self.classifier == "token" and not self.class_token:
+            raise ValueError("classifier='token' needs class_token=True")
+        if self.fc_norm and self.classifier != "gap":
+            raise ValueError("fc_norm applies to classifier='gap' only")
+        if self.embed_dim % self.num_heads:
+            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if self.hybrid_layers is not None:
+            self.hybrid_layers = tuple(self.hybrid_layers)
+        for s, p in zip(self.img_size, self.patch_size):
+            if s % p:
+                raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")
+        if self.class_names is not None and self.num_classes and len(self.class_names) != self.num_classes:
+            raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return 1 if self.class_token else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Block(nn.Module):
+    """One pre-norm encoder block (Eq. 2-3): x + MSA(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, c: ViTConfig, drop_path: float) -> None:
+        super().__init__()
+        rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens) if c.pos_embed == "relative" else None
+        self.norm1 = nn.LayerNorm(c.embed_dim, eps=c.norm_eps)
+        self.attn = Attention(c.embed_dim, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate, rel_pos=rel)
+        self.drop_path1 = DropPath(drop_path)
+        self.norm2 = nn.LayerNorm(c.embed_dim, eps=c.norm_eps)
+        self.mlp = Mlp(c.embed_dim, c.mlp_dim, act=c.act, drop=c.drop_rate)
+        self.drop_path2 = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor, return_attention: bool = False):
+        if return_attention:
+            y, attn = self.attn(self.norm1(x), return_attention=True)
+            x = x + self.drop_path1(y)
+            return x + self.drop_path2(self.mlp(self.norm2(x))), attn
+        x = x + self.drop_path1(self.attn(self.norm1(x)))
+        return x + self.drop_path2(self.mlp(self.norm2(x)))
+
+
+class PreLogits(nn.Module):
+    """The pre-training head's hidden layer: Linear(D, R) + tanh (Sec. 3.1, App. B.1.1)."""
+
+    def __init__(self, dim: int, size: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, size)
+        lecun_normal_(self.fc.weight)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+class VisionTransformer(nn.Module):
+    """ViT, and with `hybrid_layers` set, the ResNet + ViT hybrid. Build it with `vitkit.create_model`."""
+
+    def __init__(self, config: ViTConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        backbone = None
+        if c.hybrid_layers is not None:
+            backbone = ResNetBackbone(
+                c.hybrid_layers, width_factor=c.hybrid_width, in_chans=c.in_chans,
+                ws_eps=c.hybrid_ws_eps, ws_eps_mode=c.hybrid_ws_eps_mode, gn_eps=c.hybrid_gn_eps,
+            )
+        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, backbone)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
+        self.pos_embed = POS_EMBEDS[c.pos_embed](c.grid_size, c.embed_dim, c.num_prefix_tokens)
+        self.pos_drop = nn.Dropout(c.drop_rate)
+        dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]  # stochastic depth, linear over depth
+        self.blocks = nn.ModuleList(Block(c, dpr[i]) for i in range(c.depth))
+        self.norm = nn.Identity() if c.fc_norm else nn.LayerNorm(c.embed_dim, eps=c.norm_eps)
+        self.fc_norm = nn.LayerNorm(c.embed_dim, eps=c.norm_eps) if c.fc_norm else nn.Identity()
+        self.pre_logits = PreLogits(c.embed_dim, c.representation_size) if c.representation_size else nn.Identity()
+        self.head_drop = nn.Dropout(c.drop_rate)
+        self.num_features = c.representation_size or c.embed_dim
+        self.head = self._new_head(c.num_classes)
+
+    def _new_head(self, num_classes: int) -> nn.Module:
+        if not num_classes:
+            return nn.Identity()
+        head = nn.Linear(self.num_features, num_classes)
+        nn.init.zeros_(head.weight)  # the official head is zero-initialised
+        nn.init.zeros_(head.bias)
+        return head
+
+    # ---- the forward pass, split as features / pooling / head -------------------------------------
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Image (B, C, H, W) -> the input sequence of the encoder (B, T, D), position added."""
+        x = self.patch_embed(x)  # (B, N, D)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, D)
+        return self.pos_drop(self.pos_embed(x))
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """All tokens after the final norm: (B, C, H, W) -> (B, T, D)."""
+        x = self.embed(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.norm(x)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) -> (B, D): the class token, or the mean of the patch tokens."""
+        if self.config.classifier == "token":
+            return x[:, 0]
+        return self.fc_norm(x[:, self.config.num_prefix_tokens :].mean(dim=1))
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Tokens (B, T, D) -> logits (B, K); with `pre_logits`, the head's input (B, R or D)."""
+        x = self.pre_logits(self.pool(x))
+        if pre_logits:
+            return x
+        return self.head(self.head_drop(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Image (B, C, H, W) -> logits (B, num_classes), or pooled features if num_classes == 0."""
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(
+        self, x: torch.Tensor, layers: int | Sequence[int] | None = None, *, attention: bool = True
+    ) -> dict:
+        """Run the model and keep, for the layers asked for, their output tokens and attention weights.
+
+        Args:
+            x: images (B, C, H, W).
+            layers: block indices (negative counts from the end), an int n for the last n blocks,
+                or None for all. Only these blocks compute attention explicitly; every other block
+                keeps the fused kernel.
+            attention: also return the softmax attention weights of those layers.
+
+        Returns:
+            a dict with "tokens" {layer: (B, T, D)} (block outputs, before the final norm),
+            "attention" {layer: (B, H, T, T)} (if asked), "features" (B, T, D) after the final norm,
+            and "logits".
+        """
+        depth = len(self.blocks)
+        if layers is None:
+            wanted = set(range(depth))
+        elif isinstance(layers, int):
+            wanted = set(range(depth - layers, depth))
+        else:
+            wanted = {i % depth for i in layers}
+        for i in wanted:
+            if not 0 <= i < depth:
+                raise ValueError(f"layer {i} out of range for a model of depth {depth}")
+        tokens, attn = {}, {}
+        h = self.embed(x)
+        for i, blk in enumerate(self.blocks):
+            if i in wanted and attention:
+                h, attn[i] = blk(h, return_attention=True)
+            else:
+                h = blk(h)
+            if i in wanted:
+                tokens[i] = h
+        feats = self.norm(h)
+        out = {"tokens": tokens, "features": feats, "logits": self.forward_head(feats)}
+        if attention:
+            out["attention"] = attn
+        return out
+
+    # ---- changing the model after construction --------------------------------------------------
+
+    def reset_classifier(self, num_classes: int, class_names: list[str] | None = None) -> None:
+        """A new zero-initialised head, as for fine-tuning (Sec. 3.2)."""
+        self.config.num_classes, self.config.class_names = num_classes, class_names
+        self.head = self._new_head(num_classes).to(self.cls_token.device if self.cls_token is not None else "cpu")
+
+    def set_img_size(self, img_size: int | tuple[int, int], method: str = "bilinear") -> None:
+        """Change the input resolution, keeping the patch size; the position embedding is resampled in 2-D.
+
+        Args:
+            method: "bilinear" (the official method) or "bicubic" (timm's).
+        """
+        c = self.config
+        new = to_2tuple(img_size)
+        for s, p in zip(new, c.patch_size):
+            if s % p:
+                raise ValueError(f"img_size {new} is not divisible by patch_size {c.patch_size}")
+        c.img_size = new
+        self.patch_embed.img_size = new
+        self.patch_embed.grid_size = c.grid_size
+        self.patch_embed.num_patches = c.grid_size[0] * c.grid_size[1]
+        self.pos_embed.resample(c.grid_size, method)
+        for blk in self.blocks:
+            if blk.attn.rel_pos is not None:
+                blk.attn.rel_pos.resample(c.grid_size, method)

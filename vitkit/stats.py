@@ -1,0 +1,41 @@
+"""Parameter and FLOP counts of a model, measured on the meta device (no memory, no compute)."""
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from .models import build_model
+from .models.registry import ModelEntry
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int = 3, batch: int = 1) -> int:
+    """FLOPs of one forward pass per image, counted by `torch.utils.flop_counter`.
+
+    A multiply-add counts as 2 FLOPs (the counter's convention: a (M, K) x (K, N) matmul is 2MKN).
+    Only matmuls, convolutions and attention are counted; norms, activations and softmax are not.
+    """
+    x = torch.empty(batch, in_chans, *img_size, device=next(model.parameters()).device)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(x)
+    return counter.get_total_flops() // batch
+
+
+def model_stats(entry: ModelEntry, num_classes: int = 1000) -> dict:
+    """Params, GFLOPs, tokens and resolution of a registry entry at its default resolution."""
+    config = entry.default_config()
+    config.num_classes = num_classes
+    with torch.device("meta"):
+        model = build_model(config)
+    tokens = getattr(config, "num_tokens", None)
+    return {
+        "name": entry.name,
+        "paper_name": entry.paper_name,
+        "params_m": count_params(model) / 1e6,
+        "gflops": count_flops(model, config.img_size, config.in_chans) / 1e9,
+        "tokens": tokens,
+        "resolution": config.img_size[0] if config.img_size[0] == config.img_size[1] else config.img_size,
+    }

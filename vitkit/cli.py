@@ -37,7 +37,52 @@ def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool =
     return rows
 
 
-COMMANDS = {"models": models, "demo": demo}
+def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) -> dict:
+    """Describe a checkpoint: its format, the inferred config, the parameter count and keys left unused.
+
+    Args:
+        checkpoint: a checkpoint file, a Hugging Face folder or a catalog name.
+        num_heads: for formats that do not store it (timm, torchvision) and a non-standard width.
+        json_out: print JSON.
+    """
+    from .checkpoints import inspect_checkpoint, resolve
+
+    hints = {"num_heads": num_heads} if num_heads else {}
+    r = inspect_checkpoint(resolve(checkpoint), **hints)
+    if json_out:
+        print(json.dumps(r, indent=1, default=str))
+        return r
+    c = r["config"]
+    print(f"{r['path']}\n  format: {r['format']}\n  params: {r['params']:,} ({r['params'] / 1e6:.2f} M)")
+    keys = ["img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_dim", "classifier", "pos_embed",
+            "representation_size", "hybrid_layers", "hybrid_width", "act", "norm_eps", "num_classes"]
+    if c["arch"] == "resnetv2":
+        keys = ["layers", "channels", "stem_width", "img_size", "num_classes"]
+    for k in keys:
+        print(f"  {k}: {c[k]}")
+    print(f"  unused keys: {', '.join(r['unused']) or 'none'}")
+    if r["missing"]:
+        print(f"  missing keys: {', '.join(r['missing'])}")
+    return r
+
+
+def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None) -> None:
+    """Convert a checkpoint between formats; converting out and back in gives the identical output.
+
+    Args:
+        src: any checkpoint vitkit can load (official .npz, timm, HF folder, torchvision, vitkit) or a catalog name.
+        dst: the output path (a folder for --to hf).
+        to: vitkit | timm | hf | npz.
+        num_heads: for source formats that do not store it.
+    """
+    from .checkpoints import convert as _convert
+
+    hints = {"num_heads": num_heads} if num_heads else {}
+    out = _convert(src, dst, to, **hints)
+    print(f"wrote {out} ({to})")
+
+
+COMMANDS = {"models": models, "demo": demo, "info": info, "convert": convert}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args.pop("command")
     try:
         fn(**args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"vitkit: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -156,6 +156,7 @@ class ResNetV2Config:
     arch: str = "resnetv2"
 
     def __post_init__(self) -> None:
+        self.mean, self.std = tuple(self.mean), tuple(self.std)
         from .layers.patch_embed import to_2tuple
 
         self.img_size = to_2tuple(self.img_size)

@@ -100,6 +100,7 @@ class ViTConfig:
     arch: str = "vit"
 
     def __post_init__(self) -> None:
+        self.mean, self.std = tuple(self.mean), tuple(self.std)
         self.img_size, self.patch_size = to_2tuple(self.img_size), to_2tuple(self.patch_size)
         if self.classifier not in CLASSIFIERS:
             raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {self.classifier!r}")

@@ -1,0 +1,100 @@
+"""Hugging Face transformers ViT folders (config.json + weights) <-> vitkit names.
+
+HF keeps separate query/key/value Linears and a LayerNorm epsilon of 1e-12; its classifier reads the
+final-normed class token. ViTModel files (no "vit." prefix) may carry a pooler, which vitkit leaves unused.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .io import CheckpointError
+
+_BLOCK = {
+    "layernorm_before": "norm1", "attention.output.dense": "attn.proj", "layernorm_after": "norm2",
+    "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2",
+}
+_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
+
+def is_hf(keys) -> bool:
+    return any(k.startswith(("vit.embeddings.", "embeddings.patch_embeddings.")) for k in keys)
+
+
+def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    sd, qkv, unused = {}, {}, []
+    for k, v in w.items():
+        key = k.removeprefix("vit.")
+        if key == "embeddings.cls_token":
+            sd["cls_token"] = v
+        elif key == "embeddings.position_embeddings":
+            sd["pos_embed.weight"] = v
+        elif key.startswith("embeddings.patch_embeddings.projection."):
+            sd["patch_embed.proj." + key.rsplit(".", 1)[1]] = v
+        elif key.startswith("layernorm."):
+            sd["norm." + key.rsplit(".", 1)[1]] = v
+        elif key.startswith("classifier."):
+            sd["head." + key.rsplit(".", 1)[1]] = v
+        elif m := re.match(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$", key):
+            i, mod, leaf = m.groups()
+            if a := re.match(r"attention\.attention\.(query|key|value)$", mod):
+                qkv[(int(i), leaf, a.group(1))] = v
+            elif mod in _BLOCK:
+                sd[f"blocks.{i}.{_BLOCK[mod]}.{leaf}"] = v
+            else:
+                raise CheckpointError(f"unexpected Hugging Face ViT key {k!r}")
+        elif key.startswith(("pooler.", "embeddings.mask_token")):
+            unused.append(k)
+        else:
+            raise CheckpointError(f"unexpected Hugging Face ViT key {k!r}")
+    for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
+        sd[f"blocks.{i}.attn.qkv.{leaf}"] = torch.cat([qkv[(i, leaf, n)] for n in ("query", "key", "value")])
+    facts: dict = {"act": "gelu", "norm_eps": 1e-12}
+    if hf_config:
+        c = hf_config
+        if c.get("model_type", "vit") != "vit":
+            raise CheckpointError(f"Hugging Face model_type {c.get('model_type')!r} is not a ViT")
+        act = c.get("hidden_act", "gelu")
+        if act not in _ACT:
+            raise CheckpointError(f"unsupported Hugging Face hidden_act {act!r}")
+        facts.update(num_heads=c["num_attention_heads"], norm_eps=c.get("layer_norm_eps", 1e-12), act=_ACT[act])
+        if "image_size" in c:
+            facts["img_size"] = c["image_size"]
+        labels = c.get("id2label") or {}
+        names = [labels[str(j)] if str(j) in labels else labels.get(j) for j in range(len(labels))]
+        if names and not all(re.fullmatch(r"LABEL_\d+", n or "") for n in names):
+            facts["class_names"] = names
+    return sd, facts, unused
+
+
+def from_vitkit(sd: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Tensor], dict]:
+    c = config
+    if c.classifier != "token" or c.pos_embed != "learned_1d" or c.representation_size or c.hybrid_layers or not c.qkv_bias:
+        raise CheckpointError("HF ViTForImageClassification holds a class-token ViT with learned 1-D position "
+                              "embedding, qkv bias and no pre-logits layer or hybrid; export to vitkit or npz instead")
+    out = {"vit.embeddings.cls_token": sd["cls_token"], "vit.embeddings.position_embeddings": sd["pos_embed.weight"]}
+    for leaf in ("weight", "bias"):
+        out[f"vit.embeddings.patch_embeddings.projection.{leaf}"] = sd[f"patch_embed.proj.{leaf}"]
+        out[f"vit.layernorm.{leaf}"] = sd[f"norm.{leaf}"]
+        if c.num_classes:
+            out[f"classifier.{leaf}"] = sd[f"head.{leaf}"]
+        for i in range(c.depth):
+            p = f"vit.encoder.layer.{i}."
+            for hf_name, ours in _BLOCK.items():
+                out[p + f"{hf_name}.{leaf}"] = sd[f"blocks.{i}.{ours}.{leaf}"]
+            for n, t in zip(("query", "key", "value"), sd[f"blocks.{i}.attn.qkv.{leaf}"].chunk(3)):
+                out[p + f"attention.attention.{n}.{leaf}"] = t
+    names = c.class_names or [f"LABEL_{j}" for j in range(c.num_classes)]
+    hf_config = {
+        "architectures": ["ViTForImageClassification"], "model_type": "vit",
+        "hidden_size": c.embed_dim, "num_hidden_layers": c.depth, "num_attention_heads": c.num_heads,
+        "intermediate_size": c.mlp_dim, "hidden_act": "gelu" if c.act == "gelu" else "gelu_pytorch_tanh",
+        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "initializer_range": 0.02,
+        "layer_norm_eps": c.norm_eps, "image_size": c.img_size[0], "patch_size": c.patch_size[0],
+        "num_channels": c.in_chans, "qkv_bias": True, "encoder_stride": c.patch_size[0],
+        "id2label": {str(j): n for j, n in enumerate(names)}, "label2id": {n: j for j, n in enumerate(names)},
+    }
+    if c.img_size[0] != c.img_size[1] or c.patch_size[0] != c.patch_size[1]:
+        raise CheckpointError("HF ViT configs hold square images and patches only")
+    return out, hf_config

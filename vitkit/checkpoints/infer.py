@@ -1,0 +1,109 @@
+"""The architecture of a checkpoint, read from its tensors alone (vitkit names), with hints for the rest."""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from ..models import ResNetV2Config, ViTConfig
+from ..models.layers.patch_embed import to_2tuple
+from ..models.registry import VIT_SIZES
+from .io import CheckpointError
+
+# Width -> heads in the standard sizes (Table 1); used when a format does not store the head count.
+HEADS_BY_WIDTH = {v["embed_dim"]: v["num_heads"] for v in VIT_SIZES.values()}
+
+
+def _count(sd: dict, pattern: str) -> int:
+    return len({m.group(1) for k in sd if (m := re.match(pattern, k))})
+
+
+def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict) -> ViTConfig:
+    """Width, depth, MLP size, patch size, grid (resolution), token vs gap, pre-logits, classes, hybrid stages.
+
+    `hints` (format facts, then user overrides) supply what the tensors cannot: the number of heads
+    (default: the standard table), a non-square grid's shape, numerics (GELU flavour, LayerNorm eps).
+    """
+    hints = dict(hints)
+    w = sd["patch_embed.proj.weight"]
+    d, k = w.shape[0], tuple(w.shape[2:])
+    depth = _count(sd, r"blocks\.(\d+)\.")
+    cfg: dict = dict(embed_dim=d, depth=depth, mlp_dim=sd["blocks.0.mlp.fc1.weight"].shape[0] if depth else 4 * d)
+    cfg["qkv_bias"] = "blocks.0.attn.qkv.bias" in sd
+    cfg["class_token"] = "cls_token" in sd
+    cfg["fc_norm"] = "fc_norm.weight" in sd
+    cfg["classifier"] = "token" if cfg["class_token"] and not cfg["fc_norm"] else "gap"
+    cfg["representation_size"] = sd["pre_logits.fc.weight"].shape[0] if "pre_logits.fc.weight" in sd else None
+    cfg["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
+    # hybrid: ResNet stages and width; the embedding kernel sits on the backbone's feature map
+    if "patch_embed.backbone.stem.conv.weight" in sd:
+        stem = sd["patch_embed.backbone.stem.conv.weight"]
+        stages = _count(sd, r"patch_embed\.backbone\.stages\.(\d+)\.")
+        cfg["hybrid_layers"] = tuple(_count(sd, rf"patch_embed\.backbone\.stages\.{s}\.blocks\.(\d+)\.") for s in range(stages))
+        cfg["hybrid_width"] = stem.shape[0] / 64
+        cfg["in_chans"] = stem.shape[1]
+        stride = 4 * 2 ** (stages - 1)
+        patch = (k[0] * stride, k[1] * stride)
+    else:
+        cfg["in_chans"] = w.shape[1]
+        patch = k
+    cfg["patch_size"] = patch
+    # position embedding -> kind and grid
+    prefix = 1 if cfg["class_token"] else 0
+    if "pos_embed.weight" in sd:
+        cfg["pos_embed"] = "learned_1d"
+        n = sd["pos_embed.weight"].shape[1] - prefix
+        grid = None
+    elif "pos_embed.row" in sd:
+        cfg["pos_embed"] = "learned_2d"
+        grid = (sd["pos_embed.row"].shape[0], sd["pos_embed.col"].shape[0])
+        n = grid[0] * grid[1]
+    elif "blocks.0.attn.rel_pos.table" in sd:
+        cfg["pos_embed"] = "relative"
+        t = sd["blocks.0.attn.rel_pos.table"]
+        cells = t.shape[0] - (3 if prefix else 0)  # (2gh - 1)(2gw - 1)
+        n, grid = None, None
+        side = math.isqrt(cells)
+        if side * side == cells and side % 2:
+            grid = ((side + 1) // 2,) * 2
+        hints.setdefault("num_heads", t.shape[1])
+    else:
+        cfg["pos_embed"] = hints.get("pos_embed", "none")
+        n, grid = None, None
+    want = hints.pop("img_size", None)
+    if want is not None:
+        want_grid = (to_2tuple(want)[0] // patch[0], to_2tuple(want)[1] // patch[1])
+        if grid is None and (n is None or want_grid[0] * want_grid[1] == n):
+            grid = want_grid  # the checkpoint's own grid, non-square included
+    if grid is None:
+        if n is None:
+            raise CheckpointError("cannot tell the resolution of this checkpoint from its tensors: pass img_size=")
+        side = math.isqrt(n)
+        if side * side != n:
+            raise CheckpointError(f"the position embedding holds {n} patches, not a square grid: pass img_size=(H, W)")
+        grid = (side, side)
+    cfg["img_size"] = (grid[0] * patch[0], grid[1] * patch[1])
+    heads = hints.pop("num_heads", None) or HEADS_BY_WIDTH.get(d)
+    if heads is None:
+        raise CheckpointError(f"this format does not store the number of heads and width {d} is not a standard "
+                              f"size: pass num_heads=")
+    cfg["num_heads"] = heads
+    cfg.update({k: v for k, v in hints.items() if k not in ("img_size",)})
+    try:
+        return ViTConfig(**cfg)
+    except TypeError as e:
+        raise CheckpointError(f"unknown option for a vit model: {e}") from e
+
+
+def infer_resnetv2_config(sd: dict[str, torch.Tensor], hints: dict) -> ResNetV2Config:
+    stem = sd["stem.conv.weight"]
+    stages = _count(sd, r"stages\.(\d+)\.")
+    layers = tuple(_count(sd, rf"stages\.{s}\.blocks\.(\d+)\.") for s in range(stages))
+    channels = tuple(sd[f"stages.{s}.blocks.0.conv3.weight"].shape[0] for s in range(stages))
+    cfg = dict(layers=layers, channels=channels, stem_width=stem.shape[0], in_chans=stem.shape[1],
+               num_classes=sd["head.weight"].shape[0] if "head.weight" in sd else 0,
+               width_factor=max(1, stem.shape[0] // 64))
+    hints = {k: v for k, v in hints.items() if k not in ("act", "norm_eps")}
+    cfg.update(hints)
+    return ResNetV2Config(**cfg)

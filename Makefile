@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install data clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,12 +14,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[demo,test]'
 	touch $(STAMP)
 
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
 install: $(STAMP)
 
-demo: $(STAMP)
+# Debian's Fashion-MNIST package when apt is at hand (as root); vitkit downloads it otherwise.
+$(FMNIST):
+	-(command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  (apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1))) || true
+
+data: $(FMNIST)
+
+demo: $(STAMP) data
 	$(VENV)/bin/vitkit demo
 
-test: $(STAMP)
+test: $(STAMP) data
 	$(PY) -m pytest tests
 
 clean:

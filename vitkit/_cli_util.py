@@ -52,6 +52,9 @@ def add_function(sub: argparse._SubParsersAction, name: str, fn: Callable) -> ar
         elif origin in (list, tuple):
             kw["type"] = get_args(tp)[0] if get_args(tp) else str
             kw["nargs"] = "+" if param.default is inspect.Parameter.empty else "*"
+            if param.default == ():  # an empty-tuple default marks a trailing positional list
+                p.add_argument(pname, default=[], **kw)
+                continue
         elif tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:

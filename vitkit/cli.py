@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
+from pathlib import Path
+from typing import Literal
 
 from ._cli_util import add_function
 from .demo import demo
@@ -82,7 +85,146 @@ def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None
     print(f"wrote {out} ({to})")
 
 
-COMMANDS = {"models": models, "demo": demo, "info": info, "convert": convert}
+def train(
+    preset: str = "fashion-mnist",
+    overrides: tuple[str, ...] = (),
+    config: str | None = None,
+    smoke: bool = False,
+    resume: bool = True,
+    max_steps: int | None = None,
+) -> int:
+    """Train or fine-tune a model from a preset, a YAML/JSON config and key=value overrides.
+
+    Example: vitkit train fashion-mnist optim.lr=1e-3 schedule.epochs=20 run.out_dir=runs/x
+    (the preset may come first, or as --preset).
+    The resolved config is saved in the run directory; a killed run resumes where it stopped.
+
+    Args:
+        preset: fashion-mnist | fashion-mnist-long | cifar10-scratch | cifar10-finetune.
+        overrides: section.field=value pairs (sections: data, aug, model, optim, schedule, run).
+        config: a YAML or JSON file applied over the preset, before the overrides.
+        smoke: a seconds-long version of the preset (tiny model, a few hundred images).
+        resume: continue from run.out_dir/last.ckpt if it exists.
+        max_steps: stop after this many optimizer steps (the schedule is unchanged).
+    """
+    from .training import apply_overrides, get_preset, load_config_file, train as _train
+    from .training.config import _flatten
+
+    overrides = list(overrides)
+    if overrides and "=" not in overrides[0]:
+        preset = overrides.pop(0)
+    cfg = get_preset(preset, smoke=smoke)
+    if config:
+        apply_overrides(cfg, _flatten(load_config_file(config)))
+    pairs = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not key=value")
+        k, v = item.split("=", 1)
+        pairs[k] = v
+    apply_overrides(cfg, pairs)
+    result = _train(cfg, resume=resume, max_steps=max_steps)
+    print(json.dumps(result, indent=1))
+    return 143 if result.get("interrupted") else 0
+
+
+def evaluate(
+    checkpoint: str,
+    data: str = "fashion-mnist",
+    data_dir: str | None = None,
+    test_dir: str | None = None,
+    out: str | None = None,
+    batch_size: int = 500,
+    num_workers: int = 2,
+) -> dict:
+    """Evaluate a checkpoint on a test set: top-1, top-5, per-class accuracy, a confusion-matrix PNG and a JSON report.
+
+    Args:
+        checkpoint: a checkpoint (best.safetensors of a run, or any format vitkit loads).
+        data: fashion-mnist | cifar10 | cifar100 | an ImageFolder root (its val/ or test/ is used) | a test CSV.
+        data_dir: where the named datasets are.
+        test_dir: an explicit test folder or CSV.
+        out: folder for eval_report.json and confusion.png (default: next to the checkpoint).
+        batch_size: images per forward pass.
+        num_workers: decoding workers for folder datasets.
+    """
+    from .checkpoints import load
+    from .data.augment import AugConfig, BatchAugment
+    from .data.datasets import csv_list, image_folder, load_dataset
+    from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
+
+    model = load(checkpoint)
+    c = model.config
+    names = c.class_names
+    if data.endswith(".csv") or test_dir:
+        test = csv_list(test_dir or data, classes=names, img_size=c.img_size, in_chans=c.in_chans) if (test_dir or data).endswith(".csv") \
+            else image_folder(test_dir or data, classes=names, img_size=c.img_size, in_chans=c.in_chans)
+        replicate = None
+    elif Path(data).is_dir():
+        root = Path(data)
+        sub = next((root / s for s in ("test", "val") if (root / s).is_dir()), root)
+        test, replicate = image_folder(sub, classes=names, img_size=c.img_size, in_chans=c.in_chans), None
+    else:
+        spec = load_dataset(data, data_dir)
+        test = spec.test
+        replicate = 3 if spec.in_chans == 1 and c.in_chans == 3 else None
+        if names and list(names) != list(test.classes):
+            raise ValueError(f"the checkpoint's classes {names} differ from {data}'s {test.classes}")
+    if c.num_classes != len(test.classes):
+        raise ValueError(f"the checkpoint has {c.num_classes} classes, the data {len(test.classes)}")
+    transform = BatchAugment(AugConfig(), c.img_size, c.mean, c.std, c.num_classes, replicate).eval
+    res = _evaluate(model, test, transform, batch_size=batch_size, num_workers=num_workers)
+    out_dir = Path(out) if out else Path(checkpoint).parent
+    write_report(res, out_dir / "eval_report.json", {"checkpoint": str(checkpoint), "data": data})
+    save_confusion_png(res, out_dir / "confusion.png")
+    print(f"{checkpoint} on {data}: top-1 {res.acc1:.4f}  top-5 {res.acc5:.4f}  loss {res.loss:.4f}  (n = {res.n}, skipped {res.skipped})")
+    width = max(len(n) for n in res.classes)
+    for name, acc in zip(res.classes, res.per_class):
+        print(f"  {name:<{width}}  {acc:.4f}")
+    print(f"wrote {out_dir / 'eval_report.json'} and {out_dir / 'confusion.png'}")
+    return res.to_dict()
+
+
+def predict(
+    images: list[str],
+    checkpoint: str = "runs/fashion-mnist/best.safetensors",
+    top_k: int = 3,
+    format: Literal["table", "json", "csv"] = "table",
+) -> list[dict]:
+    """Classify image files with a checkpoint's own preprocessing and class names; unreadable files are reported.
+
+    Args:
+        images: image files.
+        checkpoint: any checkpoint vitkit loads.
+        top_k: how many classes per image.
+        format: table, json or csv.
+    """
+    from .checkpoints import load
+    from .inference import predict as _predict
+
+    records = _predict(load(checkpoint), images, top_k)
+    if format == "json":
+        print(json.dumps(records, indent=1))
+    elif format == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(["image", "rank", "label", "probability"])
+        for r in records:
+            for i, (label, p) in enumerate(r.get("top", []), 1):
+                w.writerow([r["image"], i, label, f"{p:.6f}"])
+            if "error" in r:
+                w.writerow([r["image"], "", "error", r["error"]])
+    else:
+        for r in records:
+            if "error" in r:
+                print(f"{r['image']}: ERROR {r['error']}")
+                continue
+            print(r["image"])
+            for label, p in r["top"]:
+                print(f"  {p:7.2%}  {label}")
+    return records
+
+
+COMMANDS = {"models": models, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,15 +236,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    # positionals after an option (`train fashion-mnist --smoke a=b`) land in `extra`: they are more overrides
+    if extra and hasattr(ns, "overrides") and not any(e.startswith("-") for e in extra):
+        ns.overrides = list(ns.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = vars(ns)
     fn = args.pop("_fn")
     args.pop("command")
     try:
-        fn(**args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        ret = fn(**args)
+    except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
         print(f"vitkit: error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return ret if isinstance(ret, int) else 0
 
 
 if __name__ == "__main__":

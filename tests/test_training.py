@@ -1,0 +1,222 @@
+"""Training: exact resume after SIGKILL/SIGTERM, real image folders, fine-tuning a checkpoint, bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import vitkit
+from vitkit.data.datasets import DatasetError, load_digits
+from vitkit.training import TrainingError, apply_overrides, get_preset, train
+
+from conftest import FIXTURES
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "data.dataset": "digits", "data.batch_size": 64, "data.eval_batch_size": 500,
+    "model.overrides": {"img_size": 16, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4, "mlp_dim": 128},
+    "aug.hflip": False, "aug.pad": 0,
+    "optim.lr": 3e-3, "schedule.epochs": 4, "schedule.warmup_epochs": 0.5,
+    "run.progress": False, "run.log_every": 1, "run.threads": 1, "run.deterministic": True,
+}
+
+
+def tiny_cfg(out, **extra):
+    """The fashion-mnist preset shrunk to seconds on digits; `extra` model.overrides merge into the tiny ones."""
+    cfg = get_preset("fashion-mnist")
+    cfg.model.overrides = {}
+    merged = {**TINY, "run.out_dir": str(out), **extra}
+    base = {} if "model.checkpoint" in extra else TINY["model.overrides"]  # a checkpoint brings its own architecture
+    merged["model.overrides"] = {**base, **extra.get("model.overrides", {})}
+    apply_overrides(cfg, merged)
+    return cfg
+
+
+def test_digits_training_learns(tmp_path):
+    res = train(tiny_cfg(tmp_path / "run", **{"schedule.epochs": 8}))
+    assert res["acc1"] > 0.9, res  # 10 classes: chance is 0.1
+    out = tmp_path / "run"
+    assert {"config.yaml", "last.ckpt", "best.safetensors", "final.safetensors", "metrics.jsonl", "result.json"} <= {p.name for p in out.iterdir()}
+    assert any((out / "tb").iterdir())
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("split") == "test" for r in lines) and all("img_per_s" in r for r in lines if "split" not in r)
+    m = vitkit.load(out / "best.safetensors")
+    assert m.config.class_names == [str(i) for i in range(10)] and m.config.in_chans == 1
+
+
+RESUME_ARGS = [f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in TINY.items()] + [
+    "schedule.epochs=10", "run.ckpt_every=1", "run.ema=0.9", "aug.randaugment=2,9", "aug.mixup=0.8", "aug.cutmix=1.0",
+    "aug.random_erasing=0.25", "aug.pad=1", "aug.hflip=true", "model.overrides.img_size=32",
+    "model.overrides.drop_path_rate=0.1", "model.overrides.drop_rate=0.1",
+]
+
+
+def _cli(out, *extra):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "vitkit.cli", "train", *RESUME_ARGS, f"run.out_dir={out}", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
+
+
+def _wait_for_step(out: Path, step: int, proc, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        f = out / "metrics.jsonl"
+        if f.exists():
+            steps = [json.loads(x).get("step", 0) for x in f.read_text().splitlines() if x.strip()]
+            if steps and max(steps) >= step:
+                return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before step {step}: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.02)
+    raise AssertionError("timeout")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_killed_run_resumes_to_identical_weights(tmp_path, sig):
+    ref = _cli(tmp_path / "ref")
+    assert ref.wait(300) == 0, ref.stderr.read().decode()[-2000:]
+    run = _cli(tmp_path / "cut")
+    _wait_for_step(tmp_path / "cut", 40, run)
+    run.send_signal(sig)
+    code = run.wait(60)
+    assert code == (-9 if sig == signal.SIGKILL else 143), run.stderr.read().decode()[-1000:]
+    state = torch.load(tmp_path / "cut" / "last.ckpt", weights_only=True)
+    assert 0 < state["step"] < 230  # stopped in the middle (230 steps in all)
+    resumed = _cli(tmp_path / "cut")
+    assert resumed.wait(300) == 0, resumed.stderr.read().decode()[-2000:]
+    a, b = load_file(tmp_path / "ref" / "final.safetensors"), load_file(tmp_path / "cut" / "final.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+    sa = torch.load(tmp_path / "ref" / "last.ckpt", weights_only=True)
+    sb = torch.load(tmp_path / "cut" / "last.ckpt", weights_only=True)
+    assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+
+
+def _write_png_folder(root: Path, n_per_class: int = 12, corrupt: bool = True) -> None:
+    d = load_digits("train")
+    for split, offset in (("train", 0), ("val", 500)):
+        for c in range(3):
+            folder = root / split / f"digit{c}"
+            folder.mkdir(parents=True)
+            idx = (d.labels == c).nonzero().flatten()[offset // 50 : offset // 50 + n_per_class]
+            for i in idx.tolist():
+                Image.fromarray(d.images[i, 0].numpy()).resize((16, 16)).convert("RGB").save(folder / f"{i}.png")
+    if corrupt:
+        (root / "train" / "digit0" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+
+
+def test_image_folder_end_to_end(tmp_path, capsys):
+    root = tmp_path / "imgs"
+    _write_png_folder(root)
+    cfg = tiny_cfg(tmp_path / "run", **{"data.dataset": str(root), "data.batch_size": 8, "data.num_workers": 0,
+                                        "model.overrides": {"img_size": 16, "in_chans": 3}, "schedule.epochs": 3})
+    res = train(cfg)
+    assert res["skipped_images"] >= 1  # the corrupt file was skipped and counted, not fatal
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("skipped_images", 0) for r in recs) >= 1
+    from vitkit.cli import main
+
+    ckpt = tmp_path / "run" / "best.safetensors"
+    assert main(["eval", str(ckpt), "--data", str(root), "--num-workers", "0", "--out", str(tmp_path / "ev")]) == 0
+    report = json.loads((tmp_path / "ev" / "eval_report.json").read_text())
+    assert set(report["per_class"]) == {"digit0", "digit1", "digit2"} and report["n"] == 36
+    assert Image.open(tmp_path / "ev" / "confusion.png").size[0] > 200
+    capsys.readouterr()
+    img = next((root / "val" / "digit1").iterdir())
+    assert main(["predict", str(img), str(root / "train" / "digit0" / "broken.png"), "--checkpoint", str(ckpt), "--format", "json"]) == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert recs[0]["top"][0][0] in {"digit0", "digit1", "digit2"} and "error" in recs[1]
+    cfg.data.strict_images = True
+    cfg.run.out_dir = str(tmp_path / "strict")
+    with pytest.raises(Exception, match="broken.png"):
+        train(cfg)
+
+
+def test_finetune_a_fixture_checkpoint_at_a_new_resolution(tmp_path):
+    """timm ViT-Ti fixture (64x64, 7 classes) -> digits at 32x32 (grayscale replicated), a new 10-class head."""
+    cfg = tiny_cfg(tmp_path / "ft", **{"model.checkpoint": str(FIXTURES / "timm_vit_tiny/model.safetensors"),
+                                       "model.overrides": {"img_size": 32}, "optim.name": "sgd", "optim.lr": 0.03,
+                                       "optim.weight_decay": 0.0, "schedule.epochs": 3, "aug.label_smoothing": 0.0})
+    res = train(cfg)
+    m = vitkit.load(tmp_path / "ft" / "best.safetensors")
+    assert m.config.img_size == (32, 32) and m.pos_embed.weight.shape == (1, 5, 192) and m.config.num_classes == 10
+    assert res["acc1"] > 0.3
+    probe = tiny_cfg(tmp_path / "lp", **{"model.checkpoint": str(FIXTURES / "timm_vit_tiny/model.safetensors"),
+                                         "model.overrides": {"img_size": 32}, "model.linear_probe": True, "schedule.epochs": 1})
+    train(probe)
+    before = vitkit.load(FIXTURES / "timm_vit_tiny/model.safetensors", img_size=32)
+    after = vitkit.load(tmp_path / "lp" / "final.safetensors")
+    assert torch.equal(before.blocks[0].attn.qkv.weight, after.blocks[0].attn.qkv.weight)  # frozen backbone
+    assert after.head.weight.abs().sum() > 0
+
+
+def test_nan_loss_stops_with_the_last_good_checkpoint_intact(tmp_path):
+    cfg = tiny_cfg(tmp_path / "nan", **{"run.ckpt_every": 1, "optim.clip_grad": None, "optim.lr": 1e4, "schedule.warmup_epochs": 0.0})
+    with pytest.raises(TrainingError, match="became") as e:
+        train(cfg)
+    assert "last good checkpoint is intact" in str(e.value)
+    state = torch.load(tmp_path / "nan" / "last.ckpt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_bad_datasets_give_clear_errors(tmp_path):
+    (tmp_path / "one" / "train" / "cat").mkdir(parents=True)
+    (tmp_path / "one" / "val" / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "one" / "train" / "cat" / "a.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "one" / "val" / "cat" / "a.png")
+    with pytest.raises(DatasetError, match="single class"):
+        train(tiny_cfg(tmp_path / "r1", **{"data.dataset": str(tmp_path / "one")}))
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    (tmp_path / "empty" / "val").mkdir(parents=True)
+    with pytest.raises(DatasetError, match="empty"):
+        train(tiny_cfg(tmp_path / "r2", **{"data.dataset": str(tmp_path / "empty")}))
+    with pytest.raises(DatasetError, match="unknown dataset"):
+        train(tiny_cfg(tmp_path / "r3", **{"data.dataset": "imagenet-99k"}))
+
+
+def test_checkpoint_classes_that_do_not_match_the_data(tmp_path):
+    m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, in_chans=1, depth=1, num_classes=10,
+                            class_names=list("abcdefghij"))
+    vitkit.save(m, tmp_path / "m.safetensors")
+    with pytest.raises(TrainingError, match="do not match"):
+        train(tiny_cfg(tmp_path / "r", **{"model.checkpoint": str(tmp_path / "m.safetensors"), "model.overrides": {}}))
+
+
+def test_config_overrides_files_and_errors(tmp_path):
+    cfg = get_preset("fashion-mnist")
+    apply_overrides(cfg, {"optim.lr": "2e-3", "aug.scale": "[0.5, 1.0]", "model.overrides.depth": "3", "run.ema": "null"})
+    assert cfg.optim.lr == 2e-3 and cfg.aug.scale == (0.5, 1.0) and cfg.model.overrides["depth"] == 3 and cfg.run.ema is None
+    with pytest.raises(ValueError, match="unknown config key"):
+        apply_overrides(cfg, {"optim.learning_rate": 1})
+    with pytest.raises(ValueError, match="unknown config key"):
+        apply_overrides(cfg, {"lr": 1})
+    (tmp_path / "c.yaml").write_text("optim:\n  lr: 0.005\nschedule:\n  epochs: 1\n")
+    from vitkit.training import load_config_file
+    from vitkit.training.config import TrainConfig
+
+    c2 = TrainConfig.from_dict(load_config_file(tmp_path / "c.yaml"))
+    assert c2.optim.lr == 0.005 and c2.schedule.epochs == 1.0
+    for name in ("fashion-mnist", "fashion-mnist-long", "cifar10-scratch", "cifar10-finetune"):
+        smoke = get_preset(name, smoke=True)
+        assert smoke.data.subset and smoke.schedule.epochs <= 2
+
+
+def test_cli_train_smoke_writes_the_resolved_config(tmp_path):
+    from vitkit.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["train", "fashion-mnist", "--smoke", "data.dataset=digits", f"run.out_dir={out}", "run.progress=false",
+                 "model.overrides.img_size=16", "model.overrides.patch_size=4"]) == 0
+    import yaml
+
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["data"]["dataset"] == "digits" and saved["model"]["overrides"]["embed_dim"] == 32

@@ -1,0 +1,406 @@
+"""Datasets: Fashion-MNIST (idx files), CIFAR-10/100 (python archives), ImageFolder trees and CSV lists.
+
+Small datasets are held in memory as uint8 (N, C, H, W) and batched by index; folder datasets are
+decoded in DataLoader workers. Every source yields uint8 batches; augmentation runs on the batch,
+on the training device (see `augment.py`).
+"""
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import os
+import pickle
+import struct
+import tarfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ..models.layers.patch_embed import to_2tuple
+from .image import ImageDecodeError, load_image
+
+IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+FASHION_MNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com"
+FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+FASHION_MNIST_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+CIFAR_URLS = {"cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+              "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"}
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be found or used as asked."""
+
+
+@dataclass
+class InMemoryDataset:
+    """uint8 images (N, C, H, W) and int64 labels (N,), with class names."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: list[str]
+    name: str = ""
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def in_chans(self) -> int:
+        return self.images.shape[1]
+
+    @property
+    def img_size(self) -> tuple[int, int]:
+        return tuple(self.images.shape[-2:])
+
+    def subset(self, n: int | None) -> "InMemoryDataset":
+        """The first n samples per a fixed shuffle (stratification by luck; for smoke runs)."""
+        if n is None or n >= len(self):
+            return self
+        idx = torch.randperm(len(self), generator=torch.Generator().manual_seed(0))[:n]
+        return InMemoryDataset(self.images[idx], self.labels[idx], self.classes, self.name)
+
+    def to(self, device: torch.device | str) -> "InMemoryDataset":
+        return InMemoryDataset(self.images.to(device), self.labels.to(device), self.classes, self.name)
+
+
+def data_roots(data_dir: str | Path | None, name: str) -> list[Path]:
+    """Where to look for a named dataset: --data-dir, $VITKIT_DATA, Debian's /usr/share/datasets, the cache."""
+    roots = []
+    for base in (data_dir, os.environ.get("VITKIT_DATA")):
+        if base:
+            roots += [Path(base) / name, Path(base)]
+    roots += [Path("/usr/share/datasets") / name]
+    from ..checkpoints.catalog import cache_dir
+
+    roots.append(cache_dir() / "data" / name)
+    return roots
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+        magic, = struct.unpack(">I", data[:4])
+        ndim = magic & 0xFF
+        if (magic >> 8) != 0x08:
+            raise DatasetError(f"{path}: not an idx file of uint8 (magic {magic:#x})")
+        shape = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
+        arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+        if arr.size != int(np.prod(shape)):
+            raise DatasetError(f"{path}: truncated idx file ({arr.size} of {int(np.prod(shape))} bytes)")
+        return arr.reshape(shape)
+    except (OSError, EOFError, struct.error) as e:
+        raise DatasetError(f"cannot read {path}: {e}") from e
+
+
+def _find(roots: list[Path], stem: str) -> Path | None:
+    for r in roots:
+        for cand in (r / stem, r / f"{stem}.gz"):
+            if cand.exists():
+                return cand
+    return None
+
+
+def load_fashion_mnist(split: str = "train", data_dir: str | Path | None = None, download: bool = True) -> InMemoryDataset:
+    """Fashion-MNIST from its idx files (gzipped or not); downloaded from the official URL if found nowhere."""
+    roots = data_roots(data_dir, "fashion-mnist")
+    arrays = []
+    for stem in FASHION_MNIST_FILES[split]:
+        path = _find(roots, stem)
+        if path is None:
+            if not download:
+                raise DatasetError(f"Fashion-MNIST file {stem}(.gz) not found in {[str(r) for r in roots]}")
+            from ..checkpoints.catalog import CheckpointError, download as fetch
+
+            dest = roots[-1] / f"{stem}.gz"
+            try:
+                path = fetch(f"{FASHION_MNIST_URL}/{stem}.gz", dest)
+            except CheckpointError as e:
+                raise DatasetError(f"Fashion-MNIST not found locally ({', '.join(str(r) for r in roots[:-1])}; on Debian: "
+                                   f"apt-get install dataset-fashion-mnist) and the download failed: {e}") from e
+        arrays.append(_read_idx(path))
+    images, labels = arrays
+    if len(images) != len(labels):
+        raise DatasetError(f"Fashion-MNIST {split}: {len(images)} images but {len(labels)} labels")
+    return InMemoryDataset(torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels.astype(np.int64)),
+                           list(FASHION_MNIST_CLASSES), "fashion-mnist")
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Only what CIFAR's archives hold: dicts, lists, bytes, str, ints and numpy arrays. Anything else is refused."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a CIFAR archive")
+
+
+def _cifar_batch(raw: bytes) -> dict:
+    return _CifarUnpickler(io.BytesIO(raw), encoding="bytes").load()
+
+
+def load_cifar(name: str = "cifar10", split: str = "train", data_dir: str | Path | None = None, download: bool = True) -> InMemoryDataset:
+    """CIFAR-10/100 from the python archive (cifar-10-python.tar.gz), read with a restricted unpickler."""
+    roots = data_roots(data_dir, name)
+    fname = CIFAR_URLS[name].rsplit("/", 1)[1]
+    archive = next((r / fname for r in roots if (r / fname).exists()), None)
+    if archive is None:
+        if not download:
+            raise DatasetError(f"{fname} not found in {[str(r) for r in roots]}")
+        from ..checkpoints.catalog import CheckpointError, download as fetch
+
+        try:
+            archive = fetch(CIFAR_URLS[name], roots[-1] / fname)
+        except CheckpointError as e:
+            raise DatasetError(f"{name} not found locally and the download failed: {e}") from e
+    want = ["test"] if split == "test" else (["train"] if name == "cifar100" else [f"data_batch_{i}" for i in range(1, 6)])
+    meta_name = "batches.meta" if name == "cifar10" else "meta"
+    xs, ys, classes = [], [], None
+    try:
+        with tarfile.open(archive) as tar:
+            members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
+            for w in want:
+                d = _cifar_batch(tar.extractfile(members[w]).read())
+                xs.append(np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+                ys.append(np.asarray(d[b"labels" if name == "cifar10" else b"fine_labels"], dtype=np.int64))
+            meta = _cifar_batch(tar.extractfile(members[meta_name]).read())
+            key = b"label_names" if name == "cifar10" else b"fine_label_names"
+            classes = [c.decode() for c in meta[key]]
+    except (tarfile.TarError, KeyError, EOFError, pickle.UnpicklingError, OSError) as e:
+        raise DatasetError(f"cannot read {archive} as a {name} python archive: {e}") from e
+    return InMemoryDataset(torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys)), classes, name)
+
+
+# ---- files on disk: ImageFolder trees and CSV lists --------------------------------------------------
+
+@dataclass
+class FileDataset(Dataset):
+    """(path, label) pairs decoded in DataLoader workers to uint8 (C, H, W) at a fixed size.
+
+    A file that cannot be decoded gives None and is counted by the collate function, unless `strict`.
+    """
+
+    samples: list[tuple[str, int]]
+    classes: list[str]
+    img_size: tuple[int, int] = (224, 224)
+    in_chans: int = 3
+    strict: bool = False
+    name: str = ""
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, label = self.samples[i]
+        try:
+            img = load_image(path, self.in_chans)
+        except (ImageDecodeError, OSError) as e:
+            if self.strict:
+                raise ImageDecodeError(f"{path}: {e}") from e
+            return None
+        img = img.resize((self.img_size[1], self.img_size[0]), 2)  # PIL bilinear to the model's size
+        arr = np.asarray(img, dtype=np.uint8)
+        t = torch.from_numpy(arr.copy())
+        return (t[None] if t.ndim == 2 else t.permute(2, 0, 1)), label  # (H, W, C) -> (C, H, W)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return torch.tensor([s[1] for s in self.samples])
+
+
+def collate_skip_bad(batch: list):
+    """Stack the good samples; report how many were skipped."""
+    good = [b for b in batch if b is not None]
+    if not good:
+        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.long), len(batch)
+    xs, ys = zip(*good)
+    return torch.stack(xs), torch.tensor(ys, dtype=torch.long), len(batch) - len(good)
+
+
+def image_folder(root: str | Path, classes: list[str] | None = None, **kw) -> FileDataset:
+    """root/<class>/<image>: one folder per class, sorted names give the label order."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DatasetError(f"image folder {root} does not exist")
+    found = sorted(d.name for d in root.iterdir() if d.is_dir())
+    classes = classes or found
+    missing = sorted(set(found) - set(classes))
+    if missing:
+        raise DatasetError(f"{root} has class folders {missing} that are not among the classes {classes}")
+    samples = [(str(p), classes.index(d)) for d in found for p in sorted((root / d).rglob("*")) if p.suffix.lower() in IMAGE_EXTS]
+    return FileDataset(samples, list(classes), name=str(root), **kw)
+
+
+def csv_list(path: str | Path, classes: list[str] | None = None, **kw) -> FileDataset:
+    """A CSV of `path,label` rows (a header row is allowed); labels are class names or integers.
+
+    Relative paths are read relative to the CSV's folder.
+    """
+    path = Path(path)
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.reader(f):
+            if not row or row[0].strip().lower() in ("path", "file", "filename", "image"):
+                continue
+            if len(row) < 2:
+                raise DatasetError(f"{path}: row {row} is not 'path,label'")
+            rows.append((row[0].strip(), row[1].strip()))
+    names = classes or sorted({lab for _, lab in rows}, key=lambda s: (not s.isdigit(), int(s) if s.isdigit() else s))
+    idx = {c: i for i, c in enumerate(names)}
+    samples = []
+    for p, lab in rows:
+        if lab not in idx:
+            raise DatasetError(f"{path}: label {lab!r} is not among the classes {names}")
+        samples.append((str(p if Path(p).is_absolute() else path.parent / p), idx[lab]))
+    return FileDataset(samples, list(names), name=str(path), **kw)
+
+
+def check_classes(labels: torch.Tensor, classes: list[str], what: str) -> None:
+    """An empty or one-class dataset cannot train a classifier: say so clearly."""
+    if len(labels) == 0:
+        raise DatasetError(f"{what} is empty")
+    n = int(torch.unique(labels).numel())
+    if n < 2:
+        raise DatasetError(f"{what} has a single class ({classes[int(labels[0])] if classes else labels[0]}); need at least two")
+    if int(labels.max()) >= len(classes):
+        raise DatasetError(f"{what} has label {int(labels.max())} but only {len(classes)} classes")
+
+
+# ---- batching ------------------------------------------------------------------------------------------
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+
+
+def iterate_batches(
+    data: InMemoryDataset | FileDataset,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    start_step: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+    num_workers: int = 0,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(uint8 images on device, labels, samples skipped) per step, in a fixed order per (seed, epoch).
+
+    `start_step` skips the batches already seen, for an exact resume inside an epoch.
+    """
+    n = len(data)
+    order = epoch_permutation(n, seed, epoch) if shuffle else torch.arange(n)
+    steps = n // batch_size if drop_last else -(-n // batch_size)
+    order = order[start_step * batch_size : steps * batch_size if drop_last else n]
+    if isinstance(data, InMemoryDataset):
+        for i in range(0, len(order), batch_size):
+            idx = order[i : i + batch_size].to(data.images.device)
+            yield data.images[idx].to(device, non_blocking=True), data.labels[idx].to(device, non_blocking=True), 0
+        return
+    batches = [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
+    loader = DataLoader(data, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_skip_bad,
+                        persistent_workers=False, pin_memory=torch.device(device).type == "cuda")
+    for x, y, skipped in loader:
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True), skipped
+
+
+@dataclass
+class DataSpec:
+    """What `load_dataset` returns: train and test sets, classes, channels, native size, normalisation."""
+
+    train: InMemoryDataset | FileDataset
+    test: InMemoryDataset | FileDataset
+    classes: list[str]
+    in_chans: int
+    img_size: tuple[int, int]
+    mean: tuple[float, ...] = (0.5,)
+    std: tuple[float, ...] = (0.5,)
+    extra: dict = field(default_factory=dict)
+
+
+def _mean_std(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    x = images[: min(len(images), 20000)].float() / 255
+    return tuple(x.mean(dim=(0, 2, 3)).tolist()), tuple(x.std(dim=(0, 2, 3)).tolist())
+
+
+DIGITS_CLASSES = [str(i) for i in range(10)]
+
+
+def load_digits(split: str = "train", n_train: int = 1500) -> InMemoryDataset:
+    """scikit-learn's 8x8 handwritten digits (1797 images): the first 1500 (fixed shuffle) train, the rest test."""
+    try:
+        from sklearn.datasets import load_digits as sk_digits
+    except ImportError as e:
+        raise DatasetError("the 'digits' dataset needs scikit-learn (pip install scikit-learn)") from e
+    d = sk_digits()
+    x = torch.from_numpy((d.images * 16).clip(0, 255).astype(np.uint8))[:, None]  # (N, 1, 8, 8), 0..16 -> 0..255
+    y = torch.from_numpy(d.target.astype(np.int64))
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    idx = order[:n_train] if split == "train" else order[n_train:]
+    return InMemoryDataset(x[idx], y[idx], list(DIGITS_CLASSES), "digits")
+
+
+def load_dataset(
+    name: str,
+    data_dir: str | None = None,
+    *,
+    img_size: tuple[int, int] | None = None,
+    in_chans: int | None = None,
+    strict_images: bool = False,
+    test_dir: str | None = None,
+) -> DataSpec:
+    """A dataset by name ("fashion-mnist", "cifar10", "cifar100", "digits"), an ImageFolder root (with train/ and
+    val/ or test/ inside, or `test_dir`), or a CSV list (`train.csv`; `test_dir` names the test CSV)."""
+    if name in ("fashion-mnist", "fashion_mnist", "fmnist"):
+        train, test = load_fashion_mnist("train", data_dir), load_fashion_mnist("test", data_dir)
+    elif name in ("cifar10", "cifar100"):
+        train, test = load_cifar(name, "train", data_dir), load_cifar(name, "test", data_dir)
+    elif name == "digits":
+        train, test = load_digits("train"), load_digits("test")
+    else:
+        root = Path(name)
+        size = to_2tuple(img_size) if img_size else (224, 224)
+        kw = dict(img_size=size, in_chans=in_chans or 3, strict=strict_images)
+        if root.suffix.lower() == ".csv":
+            train = csv_list(root, **kw)
+            if not test_dir:
+                raise DatasetError("a CSV training list needs a test list too (test_dir=)")
+            test = csv_list(test_dir, classes=train.classes, **kw)
+        elif root.is_dir():
+            tr = root / "train" if (root / "train").is_dir() else root
+            te = Path(test_dir) if test_dir else next((root / s for s in ("val", "test") if (root / s).is_dir()), None)
+            if te is None:
+                raise DatasetError(f"{root}: no val/ or test/ folder next to train/ (or pass test_dir=)")
+            train = image_folder(tr, **kw)
+            test = image_folder(te, classes=train.classes, **kw)
+        else:
+            raise DatasetError(f"unknown dataset {name!r}: not fashion-mnist, cifar10, cifar100, a folder or a .csv")
+        check_classes(train.labels, train.classes, f"training set {train.name}")
+        if len(test) == 0:
+            raise DatasetError(f"test set {test.name} is empty")
+        return DataSpec(train, test, train.classes, kw["in_chans"], size, (0.5,) * kw["in_chans"], (0.5,) * kw["in_chans"])
+    check_classes(train.labels, train.classes, f"training set {name}")
+    mean, std = _mean_std(train.images)
+    spec = DataSpec(train, test, train.classes, train.in_chans, train.img_size, mean, std)
+    if in_chans and in_chans != spec.in_chans:
+        if spec.in_chans == 1 and in_chans == 3:
+            spec.extra["replicate_channels"] = 3
+            spec.in_chans, spec.mean, spec.std = 3, mean * 3, std * 3
+        else:
+            raise DatasetError(f"{name} has {spec.in_chans} channels; cannot make {in_chans}")
+    if len(test) == 0:
+        raise DatasetError(f"test set of {name} is empty")
+    warnings.filterwarnings("ignore", message=".*non-writable.*")
+    return spec

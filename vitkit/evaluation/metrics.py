@@ -1,0 +1,96 @@
+"""Top-1/top-5 and per-class accuracy, the confusion matrix (as a PNG) and a JSON report."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data.datasets import iterate_batches
+
+
+@dataclass
+class EvalResult:
+    acc1: float
+    acc5: float
+    loss: float
+    n: int
+    skipped: int
+    per_class: list[float]
+    confusion: np.ndarray  # (K, K): rows true class, columns predicted
+    classes: list[str]
+
+    def to_dict(self) -> dict:
+        return {"acc1": self.acc1, "acc5": self.acc5, "loss": self.loss, "n": self.n, "skipped": self.skipped,
+                "per_class": {c: a for c, a in zip(self.classes, self.per_class)}, "confusion": self.confusion.tolist()}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, device: str | torch.device = "cpu",
+             precision: str = "fp32", num_workers: int = 0) -> EvalResult:
+    """Accuracy of `model` on `data` (an in-memory or file dataset); `transform` maps uint8 batches to model inputs."""
+    was_training = model.training
+    model.eval()
+    k = len(data.classes)
+    conf = torch.zeros(k, k, dtype=torch.long)
+    top5 = loss_sum = n = skipped = 0
+    dev = torch.device(device)
+    for x, y, s in iterate_batches(data, batch_size, shuffle=False, drop_last=False, num_workers=num_workers, device=dev):
+        skipped += s
+        if len(y) == 0:
+            continue
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            logits = model(transform(x)).float()
+        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+        pred = logits.argmax(1)
+        conf += torch.bincount((y * k + pred).cpu(), minlength=k * k).view(k, k)
+        top5 += (logits.topk(min(5, k), 1).indices == y[:, None]).any(1).sum().item()
+        n += len(y)
+    model.train(was_training)
+    if n == 0:
+        raise ValueError("no image of the evaluation set could be read")
+    per_class = (conf.diag().float() / conf.sum(1).clamp(min=1).float()).tolist()
+    return EvalResult(conf.diag().sum().item() / n, top5 / n, loss_sum / n, n, skipped, per_class, conf.numpy(), list(data.classes))
+
+
+def save_confusion_png(result: EvalResult, path: str | Path, title: str = "") -> Path:
+    """The confusion matrix, row-normalised, with counts, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = len(result.classes)
+    norm = result.confusion / np.maximum(result.confusion.sum(1, keepdims=True), 1)
+    size = max(4.0, 0.55 * k + 2)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    im = ax.imshow(norm, cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(k), result.classes, rotation=45, ha="right", fontsize=8)
+    ax.set_yticks(range(k), result.classes, fontsize=8)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    if k <= 30:
+        for i in range(k):
+            for j in range(k):
+                if result.confusion[i, j]:
+                    ax.text(j, i, str(result.confusion[i, j]), ha="center", va="center", fontsize=6,
+                            color="white" if norm[i, j] > 0.5 else "black")
+    ax.set_title(title or f"top-1 {result.acc1:.2%}, top-5 {result.acc5:.2%} (n = {result.n})")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(result: EvalResult, path: str | Path, extra: dict | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**result.to_dict(), **(extra or {})}, indent=1))
+    return path

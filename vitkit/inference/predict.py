@@ -1,0 +1,43 @@
+"""Top-k predictions for image files, with the checkpoint's own preprocessing (size, crop, mean, std) and class names."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..data.image import ImageDecodeError, load_image, preprocess
+
+
+@torch.no_grad()
+def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_size: int = 32) -> list[dict]:
+    """One record per image: {"image", "top": [(label, probability), ...]} or {"image", "error"} if unreadable."""
+    c = model.config
+    names = c.class_names or [str(i) for i in range(c.num_classes)]
+    device = next(model.parameters()).device
+    records: list[dict] = []
+    pending: list[tuple[int, torch.Tensor]] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        x = torch.stack([t for _, t in pending]).to(device)
+        probs = model(x).float().softmax(-1)
+        top = probs.topk(min(top_k, probs.shape[1]), dim=1)
+        for (i, _), v, idx in zip(pending, top.values.tolist(), top.indices.tolist()):
+            records[i]["top"] = [(names[j], p) for j, p in zip(idx, v)]
+        pending.clear()
+
+    model.eval()
+    for path in images:
+        records.append({"image": str(path)})
+        try:
+            img = load_image(path, c.in_chans)
+        except (ImageDecodeError, FileNotFoundError, IsADirectoryError) as e:
+            records[-1]["error"] = str(e)
+            continue
+        pending.append((len(records) - 1, preprocess(img, c.img_size, c.mean, c.std, crop_pct=c.crop_pct, interpolation=c.interpolation)))
+        if len(pending) == batch_size:
+            flush()
+    flush()
+    return records

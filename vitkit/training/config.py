@@ -1,0 +1,207 @@
+"""Training configuration as code: nested dataclasses, presets with a smoke mode, YAML/JSON files, key=value overrides."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from ..data.augment import AugConfig
+
+
+@dataclass
+class DataConfig:
+    """Args:
+    dataset: "fashion-mnist", "cifar10", "cifar100", an ImageFolder root, or a train .csv.
+    data_dir: where to look for the named datasets (also $VITKIT_DATA).
+    test_dir: a test folder or CSV, when not inside the dataset root.
+    batch_size: training batch (per optimizer step: times run.accumulate).
+    eval_batch_size: evaluation batch.
+    num_workers: DataLoader workers for folder datasets.
+    subset: use only this many training images (smoke runs).
+    strict_images: fail on an undecodable image instead of skipping and counting it.
+    """
+
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    test_dir: str | None = None
+    batch_size: int = 256
+    eval_batch_size: int = 1000
+    num_workers: int = 2
+    subset: int | None = None
+    test_subset: int | None = None
+    strict_images: bool = False
+
+
+@dataclass
+class ModelConfig:
+    """Args:
+    name: a registered model name; the starting architecture.
+    overrides: config fields for it (img_size, patch_size, embed_dim, depth, ...).
+    checkpoint: fine-tune from this checkpoint (any format vitkit loads) instead of random weights.
+    resample: position-embedding resampling when fine-tuning at a new resolution.
+    linear_probe: train only the head (frozen backbone).
+    """
+
+    name: str = "vit_ti16"
+    overrides: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+    resample: str = "bilinear"
+    linear_probe: bool = False
+
+
+@dataclass
+class OptimConfig:
+    """Args:
+    name: "adamw" or "sgd" (momentum 0.9, as the paper's fine-tuning).
+    lr: peak learning rate.
+    weight_decay: not applied to norms, biases, position embeddings and tokens.
+    layer_decay: layer-wise LR decay for fine-tuning (e.g. 0.75); None: off.
+    clip_grad: clip the global gradient norm (the paper: 1); None: off.
+    """
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    momentum: float = 0.9
+    layer_decay: float | None = None
+    clip_grad: float | None = 1.0
+
+
+@dataclass
+class ScheduleConfig:
+    """Args:
+    epochs: training length in epochs (may be fractional).
+    warmup_epochs: linear warmup from 0.
+    decay: "cosine", "linear" or "constant" after warmup.
+    min_lr_ratio: the final LR as a fraction of the peak.
+    """
+
+    epochs: float = 10
+    warmup_epochs: float = 1
+    decay: str = "cosine"
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class RunConfig:
+    """Args:
+    out_dir: the run directory (checkpoints, metrics.jsonl, TensorBoard events, config).
+    seed: everything random derives from it.
+    device: "auto", "cpu", "cuda", ...
+    precision: "fp32", "bf16" (autocast, CPU or GPU) or "fp16" (autocast + grad scaler, GPU).
+    compile: torch.compile the model.
+    accumulate: gradient accumulation steps.
+    ema: EMA decay of the weights (e.g. 0.9998); None: off.
+    threads: CPU threads (None: torch's default).
+    deterministic: deterministic algorithms (bitwise resume on CPU).
+    eval_every: evaluate every this many epochs.
+    ckpt_every: write the resumable checkpoint every this many steps (and at every epoch end).
+    log_every: log every this many steps.
+    """
+
+    out_dir: str = "runs/default"
+    seed: int = 0
+    device: str = "auto"
+    precision: str = "fp32"
+    compile: bool = False
+    accumulate: int = 1
+    ema: float | None = None
+    threads: int | None = None
+    deterministic: bool = False
+    eval_every: float = 1.0
+    ckpt_every: int = 200
+    log_every: int = 20
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """A whole run: data, augmentation, model, optimizer, schedule, run settings."""
+
+    preset: str = "custom"
+    data: DataConfig = field(default_factory=DataConfig)
+    aug: AugConfig = field(default_factory=AugConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        cfg = cls()
+        apply_overrides(cfg, _flatten(d))
+        return cfg
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and key != "model.overrides":
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """A command-line or file value to the field's declared type (YAML syntax for lists, null, booleans)."""
+    if isinstance(value, str):
+        value = yaml.safe_load(value) if value != "" else ""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    base = args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
+    if value is None:
+        return None
+    if base is float:
+        return float(value)  # YAML reads "2e-3" as a string
+    if base is int and not isinstance(value, bool):
+        return int(value)
+    if base is str:
+        return str(value)
+    if typing.get_origin(base) is tuple and isinstance(value, (list, tuple)):
+        inner = typing.get_args(base)
+        return tuple(float(v) if inner and inner[0] is float else v for v in value)
+    return value
+
+
+def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
+    """Set fields by dotted key: {"optim.lr": "2e-3", "model.overrides.depth": 4}. Unknown keys raise."""
+    for key, value in overrides.items():
+        parts = key.split(".")
+        if parts[0] == "preset" and len(parts) == 1:
+            cfg.preset = str(value)
+            continue
+        if len(parts) >= 3 and parts[0] == "model" and parts[1] == "overrides":
+            cfg.model.overrides[".".join(parts[2:])] = _coerce(value, Any)
+            continue
+        if len(parts) != 2 or not hasattr(cfg, parts[0]) or not dataclasses.is_dataclass(getattr(cfg, parts[0])):
+            raise ValueError(f"unknown config key {key!r}; use section.field, e.g. optim.lr (sections: data, aug, model, optim, schedule, run)")
+        section = getattr(cfg, parts[0])
+        hints = get_type_hints(type(section))
+        if parts[1] not in hints:
+            raise ValueError(f"unknown config key {key!r}; {parts[0]} has {sorted(hints)}")
+        if parts[1] == "overrides" and isinstance(value, (dict, str)):
+            value = yaml.safe_load(value) if isinstance(value, str) else value
+            cfg.model.overrides.update(value or {})
+            continue
+        setattr(section, parts[1], _coerce(value, hints[parts[1]]))
+    return cfg
+
+
+def load_config_file(path: str | Path) -> dict:
+    """A YAML or JSON file of the same nested shape as `TrainConfig.to_dict()`."""
+    text = Path(path).read_text()
+    d = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} does not hold a mapping")
+    return d

@@ -1,0 +1,77 @@
+"""Optimizers and schedules: AdamW / SGD-momentum, no weight decay on norms, biases, position embeddings
+and tokens, layer-wise LR decay, linear warmup then cosine or linear decay (App. B.1 of the paper)."""
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from .config import OptimConfig, ScheduleConfig
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    return p.ndim <= 1 or name.endswith(".bias") or "pos_embed" in name or "cls_token" in name or "rel_pos" in name
+
+
+def layer_id(name: str, depth: int) -> int:
+    """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and head."""
+    if name.startswith(("patch_embed", "cls_token", "pos_embed")):
+        return 0
+    if m := re.match(r"blocks\.(\d+)\.", name):
+        return int(m.group(1)) + 1
+    if name.startswith("stem") or name.startswith("stages"):
+        return 0
+    return depth + 1
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
+    depth = len(getattr(model, "blocks", [])) or 0
+    groups: dict[tuple, dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        wd = 0.0 if _no_decay(name, p) else weight_decay
+        scale = layer_decay ** (depth + 1 - layer_id(name, depth)) if layer_decay else 1.0
+        g = groups.setdefault((wd, scale), {"params": [], "weight_decay": wd, "lr_scale": scale, "names": []})
+        g["params"].append(p)
+        g["names"].append(name)
+    return list(groups.values())
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay, cfg.layer_decay)
+    for g in groups:
+        g.pop("names")
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), foreach=True)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+    raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {cfg.name!r}")
+
+
+def lr_factor(step: int, total: int, warmup: int, decay: str, min_ratio: float) -> float:
+    """The LR multiplier at an optimizer step."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if decay == "constant":
+        return 1.0
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    if decay == "cosine":
+        f = 0.5 * (1 + math.cos(math.pi * t))
+    elif decay == "linear":
+        f = 1 - t
+    else:
+        raise ValueError(f"decay must be 'cosine', 'linear' or 'constant', got {decay!r}")
+    return min_ratio + (1 - min_ratio) * f
+
+
+def set_lr(opt: torch.optim.Optimizer, base_lr: float, factor: float) -> float:
+    for g in opt.param_groups:
+        g["lr"] = base_lr * factor * g.get("lr_scale", 1.0)
+    return base_lr * factor
+
+
+def schedule_steps(cfg: ScheduleConfig, steps_per_epoch: int) -> tuple[int, int]:
+    return max(1, round(cfg.epochs * steps_per_epoch)), round(cfg.warmup_epochs * steps_per_epoch)

@@ -1,0 +1,335 @@
+"""The training loop: fine-tuning or training from scratch, with exact resume, EMA, mixed precision and logs.
+
+A run directory holds:
+  config.yaml            the resolved config
+  last.ckpt              everything to resume (model, optimizer, EMA, step, RNG states), written atomically
+  best.safetensors       the best weights so far (vitkit format: loads with vitkit.load, alone)
+  final.safetensors      the weights at the end
+  metrics.jsonl          one JSON line per log step and per evaluation
+  tb/                    TensorBoard event files (if tensorboard is installed)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+
+from ..checkpoints.api import _atomic_write, save
+from ..data.augment import BatchAugment
+from ..data.datasets import DataSpec, InMemoryDataset, iterate_batches, load_dataset
+from ..evaluation import evaluate
+from .config import TrainConfig
+from .optim import build_optimizer, lr_factor, schedule_steps, set_lr
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (a non-finite loss, labels that do not fit the checkpoint, ...)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_model_for(cfg: TrainConfig, spec: DataSpec) -> nn.Module:
+    """A fresh registry model sized for the data, or a checkpoint with a new head / resolution."""
+    from .. import create_model
+    from ..checkpoints import load
+
+    ov = dict(cfg.model.overrides)
+    k = len(spec.classes)
+    if cfg.model.checkpoint:
+        model = load(cfg.model.checkpoint, resample=cfg.model.resample, **{kk: v for kk, v in ov.items() if kk != "num_classes"})
+        c = model.config
+        if c.num_classes == k and c.class_names and list(c.class_names) != list(spec.classes):
+            raise TrainingError(f"the checkpoint's classes {c.class_names} do not match the data's {spec.classes}; "
+                                f"pass model.overrides.num_classes=0 ... or use data whose classes match")
+        if c.num_classes != k or not c.class_names:
+            model.reset_classifier(k, list(spec.classes)) if c.num_classes != k else setattr(c, "class_names", list(spec.classes))
+        if c.in_chans != spec.in_chans:
+            if c.in_chans == 3 and spec.in_chans == 1:
+                spec.extra["replicate_channels"] = 3
+            else:
+                raise TrainingError(f"the checkpoint takes {c.in_chans} channels, the data has {spec.in_chans}")
+        model.config.crop_pct = 1.0  # evaluated on whole images resized to the model's size, as in training
+        return model
+    ov.setdefault("crop_pct", 1.0)
+    ov.setdefault("img_size", spec.img_size)
+    ov.setdefault("in_chans", spec.in_chans)
+    if spec.extra.get("replicate_channels"):
+        ov["in_chans"] = spec.extra["replicate_channels"]
+    return create_model(cfg.model.name, num_classes=k, class_names=list(spec.classes), mean=tuple(spec.mean), std=tuple(spec.std), **ov)
+
+
+class Progress:
+    """One status line: loss, accuracy, images/s, ETA; plain lines when not on a terminal."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
+
+    def update(self, step: int, epoch: int, loss: float, acc: float, ips: float, eta_s: float, lr: float) -> None:
+        if not self.enabled:
+            return
+        frac = step / self.total
+        bar = "#" * int(frac * 24) + "." * (24 - int(frac * 24))
+        eta = time.strftime("%H:%M:%S", time.gmtime(max(0, eta_s)))
+        line = f"[{bar}] {step}/{self.total} ep {epoch} loss {loss:.4f} acc {acc:.3f} {ips:.0f} img/s lr {lr:.2e} ETA {eta}"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled and self.tty:
+            print(file=sys.stderr)
+        print(text, file=sys.stderr, flush=True)
+
+
+class _Logger:
+    def __init__(self, out: Path) -> None:
+        self.file = open(out / "metrics.jsonl", "a")
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tb"))
+        except Exception:  # noqa: BLE001 - tensorboard is optional
+            self.tb = None
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            prefix = record.get("split", "train")
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("step", "epoch"):
+                    self.tb.add_scalar(f"{prefix}/{k}", v, record["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate()),
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def _set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    st = json.loads(s["python"])
+    random.setstate((st[0], tuple(st[1]), st[2]))
+    n = s["numpy"]
+    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), *n[2:]))
+    if s.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def _ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    with torch.no_grad():
+        e = [p for p in ema.state_dict().values() if p.is_floating_point()]
+        m = [p for p in model.state_dict().values() if p.is_floating_point()]
+        torch._foreach_lerp_(e, m, 1 - decay)
+
+
+def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None) -> dict:
+    """Train (or fine-tune) as configured; returns the final metrics.
+
+    Args:
+        cfg: the run's configuration (see `vitkit.training.presets`).
+        resume: continue from `out_dir/last.ckpt` if it exists (exactly: same weights as an uninterrupted run).
+        max_steps: stop after this many optimizer steps in total (for tests); the schedule is unchanged.
+    """
+    r = cfg.run
+    out = Path(r.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if r.threads:
+        torch.set_num_threads(r.threads)
+    if r.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    device = resolve_device(r.device)
+    if r.precision == "fp16" and device.type != "cuda":
+        raise ValueError("fp16 needs a GPU (it relies on a grad scaler); use bf16 on CPU")
+    torch.manual_seed(r.seed)
+
+    d = cfg.data
+    spec = load_dataset(d.dataset, d.data_dir, img_size=cfg.model.overrides.get("img_size"), strict_images=d.strict_images,
+                        test_dir=d.test_dir, in_chans=cfg.model.overrides.get("in_chans"))
+    if isinstance(spec.train, InMemoryDataset):
+        spec.train = spec.train.subset(d.subset).to(device)
+        spec.test = spec.test.subset(d.test_subset).to(device)
+    model = build_model_for(cfg, spec).to(device)
+    mc = model.config
+    if len(spec.train) < d.batch_size * r.accumulate:
+        raise ValueError(f"{len(spec.train)} training images are fewer than one batch of {d.batch_size * r.accumulate}")
+    if cfg.model.linear_probe:
+        for n_, p in model.named_parameters():
+            p.requires_grad = n_.startswith(("head.", "fc_norm."))
+    out_size = tuple(mc.img_size)
+    # the augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
+    aug = BatchAugment(cfg.aug, out_size, mc.mean, mc.std, len(spec.classes), spec.extra.get("replicate_channels"))
+    (out / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
+
+    opt = build_optimizer(model, cfg.optim)
+    ema = copy.deepcopy(model).eval() if r.ema else None
+    if ema is not None:
+        for p in ema.parameters():
+            p.requires_grad_(False)
+    scaler = torch.amp.GradScaler(device.type, enabled=r.precision == "fp16")
+    fwd = torch.compile(model) if r.compile else model
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(r.precision)
+
+    per_step = d.batch_size * r.accumulate
+    steps_per_epoch = len(spec.train) // per_step
+    total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
+    step, best, elapsed = 0, -1.0, 0.0
+    ckpt_path = out / "last.ckpt"
+    if resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        if ema is not None and state.get("ema") is not None:
+            ema.load_state_dict(state["ema"])
+        scaler.load_state_dict(state["scaler"]) if state.get("scaler") else None
+        step, best, elapsed = state["step"], state["best"], state.get("elapsed", 0.0)
+        _set_rng_state(state["rng"])
+
+    def write_state() -> None:
+        # never replace a good checkpoint with non-finite weights
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise TrainingError(f"the weights became non-finite by step {step} ({bad[:3]} ...); the run stopped and the "
+                                f"last good checkpoint is intact: {ckpt_path if ckpt_path.exists() else 'none written yet'}. "
+                                f"Try a lower optim.lr or optim.clip_grad.")
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "ema": ema.state_dict() if ema else None,
+                 "scaler": scaler.state_dict() if scaler.is_enabled() else None, "step": step, "best": best,
+                 "elapsed": elapsed + time.perf_counter() - t_start, "rng": _rng_state(), "config": json.dumps(cfg.to_dict())}
+        _atomic_write(ckpt_path, lambda p: torch.save(state, p))
+
+    stop = {"flag": False}
+    old_handler = signal.getsignal(signal.SIGTERM)
+    if hasattr(signal, "SIGTERM"):
+        try:
+            signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
+        except ValueError:  # not the main thread
+            old_handler = None
+
+    logger = _Logger(out)
+    bar = Progress(total, r.progress)
+    g = torch.Generator(device=device)
+    model.train()
+    t_start = time.perf_counter()
+    t_log, seen_log, loss_log, correct_log, skipped_total = time.perf_counter(), 0, 0.0, 0.0, 0
+    result: dict = {"interrupted": False}
+    limit = min(total, max_steps) if max_steps else total
+    try:
+        while step < limit:
+            epoch, in_epoch = divmod(step, steps_per_epoch)
+            batches = iterate_batches(spec.train, d.batch_size, seed=r.seed, epoch=epoch, start_step=in_epoch * r.accumulate,
+                                      num_workers=d.num_workers, device=device)
+            for _ in range(in_epoch, steps_per_epoch):
+                # every random choice of this step derives from (seed, step): exact resume anywhere
+                torch.manual_seed(r.seed * 1_000_003 + step)
+                g.manual_seed(r.seed * 1_000_033 + step)
+                lr = set_lr(opt, cfg.optim.lr, lr_factor(step, total, warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio))
+                for _micro in range(r.accumulate):
+                    x, y, skipped = next(batches)
+                    skipped_total += skipped
+                    if len(y) == 0:
+                        continue
+                    xa, target = aug(x, y, g)
+                    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                        logits = fwd(xa)
+                    logits = logits.float()
+                    if target.ndim == 2:
+                        loss = torch.sum(-target * F.log_softmax(logits, -1), -1).mean()
+                    else:
+                        loss = F.cross_entropy(logits, target, label_smoothing=cfg.aug.label_smoothing)
+                    if not torch.isfinite(loss):
+                        raise TrainingError(f"the loss became {loss.item()} at step {step} (epoch {epoch}); the run stopped. "
+                                            f"The last good checkpoint is intact: {ckpt_path if ckpt_path.exists() else 'none written yet'}. "
+                                            f"Try a lower optim.lr, optim.clip_grad, or run.precision=fp32.")
+                    scaler.scale(loss / r.accumulate).backward()
+                    loss_log += loss.item() * len(y)
+                    correct_log += (logits.argmax(1) == y).sum().item()
+                    seen_log += len(y)
+                if cfg.optim.clip_grad:
+                    scaler.unscale_(opt)
+                    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+                    if not scaler.is_enabled() and not torch.isfinite(gnorm):
+                        raise TrainingError(f"the gradient norm became {gnorm.item()} at step {step}; the run stopped before "
+                                            f"the update. The last good checkpoint is intact: {ckpt_path}")
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                if ema is not None:
+                    _ema_update(ema, model, r.ema)
+                step += 1
+                if step % r.log_every == 0 or step == limit:
+                    now = time.perf_counter()
+                    ips = seen_log / max(now - t_log, 1e-9)
+                    rec = {"step": step, "epoch": step / steps_per_epoch, "lr": lr, "loss": loss_log / max(seen_log, 1),
+                           "train_acc": correct_log / max(seen_log, 1), "img_per_s": ips,
+                           "time": elapsed + now - t_start, "skipped_images": skipped_total}
+                    logger.log(rec)
+                    bar.update(step, epoch, rec["loss"], rec["train_acc"], ips, (limit - step) * per_step / max(ips, 1e-9), lr)
+                    t_log, seen_log, loss_log, correct_log = now, 0, 0.0, 0.0
+                end_of_epoch = step % steps_per_epoch == 0
+                if end_of_epoch or step == limit:
+                    ep = step / steps_per_epoch
+                    if end_of_epoch and (round(ep / r.eval_every, 6) % 1 == 0 or step == total) or step == limit:
+                        best = _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar)
+                if step % r.ckpt_every == 0 or step % steps_per_epoch == 0 or step == limit:
+                    write_state()
+                if stop["flag"]:
+                    write_state()
+                    bar.message(f"stopped by SIGTERM at step {step}; resume with the same command")
+                    result["interrupted"] = True
+                    return result | {"step": step}
+                if step >= limit:
+                    break
+    finally:
+        logger.close()
+        if old_handler is not None:
+            signal.signal(signal.SIGTERM, old_handler)
+    final = ema if ema is not None else model
+    save(final, out / "final.safetensors")
+    final_eval = evaluate(final, spec.test, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision)
+    result.update(step=step, acc1=final_eval.acc1, acc5=final_eval.acc5, best_acc1=max(best, final_eval.acc1),
+                  time_s=elapsed + time.perf_counter() - t_start, skipped_images=skipped_total)
+    bar.message(f"done: {step} steps in {result['time_s']:.0f} s; test top-1 {final_eval.acc1:.4f}, top-5 {final_eval.acc5:.4f}")
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar) -> float:
+    r = cfg.run
+    res = evaluate(model, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision)
+    rec = {"split": "test", "step": step, "epoch": ep, "acc1": res.acc1, "acc5": res.acc5, "loss": res.loss}
+    cand, cand_acc = model, res.acc1
+    if ema is not None:
+        res_e = evaluate(ema, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision)
+        rec.update(ema_acc1=res_e.acc1, ema_acc5=res_e.acc5)
+        if res_e.acc1 > cand_acc:
+            cand, cand_acc = ema, res_e.acc1
+    logger.log(rec)
+    bar.message(f"epoch {ep:.2f}: test top-1 {res.acc1:.4f} top-5 {res.acc5:.4f}" +
+                (f" (EMA {rec['ema_acc1']:.4f})" if ema is not None else ""))
+    if cand_acc > best:
+        save(cand, out / "best.safetensors", metadata={"acc1": str(cand_acc), "step": str(step)})
+        return cand_acc
+    return best

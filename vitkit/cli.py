@@ -224,7 +224,64 @@ def predict(
     return records
 
 
-COMMANDS = {"models": models, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
+def explain(
+    images: list[str],
+    checkpoint: str = "runs/fashion-mnist/best.safetensors",
+    out: str = "explain",
+    discard_ratio: float = 0.0,
+    head_fusion: Literal["mean", "max", "min"] = "mean",
+    class_index: int | None = None,
+) -> list[dict]:
+    """Show what a ViT attends to: attention rollout overlaid on each image, gradient-weighted rollout for a
+    class, and per-layer, per-head maps. Writes PNGs and the raw maps (.npz).
+
+    Args:
+        images: image files.
+        checkpoint: any checkpoint vitkit loads (a ViT or hybrid).
+        out: output folder.
+        discard_ratio: the fraction of the lowest attentions dropped per layer before rollout (0: the paper's rollout).
+        head_fusion: how the heads are combined: mean (the paper), max or min.
+        class_index: the class for gradient-weighted rollout (default: the predicted class).
+    """
+    from .analysis.commands import explain_images
+    from .checkpoints import load
+
+    recs = explain_images(load(checkpoint), images, out, discard_ratio=discard_ratio, head_fusion=head_fusion, class_index=class_index)
+    for r in recs:
+        print(f"{r['image']}: {r.get('class', '')} -> {r['png']}, {r['heads_png']}, {r['npz']}")
+    return recs
+
+
+def inspect(
+    checkpoint: str = "runs/fashion-mnist/best.safetensors",
+    data: str | None = None,
+    out: str = "inspect",
+    num_images: int = 64,
+    components: int = 28,
+    data_dir: str | None = None,
+) -> dict:
+    """Fig. 7 for a checkpoint: the top principal components of the patch-embedding filters, the cosine
+    similarity of position embeddings, and (with --data) the mean attention distance per head against depth.
+
+    Args:
+        checkpoint: any checkpoint vitkit loads (a ViT or hybrid).
+        data: images for the attention distance: a dataset name (fashion-mnist, cifar10, digits) or a folder.
+        out: output folder.
+        num_images: how many images to average the attention distance over.
+        components: how many principal components to show.
+        data_dir: where the named datasets are.
+    """
+    from .analysis.commands import inspect_model
+    from .checkpoints import load
+
+    res = inspect_model(load(checkpoint), out, data=data, data_dir=data_dir, num_images=num_images,
+                        components=components, name=Path(checkpoint).stem)
+    for k, v in res.items():
+        print(f"{k}: {v}")
+    return res
+
+
+COMMANDS = {"models": models, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
 
 
 def build_parser() -> argparse.ArgumentParser:

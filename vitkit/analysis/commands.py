@@ -1,0 +1,111 @@
+"""`vitkit explain` and `vitkit inspect`: the analysis API applied to files, writing PNGs and the raw arrays (.npz)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..data.image import load_image, preprocess
+from ..data.datasets import IMAGE_EXTS
+from . import plots
+from .attention import attention_rollout, grad_rollout, layer_head_maps, mean_attention_distance, require_vit
+from .embeddings import embedding_filters, filter_principal_components, position_similarity
+
+
+def _input(model: nn.Module, path: str | Path) -> tuple[torch.Tensor, np.ndarray]:
+    """The model input (1, C, H, W) and the same crop as a displayable uint8 image."""
+    c = model.config
+    img = load_image(path, c.in_chans)
+    x = preprocess(img, c.img_size, c.mean, c.std, crop_pct=c.crop_pct, interpolation=c.interpolation)
+    m = torch.tensor(c.mean)[: x.shape[0], None, None]
+    s = torch.tensor(c.std)[: x.shape[0], None, None]
+    shown = ((x * s + m).clamp(0, 1) * 255).round().byte()
+    shown = shown[0].numpy() if shown.shape[0] == 1 else shown.permute(1, 2, 0).numpy()
+    return x[None], shown
+
+
+def explain_images(model: nn.Module, images: list[str | Path], out: str | Path, *, discard_ratio: float = 0.0,
+                   head_fusion: str = "mean", class_index: int | None = None) -> list[dict]:
+    """For each image: rollout and gradient-weighted rollout overlays, the per-layer/per-head maps, and an .npz."""
+    require_vit(model)
+    model.eval()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = model.config.class_names or [str(i) for i in range(model.config.num_classes)]
+    records = []
+    for path in images:
+        x, shown = _input(model, path)
+        roll = attention_rollout(model, x, discard_ratio, head_fusion)[0]
+        maps = {"attention rollout": roll.numpy()}
+        rec: dict = {"image": str(path)}
+        if model.config.num_classes:
+            with torch.enable_grad():
+                g, idx = grad_rollout(model, x, class_index, discard_ratio)
+            cls = int(idx[0])
+            maps[f"grad rollout: {names[cls]}"] = g[0].numpy()
+            rec["class"] = names[cls]
+        heads = {k: v[0].numpy() for k, v in layer_head_maps(model, x).items()}
+        stem = Path(path).stem
+        rec["png"] = str(plots.save_explanation(shown, maps, out / f"{stem}_rollout.png", title=Path(path).name))
+        rec["heads_png"] = str(plots.save_layer_head_grid(heads, out / f"{stem}_heads.png", title=f"{Path(path).name}: attention per layer and head"))
+        arrays = {"rollout": roll.numpy(), "layer_head": np.stack([heads[k] for k in sorted(heads)])}
+        if "class" in rec:
+            arrays["grad_rollout"], arrays["class_index"] = g[0].numpy(), np.array(cls)
+        np.savez(out / f"{stem}.npz", **arrays)
+        rec["npz"] = str(out / f"{stem}.npz")
+        records.append(rec)
+    return records
+
+
+def _batches_from(model: nn.Module, data: str, num_images: int, data_dir: str | None, batch_size: int = 32) -> Iterator[torch.Tensor]:
+    c = model.config
+    root = Path(data)
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS)[:num_images]
+        if not files:
+            raise ValueError(f"no images under {root}")
+        for i in range(0, len(files), batch_size):
+            yield torch.cat([_input(model, f)[0] for f in files[i : i + batch_size]])
+        return
+    from ..data.augment import AugConfig, BatchAugment
+    from ..data.datasets import load_dataset
+
+    spec = load_dataset(data, data_dir)
+    replicate = 3 if spec.in_chans == 1 and c.in_chans == 3 else None
+    tf = BatchAugment(AugConfig(), c.img_size, c.mean, c.std, c.num_classes or 1, replicate).eval
+    imgs = spec.test.subset(num_images).images
+    for i in range(0, len(imgs), batch_size):
+        yield tf(imgs[i : i + batch_size])
+
+
+def inspect_model(model: nn.Module, out: str | Path, *, data: str | None = None, data_dir: str | None = None,
+                  num_images: int = 64, components: int = 28, name: str = "") -> dict:
+    """Fig. 7: filter principal components, position-embedding similarity, and (with data) mean attention distance."""
+    require_vit(model)
+    model.eval()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {}
+    arrays: dict = {}
+    pcs, ratio = filter_principal_components(embedding_filters(model), components)
+    hybrid = model.patch_embed.backbone is not None
+    res["filters_png"] = str(plots.save_filters(pcs, out / "filters.png",
+                                                title=f"{name} {'ResNet stem' if hybrid else 'embedding'} filters: top {len(pcs)} principal components"))
+    arrays["filter_components"], arrays["filter_variance_ratio"] = pcs.numpy(), ratio.numpy()
+    try:
+        sim = position_similarity(model)
+        res["pos_png"] = str(plots.save_position_similarity(sim, out / "pos_similarity.png", title=f"{name} position embedding similarity"))
+        arrays["position_similarity"] = sim.numpy()
+    except ValueError as e:
+        res["pos_skipped"] = str(e)
+    if data:
+        dist = mean_attention_distance(model, lambda: _batches_from(model, data, num_images, data_dir))
+        res["distance_png"] = str(plots.save_attention_distance(dist, out / "attention_distance.png",
+                                                                title=f"{name} mean attention distance ({num_images} images)"))
+        arrays["mean_attention_distance"] = dist.numpy()
+    np.savez(out / "inspect.npz", **arrays)
+    res["npz"] = str(out / "inspect.npz")
+    return res

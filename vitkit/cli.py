@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 from ._cli_util import add_function
+from .bench import bench
 from .demo import demo
 
 
@@ -281,7 +282,7 @@ def inspect(
     return res
 
 
-COMMANDS = {"models": models, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
+COMMANDS = {"models": models, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,34 @@
+"""`vitkit bench` and the CLI's model table: fields present and consistent (timings are measured, never asserted)."""
+import json
+
+import pytest
+
+from vitkit.bench import bench_model
+from vitkit.cli import main
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_bench_reports_consistent_fields(train):
+    import vitkit
+
+    m = vitkit.create_model("vit_ti16", img_size=32, depth=2, num_classes=10)
+    r = bench_model(m, "tiny", batch_size=2, train=train, min_seconds=0.05, iters=2, warmup=1, peak=1e11)
+    assert r.img_per_s > 0 and r.gflops_per_img > 0 and r.matmul_peak_tflops == pytest.approx(0.1)
+    work = r.gflops_per_img * 1e9 * (3 if train else 1)
+    assert r.achieved_tflops == pytest.approx(work * r.img_per_s / 1e12)
+    assert r.fraction_of_peak == pytest.approx(r.achieved_tflops / r.matmul_peak_tflops)
+    assert (r.latency_ms_b1 is None) == train
+
+
+def test_cli_bench_every_family_and_models_table(capsys):
+    for name, size in (("vit_s32", 64), ("r26_vit_s32", 64), ("bit_r50x1", 64)):
+        assert main(["bench", name, "--img-size", str(size), "--batch-size", "1", "--min-seconds", "0.01", "--json-out",
+                     "--num-classes", "3"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["model"] == name and out["img_per_s"] > 0
+    assert main(["models", "--pattern", "vit_b*", "--json-out"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == ["vit_b8", "vit_b16", "vit_b32"]
+    assert main(["models"]) == 0
+    table = capsys.readouterr().out
+    assert "R50+ViT-B/16" in table and "multiply-add = 2 FLOPs" in table

@@ -1,0 +1,214 @@
+"""`vitkit bench`: throughput, latency, peak memory, achieved FLOP/s and the fraction of this device's measured
+matmul peak, for inference or a training step. Performance is measured here, never asserted in tests."""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(dtype: str = "fp32", device: str | torch.device = "cpu", n: int | None = None, seconds: float = 1.5) -> float:
+    """This device's matmul FLOP/s in `dtype` (fp32 plain; bf16/fp16 as autocast would run them), best of several runs."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
+    b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
+    a @ b
+    _sync(device)
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+    return best
+
+
+class PeakMemory:
+    """Peak memory of a block: CUDA's allocator peak, or on Linux CPUs the process's peak RSS (VmHWM, reset first)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.peak = device, None
+
+    @staticmethod
+    def _rss_kb(field: str) -> int | None:
+        try:
+            for line in open("/proc/self/status"):
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            try:
+                open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
+            except OSError:
+                pass
+            self.base = (self._rss_kb("VmRSS") or 0) * 1024
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            hwm = self._rss_kb("VmHWM")
+            self.peak = None if hwm is None else max(0, hwm * 1024 - self.base)
+
+
+@dataclass
+class BenchResult:
+    model: str
+    mode: str  # "inference" or "train"
+    img_size: int
+    batch_size: int
+    dtype: str
+    compiled: bool
+    device: str
+    threads: int
+    img_per_s: float
+    latency_ms_b1: float | None
+    peak_mem_mb: float | None
+    gflops_per_img: float
+    achieved_tflops: float
+    matmul_peak_tflops: float
+    fraction_of_peak: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def time_fn(fn, device: torch.device, warmup: int, iters: int, min_seconds: float = 0.0) -> list[float]:
+    """Wall times of `iters` calls after `warmup` calls (at least `min_seconds` in all)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times: list[float] = []
+    t_all = time.perf_counter()
+    while len(times) < iters or time.perf_counter() - t_all < min_seconds:
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compile_: bool):
+    """A closure running one inference forward, or one training step (forward, backward, fused/foreach AdamW)."""
+    device = x.device
+    amp = dtype != "fp32"
+    fwd = torch.compile(model, fullgraph=True) if compile_ else model
+    if not train:
+        model.eval()
+
+        def infer() -> None:
+            with torch.inference_mode(), torch.autocast(device.type, dtype=DTYPES[dtype], enabled=amp):
+                fwd(x)
+
+        return infer
+    model.train()
+    y = torch.randint(0, max(model.config.num_classes, 1), (x.shape[0],), device=device)
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=DTYPES[dtype], enabled=amp):
+            loss = F.cross_entropy(fwd(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, dtype: str = "fp32", train: bool = False,
+                compile_: bool = False, device: str | torch.device = "cpu", warmup: int = 2, iters: int = 5,
+                min_seconds: float = 3.0, latency: bool = True, peak: float | None = None) -> BenchResult:
+    from .stats import count_flops
+
+    device = torch.device(device)
+    model = model.to(device)
+    c = model.config
+    x = torch.randn(batch_size, c.in_chans, *c.img_size, device=device)
+    flops = count_flops(model, c.img_size, c.in_chans)
+    step = make_step(model, x, dtype, train, compile_)
+    with PeakMemory(device) as mem:
+        times = time_fn(step, device, warmup, iters, min_seconds)
+    ips = batch_size / statistics.median(times)
+    lat = None
+    if latency and not train:
+        one = make_step(model, x[:1], dtype, False, compile_)
+        lat = statistics.median(time_fn(one, device, 2, 10, 1.0)) * 1e3
+    work = flops * (3 if train else 1)  # backward ~ 2x forward
+    peak = peak or matmul_peak(dtype, device)
+    return BenchResult(name, "train" if train else "inference", c.img_size[0], batch_size, dtype, compile_, str(device),
+                       torch.get_num_threads(), ips, lat, None if mem.peak is None else mem.peak / 2**20, flops / 1e9,
+                       work * ips / 1e12, peak / 1e12, work * ips / peak)
+
+
+def bench(
+    model: str,
+    img_size: int | None = None,
+    batch_size: int = 8,
+    dtype: str = "fp32",
+    compile: bool = False,
+    train: bool = False,
+    device: str = "auto",
+    num_classes: int = 1000,
+    min_seconds: float = 3.0,
+    json_out: bool = False,
+) -> dict:
+    """Measure a model: images/s, latency at batch 1, peak memory, achieved FLOP/s and the fraction of this
+    device's matmul peak (measured by this command in the same dtype).
+
+    Args:
+        model: a registered model name (see `vitkit models`) or a checkpoint path.
+        img_size: input resolution (default: the model's).
+        batch_size: images per call.
+        dtype: fp32 | bf16 | fp16 (bf16/fp16 via autocast; fp16 on GPU).
+        compile: torch.compile the model (full graph).
+        train: time a training step (forward, backward, AdamW) instead of inference.
+        device: auto | cpu | cuda.
+        num_classes: head size for registry models.
+        min_seconds: measure for at least this long.
+        json_out: print JSON.
+    """
+    import json
+    from pathlib import Path
+
+    from . import create_model, load
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    kw = {"img_size": img_size} if img_size else {}
+    net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
+    res = bench_model(net, model, batch_size=batch_size, dtype=dtype, train=train, compile_=compile, device=dev,
+                      min_seconds=min_seconds)
+    d = res.to_dict()
+    if json_out:
+        print(json.dumps(d, indent=1))
+    else:
+        mem = "n/a" if res.peak_mem_mb is None else f"{res.peak_mem_mb:.0f} MB"
+        lat = "" if res.latency_ms_b1 is None else f", latency (batch 1) {res.latency_ms_b1:.1f} ms"
+        print(f"{model} {res.mode} {res.img_size}px batch {batch_size} {dtype}{' compiled' if compile else ''} on {res.device} "
+              f"({res.threads} threads): {res.img_per_s:.2f} img/s{lat}, peak memory {mem}, {res.gflops_per_img:.2f} GFLOP/img, "
+              f"{res.achieved_tflops * 1e3:.1f} GFLOP/s = {res.fraction_of_peak:.0%} of the measured {dtype} matmul peak "
+              f"({res.matmul_peak_tflops * 1e3:.0f} GFLOP/s)")
+    return d

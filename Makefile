@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned CPU wheel first, so the dependency `torch>=2.4` is already met (no multi-GB CUDA build).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[demo,test]'
+	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz

@@ -133,6 +133,7 @@ def test_explain_and_inspect_commands_write_every_png(tmp_path):
     folder.mkdir()
     for i in range(3):
         Image.fromarray((np.random.default_rng(i).random((40, 50, 3)) * 255).astype(np.uint8)).save(folder / f"{i}.png")
+    (folder / "corrupt.png").write_bytes(b"not an image")
     assert main(["inspect", "--checkpoint", str(ckpt), "--data", str(folder), "--out", str(tmp_path / "in"), "--components", "12"]) == 0
     for name in ("filters.png", "pos_similarity.png", "attention_distance.png"):
         w, h = Image.open(tmp_path / "in" / name).size

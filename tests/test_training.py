@@ -71,7 +71,7 @@ def _wait_for_step(out: Path, step: int, proc, timeout=120):
     while time.time() - t0 < timeout:
         f = out / "metrics.jsonl"
         if f.exists():
-            steps = [json.loads(x).get("step", 0) for x in f.read_text().splitlines() if x.strip()]
+            steps = [json.loads(x).get("step", 0) for x in f.read_text().splitlines() if x.strip().endswith("}")]
             if steps and max(steps) >= step:
                 return
         if proc.poll() is not None:
@@ -93,6 +93,10 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, sig):
     assert 0 < state["step"] < 230  # stopped in the middle (230 steps in all)
     resumed = _cli(tmp_path / "cut")
     assert resumed.wait(300) == 0, resumed.stderr.read().decode()[-2000:]
+    lines = [x for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    whole = [x for x in lines if x.endswith("}")]
+    assert len(lines) - len(whole) <= 1  # at most the line being written at the kill is partial
+    assert json.loads(whole[-1])["step"] == 230
     a, b = load_file(tmp_path / "ref" / "final.safetensors"), load_file(tmp_path / "cut" / "final.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
@@ -121,7 +125,7 @@ def test_image_folder_end_to_end(tmp_path, capsys):
                                         "model.overrides": {"img_size": 16, "in_chans": 3}, "schedule.epochs": 3})
     res = train(cfg)
     assert res["skipped_images"] >= 1  # the corrupt file was skipped and counted, not fatal
-    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert max(r.get("skipped_images", 0) for r in recs) >= 1
     from vitkit.cli import main
 
@@ -220,3 +224,14 @@ def test_cli_train_smoke_writes_the_resolved_config(tmp_path):
 
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["data"]["dataset"] == "digits" and saved["model"]["overrides"]["embed_dim"] == 32
+
+
+def test_demo_trains_evaluates_and_predicts_on_fashion_mnist(tmp_path, capsys):
+    """The README's first command on a sliver of an epoch: real Fashion-MNIST files, real PNGs."""
+    from vitkit.demo import demo
+
+    res = demo(epochs=0.05, out=str(tmp_path / "demo"), images=2)
+    assert res["step"] == 12
+    out = capsys.readouterr().out
+    assert "top-1" in out and "Ankle boot" in out
+    assert (tmp_path / "demo" / "confusion.png").exists() and len(list((tmp_path / "demo" / "samples").glob("*.png"))) == 2

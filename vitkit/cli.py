@@ -253,6 +253,12 @@ def explain(
     return recs
 
 
+def _run_name(checkpoint: str) -> str:
+    """A readable name for figure titles: the run folder for a run's best/final/last checkpoint."""
+    p = Path(checkpoint)
+    return p.parent.name if p.stem in ("best", "final", "last") else p.stem
+
+
 def inspect(
     checkpoint: str = "runs/fashion-mnist/best.safetensors",
     data: str | None = None,
@@ -276,7 +282,7 @@ def inspect(
     from .checkpoints import load
 
     res = inspect_model(load(checkpoint), out, data=data, data_dir=data_dir, num_images=num_images,
-                        components=components, name=Path(checkpoint).stem)
+                        components=components, name=_run_name(checkpoint))
     for k, v in res.items():
         print(f"{k}: {v}")
     return res

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data.image import load_image, preprocess
+from ..data.image import ImageDecodeError, load_image, preprocess
 from ..data.datasets import IMAGE_EXTS
 from . import plots
 from .attention import attention_rollout, grad_rollout, layer_head_maps, mean_attention_distance, require_vit
@@ -64,11 +64,21 @@ def _batches_from(model: nn.Module, data: str, num_images: int, data_dir: str | 
     c = model.config
     root = Path(data)
     if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS)[:num_images]
-        if not files:
-            raise ValueError(f"no images under {root}")
-        for i in range(0, len(files), batch_size):
-            yield torch.cat([_input(model, f)[0] for f in files[i : i + batch_size]])
+        files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS)
+        good, skipped = [], []
+        for f in files:
+            if len(good) == num_images:
+                break
+            try:
+                good.append(_input(model, f)[0])
+            except (ImageDecodeError, OSError):
+                skipped.append(f.name)
+        if skipped:
+            print(f"vitkit: skipped {len(skipped)} unreadable image(s): {', '.join(skipped[:5])}")
+        if not good:
+            raise ValueError(f"no readable images under {root}")
+        for i in range(0, len(good), batch_size):
+            yield torch.cat(good[i : i + batch_size])
         return
     from ..data.augment import AugConfig, BatchAugment
     from ..data.datasets import load_dataset

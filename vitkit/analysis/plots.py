@@ -124,6 +124,7 @@ def save_attention_distance(dist: torch.Tensor, path: str | Path, title: str = "
     fig, ax = plt.subplots(figsize=(4.5, 3.6))
     for h in range(heads):
         ax.scatter(np.arange(depth), dist[:, h].numpy(), s=12, label=f"head {h + 1}")
+    ax.set_xticks(range(depth))
     ax.set_xlabel("network depth (layer)")
     ax.set_ylabel("mean attention distance (pixels)")
     ax.set_ylim(bottom=0)

@@ -22,6 +22,16 @@ NATIVE_FORMAT = "vitkit"
 NATIVE_VERSION = "1"
 
 
+# State-dict formats in the order they are tried: (name, detector on the key set, converter to vitkit names).
+STATE_DICT_FORMATS = (
+    ("hf", hf.is_hf, hf.to_vitkit),
+    ("torchvision", torchvision.is_torchvision, torchvision.to_vitkit),
+    ("timm-vit", timm.is_timm_vit, timm.vit_to_vitkit),
+    ("timm-resnetv2", timm.is_timm_resnetv2, timm.resnetv2_to_vitkit),
+    ("official-npz", official.is_official, official.to_vitkit),
+)
+
+
 @dataclass
 class Checkpoint:
     """What a file holds, in vitkit's terms."""
@@ -77,23 +87,13 @@ def read_checkpoint(path: str | Path, **hints) -> Checkpoint:
         if "vitkit_config" in meta:  # an export of ours in a peer's format: the config rides along
             facts = {k: v for k, v in json.loads(meta["vitkit_config"]).items() if k != "arch"}
         keys = set(raw)
-        if hf.is_hf(keys):
-            sd, f, unused = hf.to_vitkit(raw)
-            fmt = "hf"
-        elif torchvision.is_torchvision(keys):
-            sd, f, unused = torchvision.to_vitkit(raw)
-            fmt = "torchvision"
-        elif timm.is_timm_vit(keys):
-            sd, f, unused = timm.vit_to_vitkit(raw)
-            fmt = "vitkit-state-dict" if {"pos_embed.weight", "pos_embed.row"} & keys else "timm-vit"
-        elif timm.is_timm_resnetv2(keys):
-            sd, f, unused = timm.resnetv2_to_vitkit(raw)
-            fmt = "timm-resnetv2"
-        elif official.is_official(keys):
-            sd, f, unused = official.to_vitkit(raw)
-            fmt = "official-npz"
-        else:
+        match = next(((fmt, convert) for fmt, detect, convert in STATE_DICT_FORMATS if detect(keys)), None)
+        if match is None:
             raise CheckpointError(f"{path}: not a ViT or BiT checkpoint vitkit recognises (first keys: {sorted(keys)[:6]})")
+        fmt, convert = match
+        if fmt == "timm-vit" and {"pos_embed.weight", "pos_embed.row"} & keys:
+            fmt = "vitkit-state-dict"  # vitkit's own names: a model.state_dict() saved by hand
+        sd, f, unused = convert(raw)
         facts = {**f, **facts}
     facts = {**facts, **hints}
     if "stem.conv.weight" in sd and "patch_embed.proj.weight" not in sd:

@@ -9,12 +9,14 @@ import re
 
 import torch
 
-from .io import CheckpointError
+from .io import CheckpointError, rename
 
 _BLOCK = {
     "layernorm_before": "norm1", "attention.output.dense": "attn.proj", "layernorm_after": "norm2",
     "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2",
 }
+_EXACT = {"embeddings.cls_token": "cls_token", "embeddings.position_embeddings": "pos_embed.weight"}
+_PREFIXES = {"embeddings.patch_embeddings.projection.": "patch_embed.proj.", "layernorm.": "norm.", "classifier.": "head."}
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
 
@@ -26,16 +28,8 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
     sd, qkv, unused = {}, {}, []
     for k, v in w.items():
         key = k.removeprefix("vit.")
-        if key == "embeddings.cls_token":
-            sd["cls_token"] = v
-        elif key == "embeddings.position_embeddings":
-            sd["pos_embed.weight"] = v
-        elif key.startswith("embeddings.patch_embeddings.projection."):
-            sd["patch_embed.proj." + key.rsplit(".", 1)[1]] = v
-        elif key.startswith("layernorm."):
-            sd["norm." + key.rsplit(".", 1)[1]] = v
-        elif key.startswith("classifier."):
-            sd["head." + key.rsplit(".", 1)[1]] = v
+        if ours := rename(key, _EXACT, _PREFIXES):
+            sd[ours] = v
         elif m := re.match(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$", key):
             i, mod, leaf = m.groups()
             if a := re.match(r"attention\.attention\.(query|key|value)$", mod):

@@ -80,6 +80,16 @@ def read_torch(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
 
+def rename(key: str, exact: dict[str, str], prefixes: dict[str, str]) -> str | None:
+    """A peer's tensor name in vitkit's terms by exact match or by prefix; None when neither table knows it."""
+    if key in exact:
+        return exact[key]
+    for old, new in prefixes.items():
+        if key.startswith(old):
+            return new + key[len(old):]
+    return None
+
+
 def read_hf_dir(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     cfg_file = path / "config.json"
     if not cfg_file.exists():

@@ -5,12 +5,15 @@ import re
 
 import torch
 
-from .io import CheckpointError
+from .io import CheckpointError, rename
 
 _BLOCK = {
     "ln_1": "norm1", "self_attention.out_proj": "attn.proj", "ln_2": "norm2",
     "mlp.0": "mlp.fc1", "mlp.3": "mlp.fc2", "mlp.linear_1": "mlp.fc1", "mlp.linear_2": "mlp.fc2",
 }
+
+_EXACT = {"class_token": "cls_token", "encoder.pos_embedding": "pos_embed.weight"}
+_PREFIXES = {"conv_proj.": "patch_embed.proj.", "encoder.ln.": "norm.", "heads.head.": "head.", "heads.pre_logits.": "pre_logits.fc."}
 
 
 def is_torchvision(keys) -> bool:
@@ -20,18 +23,8 @@ def is_torchvision(keys) -> bool:
 def to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
     sd = {}
     for k, v in w.items():
-        if k == "class_token":
-            sd["cls_token"] = v
-        elif k == "encoder.pos_embedding":
-            sd["pos_embed.weight"] = v
-        elif k.startswith("conv_proj."):
-            sd["patch_embed.proj." + k.rsplit(".", 1)[1]] = v
-        elif k.startswith("encoder.ln."):
-            sd["norm." + k.rsplit(".", 1)[1]] = v
-        elif k.startswith("heads.head."):
-            sd["head." + k.rsplit(".", 1)[1]] = v
-        elif k.startswith("heads.pre_logits."):
-            sd["pre_logits.fc." + k.rsplit(".", 1)[1]] = v
+        if ours := rename(k, _EXACT, _PREFIXES):
+            sd[ours] = v
         elif m := re.match(r"encoder\.layers\.encoder_layer_(\d+)\.self_attention\.in_proj_(weight|bias)$", k):
             sd[f"blocks.{m.group(1)}.attn.qkv.{m.group(2)}"] = v  # already fused q, k, v
         elif m := re.match(r"encoder\.layers\.encoder_layer_(\d+)\.(.+)\.(weight|bias)$", k):

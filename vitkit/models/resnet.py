@@ -104,8 +104,11 @@ class ResNetBackbone(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.stem.norm(self.stem.conv(x)))  # (B, C, H, W) -> (B, w, H/2, W/2)
-        if self.same:
-            x = F.max_pool2d(pad_same(x, 3, 2, value=float("-inf")), 3, 2)  # (B, w, H/4, W/4)
+        if self.same and x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0:
+            # 'SAME' pads one row/column at the bottom/right only: exactly ceil_mode, without a padded copy
+            x = F.max_pool2d(x, 3, 2, ceil_mode=True)  # (B, w, H/4, W/4)
+        elif self.same:
+            x = F.max_pool2d(pad_same(x, 3, 2, value=float("-inf")), 3, 2)
         else:
             x = F.max_pool2d(x, 3, 2, padding=1)
         return self.stages(x)  # (B, C', H/s, W/s)

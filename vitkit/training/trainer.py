@@ -97,7 +97,17 @@ class Progress:
 
 class _Logger:
     def __init__(self, out: Path) -> None:
-        self.file = open(out / "metrics.jsonl", "a")
+        path = out / "metrics.jsonl"
+        # a run killed mid-write leaves a partial last line: end it, so the resumed run's records start clean
+        if path.exists() and path.stat().st_size:
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                dangling = f.read(1) != b"\n"
+        else:
+            dangling = False
+        self.file = open(path, "a")
+        if dangling:
+            self.file.write("\n")
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter

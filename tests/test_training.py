@@ -22,7 +22,7 @@ from conftest import FIXTURES
 REPO = Path(__file__).resolve().parents[1]
 
 TINY = {
-    "data.dataset": "digits", "data.batch_size": 64, "data.eval_batch_size": 500,
+    "data.dataset": "digits", "data.batch_size": 64, "data.eval_batch_size": 500, "model.name": "vit_ti16",
     "model.overrides": {"img_size": 16, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4, "mlp_dim": 128},
     "aug.hflip": False, "aug.pad": 0,
     "optim.lr": 3e-3, "schedule.epochs": 4, "schedule.warmup_epochs": 0.5,
@@ -33,7 +33,7 @@ TINY = {
 def tiny_cfg(out, **extra):
     """The fashion-mnist preset shrunk to seconds on digits; `extra` model.overrides merge into the tiny ones."""
     cfg = get_preset("fashion-mnist")
-    cfg.model.overrides = {}
+    cfg.model.overrides = {}  # a plain ViT; the CLI resume test below keeps the preset's hybrid stages
     merged = {**TINY, "run.out_dir": str(out), **extra}
     base = {} if "model.checkpoint" in extra else TINY["model.overrides"]  # a checkpoint brings its own architecture
     merged["model.overrides"] = {**base, **extra.get("model.overrides", {})}

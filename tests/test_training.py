@@ -235,3 +235,12 @@ def test_demo_trains_evaluates_and_predicts_on_fashion_mnist(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "top-1" in out and "Ankle boot" in out
     assert (tmp_path / "demo" / "confusion.png").exists() and len(list((tmp_path / "demo" / "samples").glob("*.png"))) == 2
+
+
+def test_finetune_a_bit_checkpoint_gets_a_new_head(tmp_path):
+    cfg = tiny_cfg(tmp_path / "bit", **{"model.checkpoint": str(FIXTURES / "timm_resnetv2_bit/model.safetensors"),
+                                        "model.overrides": {"img_size": 32}, "schedule.epochs": 0.2,
+                                        "data.batch_size": 32})
+    train(cfg)
+    m = vitkit.load(tmp_path / "bit" / "final.safetensors")
+    assert m.config.num_classes == 10 and m.config.class_names == [str(i) for i in range(10)]

@@ -13,7 +13,6 @@ import os
 import pickle
 import struct
 import tarfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -402,5 +401,4 @@ def load_dataset(
             raise DatasetError(f"{name} has {spec.in_chans} channels; cannot make {in_chans}")
     if len(test) == 0:
         raise DatasetError(f"test set of {name} is empty")
-    warnings.filterwarnings("ignore", message=".*non-writable.*")
     return spec

@@ -234,8 +234,9 @@ class ResNetV2(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
-    def reset_classifier(self, num_classes: int) -> None:
-        self.config.num_classes = num_classes
+    def reset_classifier(self, num_classes: int, class_names: list[str] | None = None) -> None:
+        """A new zero-initialised head, as for fine-tuning."""
+        self.config.num_classes, self.config.class_names = num_classes, class_names
         device = self.norm.weight.device
         self.head = nn.Linear(self.num_features, num_classes, device=device) if num_classes else nn.Identity()
         if num_classes:

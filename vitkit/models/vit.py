@@ -286,7 +286,7 @@ class VisionTransformer(nn.Module):
     def reset_classifier(self, num_classes: int, class_names: list[str] | None = None) -> None:
         """A new zero-initialised head, as for fine-tuning (Sec. 3.2)."""
         self.config.num_classes, self.config.class_names = num_classes, class_names
-        self.head = self._new_head(num_classes).to(self.cls_token.device if self.cls_token is not None else "cpu")
+        self.head = self._new_head(num_classes).to(self.patch_embed.proj.weight.device)
 
     def set_img_size(self, img_size: int | tuple[int, int], method: str = "bilinear") -> None:
         """Change the input resolution, keeping the patch size; the position embedding is resampled in 2-D.

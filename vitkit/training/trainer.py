@@ -57,8 +57,10 @@ def build_model_for(cfg: TrainConfig, spec: DataSpec) -> nn.Module:
         if c.num_classes == k and c.class_names and list(c.class_names) != list(spec.classes):
             raise TrainingError(f"the checkpoint's classes {c.class_names} do not match the data's {spec.classes}; "
                                 f"pass model.overrides.num_classes=0 ... or use data whose classes match")
-        if c.num_classes != k or not c.class_names:
-            model.reset_classifier(k, list(spec.classes)) if c.num_classes != k else setattr(c, "class_names", list(spec.classes))
+        if c.num_classes != k:
+            model.reset_classifier(k, list(spec.classes))  # a new zero-initialised head for the data's classes
+        else:
+            c.class_names = list(spec.classes)
         if c.in_chans != spec.in_chans:
             if c.in_chans == 3 and spec.in_chans == 1:
                 spec.extra["replicate_channels"] = 3
@@ -214,7 +216,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
         opt.load_state_dict(state["optimizer"])
         if ema is not None and state.get("ema") is not None:
             ema.load_state_dict(state["ema"])
-        scaler.load_state_dict(state["scaler"]) if state.get("scaler") else None
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
         step, best, elapsed = state["step"], state["best"], state.get("elapsed", 0.0)
         _set_rng_state(state["rng"])
 

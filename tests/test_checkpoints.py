@@ -100,7 +100,7 @@ def _randomise(model, seed):
 
 @pytest.mark.parametrize("cfg", HF_CONFIGS, ids=lambda c: f"{c['hidden_size']}x{c['num_hidden_layers']}")
 def test_hf_parity_fresh_models(cfg, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     hf_model = transformers.ViTForImageClassification(transformers.ViTConfig(**cfg)).eval()
     _randomise(hf_model, 7)
     hf_model.save_pretrained(tmp_path / "hf")
@@ -196,7 +196,7 @@ def test_torchvision_state_dict(tmp_path):
 # ---- resolution changes ------------------------------------------------------------------------------
 
 def test_bilinear_resampling_matches_the_official_scipy_zoom():
-    scipy_ndimage = pytest.importorskip("scipy.ndimage")
+    import scipy.ndimage as scipy_ndimage
     grid = torch.randn(7, 7, 16)
     for new in ((12, 12), (5, 9)):
         ours = resample_pos_embed_grid(grid, new, "bilinear").numpy()
@@ -207,7 +207,7 @@ def test_bilinear_resampling_matches_the_official_scipy_zoom():
 
 
 def test_load_at_a_new_resolution_resamples_the_position_embedding():
-    scipy_ndimage = pytest.importorskip("scipy.ndimage")
+    import scipy.ndimage as scipy_ndimage
     d = FIXTURES / "jax_vit_token"
     w = np.load(d / "model.npz")["Transformer/posembed_input/pos_embedding"][0]  # (17, 48)
     m = vitkit.load(d / "model.npz", img_size=(48, 64))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..models import ResNetV2Config, ViTConfig, build_model
+from ..models.layers.patch_embed import to_2tuple
 from ..models.registry import config_with
 from . import hf, official, timm, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
@@ -158,13 +159,11 @@ def load(
     if not strict and any(report[k] for k in ("missing", "unexpected", "mismatched")):
         print(f"vitkit: loaded {path} with strict=False; skipped: " +
               "; ".join(f"{k}: {', '.join(report[k])}" for k in ("missing", "unexpected", "mismatched") if report[k]))
-    if img_size is not None and hasattr(model, "set_img_size"):
-        from ..models.layers.patch_embed import to_2tuple
-
-        if to_2tuple(img_size) != tuple(model.config.img_size):
+    if img_size is not None and to_2tuple(img_size) != tuple(model.config.img_size):
+        if hasattr(model, "set_img_size"):  # a ViT: the position embedding is resampled
             model.set_img_size(img_size, method=resample)
-    elif img_size is not None:
-        model.config.img_size = tuple(img_size) if not isinstance(img_size, int) else (img_size, img_size)
+        else:  # a CNN takes any size: only the recorded preprocessing changes
+            model.config.img_size = to_2tuple(img_size)
     if num_classes is not None and num_classes != model.config.num_classes:
         model.reset_classifier(num_classes)
     if class_names is not None:

@@ -248,6 +248,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     t_start = time.perf_counter()
     t_log, seen_log, loss_log, correct_log, skipped_total = time.perf_counter(), 0, 0.0, 0.0, 0
     result: dict = {"interrupted": False}
+    last_eval: dict = {}  # {step: {"model": EvalResult, "ema": EvalResult}} of the latest evaluation
     limit = min(total, max_steps) if max_steps else total
     try:
         while step < limit:
@@ -305,7 +306,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
                 if end_of_epoch or step == limit:
                     ep = step / steps_per_epoch
                     if end_of_epoch and (round(ep / r.eval_every, 6) % 1 == 0 or step == total) or step == limit:
-                        best = _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar)
+                        best, last_eval = _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar)
                 if step % r.ckpt_every == 0 or step % steps_per_epoch == 0 or step == limit:
                     write_state()
                 if stop["flag"]:
@@ -321,7 +322,10 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
             signal.signal(signal.SIGTERM, old_handler)
     final = ema if ema is not None else model
     save(final, out / "final.safetensors")
-    final_eval = evaluate(final, spec.test, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision)
+    # the loop evaluated the final weights at its last step; evaluate again only if it did not
+    final_eval = last_eval.get(step, {}).get("ema" if ema is not None else "model")
+    if final_eval is None:
+        final_eval = evaluate(final, spec.test, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision)
     result.update(step=step, acc1=final_eval.acc1, acc5=final_eval.acc5, best_acc1=max(best, final_eval.acc1),
                   time_s=elapsed + time.perf_counter() - t_start, skipped_images=skipped_total)
     bar.message(f"done: {step} steps in {result['time_s']:.0f} s; test top-1 {final_eval.acc1:.4f}, top-5 {final_eval.acc5:.4f}")
@@ -329,14 +333,16 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     return result
 
 
-def _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar) -> float:
+def _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar) -> tuple[float, dict]:
     r = cfg.run
     res = evaluate(model, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision)
     rec = {"split": "test", "step": step, "epoch": ep, "acc1": res.acc1, "acc5": res.acc5, "loss": res.loss}
     cand, cand_acc = model, res.acc1
+    results = {"model": res}
     if ema is not None:
         res_e = evaluate(ema, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision)
         rec.update(ema_acc1=res_e.acc1, ema_acc5=res_e.acc5)
+        results["ema"] = res_e
         if res_e.acc1 > cand_acc:
             cand, cand_acc = ema, res_e.acc1
     logger.log(rec)
@@ -344,5 +350,5 @@ def _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, b
                 (f" (EMA {rec['ema_acc1']:.4f})" if ema is not None else ""))
     if cand_acc > best:
         save(cand, out / "best.safetensors", metadata={"acc1": str(cand_acc), "step": str(step)})
-        return cand_acc
-    return best
+        best = cand_acc
+    return best, {step: results}

@@ -99,8 +99,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         """x: (B, T, D) -> (B, T, D); with `return_attention`, also the softmax weights (B, H, T, T)."""
         B, T, D = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (3, B, H, T, hd)
-        q, k, v = qkv.unbind(0)  # each (B, H, T, hd)
+        # split, not view+permute+unbind: the backward is then one cat into a contiguous (B, T, 3D) gradient
+        # instead of a stack and a permuted copy (measured 9% faster per attention layer, benchmarks/NOTES.md)
+        q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(D, dim=-1))  # each (B, H, T, hd)
         bias = self.rel_pos() if self.rel_pos is not None else None  # (H, T, T) or None
         drop = self.attn_drop if self.training else 0.0
         if return_attention:

@@ -61,6 +61,9 @@ class PatchEmbed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.check_input(x)
         if self.backbone is not None:
+            # channels-last: the oneDNN/cuDNN convs run without layout reorders, and the final
+            # flatten + transpose to tokens is then free (benchmarks/NOTES.md, section 7)
+            x = x.contiguous(memory_format=torch.channels_last)
             x = self.backbone(x)  # (B, C, H, W) -> (B, C', H/s, W/s)
         x = self.proj(x)  # (B, D, gh, gw)
         return x.flatten(2).transpose(1, 2)  # (B, D, gh, gw) -> (B, N, D)

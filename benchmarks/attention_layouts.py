@@ -1,41 +1,81 @@
-"""Forward + backward time of attention layouts at a small ViT's size (see NOTES.md, section 1)."""
+"""Attention on a CPU: qkv layouts, and the fused kernel against plain matmul + softmax (NOTES.md, sections 1 and 7).
+
+    python benchmarks/attention_layouts.py layouts   # forward + backward of qkv -> attention -> proj, B 256, T 49, D 128
+    python benchmarks/attention_layouts.py kernels   # fused SDPA vs MATH backend vs explicit, fp32/bf16, train/infer
+"""
+import argparse
 import time
 
 import torch
 import torch.nn.functional as F
-
-torch.set_num_threads(1)
-B, T, D, H = 256, 49, 128, 4
-hd = D // H
-x = torch.randn(B, T, D, requires_grad=True)
-W, P = torch.nn.Linear(D, 3 * D), torch.nn.Linear(D, D)
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def permute_unbind(x):
-    q, k, v = W(x).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
-    return P(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, D))
-
-
-def transpose_views(x):
-    q, k, v = W(x).view(B, T, 3, H, hd).unbind(2)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return P(o.transpose(1, 2).reshape(B, T, D))
-
-
-def explicit(x):
-    q, k, v = W(x).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
-    return P((((q * hd**-0.5) @ k.transpose(-2, -1)).softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
-
-
-def math_backend(x):
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-        return permute_unbind(x)
-
-
-for f in (permute_unbind, transpose_views, explicit, math_backend) * 2:
+def timed(fn, n: int = 10) -> float:
     for _ in range(3):
-        f(x).sum().backward()
+        fn()
     t = time.perf_counter()
-    for _ in range(10):
-        f(x).sum().backward()
-    print(f"{f.__name__:<16} {(time.perf_counter() - t) / 10 * 1000:6.1f} ms forward + backward")
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def layouts() -> None:
+    B, T, D, H = 256, 49, 128, 4
+    hd = D // H
+    x = torch.randn(B, T, D, requires_grad=True)
+    W, P = torch.nn.Linear(D, 3 * D), torch.nn.Linear(D, D)
+
+    def permute_unbind(x):  # the classic layout: one (3, B, H, T, hd) permute
+        q, k, v = W(x).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        return P(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, D))
+
+    def split_views(x):  # vitkit: split the last dim; the backward is one cat into a contiguous gradient
+        q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in W(x).split(D, -1))
+        return P(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, D))
+
+    def explicit(x):
+        q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in W(x).split(D, -1))
+        return P((((q * hd**-0.5) @ k.transpose(-2, -1)).softmax(-1) @ v).transpose(1, 2).reshape(B, T, D))
+
+    for f in (permute_unbind, split_views, explicit) * 2:
+        print(f"{f.__name__:<16} {timed(lambda: f(x).sum().backward()):6.1f} ms forward + backward")
+
+
+def kernels() -> None:
+    shapes = [(256, 4, 49, 32), (16, 6, 197, 64), (8, 12, 197, 64), (8, 6, 577, 64), (4, 12, 1025, 64)]
+    print("(B, H, T, hd) dtype: train fused / math / explicit | inference fused / explicit   [ms]")
+    for dtype in (torch.float32, torch.bfloat16):
+        for B, H, T, hd in shapes:
+            q, k, v = (torch.randn(B, H, T, hd, dtype=dtype, requires_grad=True) for _ in range(3))
+            g = torch.randn(B, H, T, hd, dtype=dtype)
+
+            def sdpa(backend, train):
+                def f():
+                    with sdpa_kernel(backend), torch.set_grad_enabled(train):
+                        o = F.scaled_dot_product_attention(q, k, v)
+                        if train:
+                            o.backward(g)
+                return f
+
+            def explicit(train):
+                def f():
+                    with torch.set_grad_enabled(train):
+                        o = ((q * hd**-0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+                        if train:
+                            o.backward(g)
+                return f
+
+            tr = [timed(sdpa(SDPBackend.FLASH_ATTENTION, True)), timed(sdpa(SDPBackend.MATH, True)), timed(explicit(True))]
+            inf = [timed(sdpa(SDPBackend.FLASH_ATTENTION, False)), timed(explicit(False))]
+            print(f"{(B, H, T, hd)} {str(dtype)[6:]:>8}: train {tr[0]:6.1f} / {tr[1]:6.1f} / {tr[2]:6.1f} | "
+                  f"inference {inf[0]:6.1f} / {inf[1]:6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("part", choices=["layouts", "kernels"])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    layouts() if args.part == "layouts" else kernels()

@@ -48,6 +48,7 @@ def build_hf(name: str, img: int, tmp: Path):
     cfg = transformers.ViTConfig(hidden_size=s["hidden"], num_hidden_layers=s["depth"], num_attention_heads=s["heads"],
                                  intermediate_size=s["mlp"], image_size=img, patch_size=16, num_labels=1000)
     model = transformers.ViTForImageClassification(cfg)
+    torch.nn.init.normal_(model.classifier.weight, std=0.02)  # a non-zero head, so that the output check means something
     model.save_pretrained(tmp / f"hf_{name}")
     return model, vitkit.load(tmp / f"hf_{name}")
 
@@ -57,6 +58,7 @@ def build_timm(name: str, img: int, tmp: Path):
     from safetensors.torch import save_file
 
     model = timm.create_model(SIZES[name]["timm"], pretrained=False, img_size=img, num_classes=1000)
+    torch.nn.init.normal_(model.head.weight, std=0.02)  # timm zero-initialises the head: make the output check meaningful
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / f"timm_{name}.safetensors")
     return model, vitkit.load(tmp / f"timm_{name}.safetensors")
 

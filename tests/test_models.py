@@ -114,13 +114,19 @@ def test_gap_pools_normed_tokens_and_token_takes_class_token():
     torch.testing.assert_close(m(x), feats[:, 0])
 
 
-@pytest.mark.parametrize("pos_embed", ["learned_1d", "relative"])
-def test_fused_and_explicit_attention_agree(pos_embed):
-    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=3, num_classes=10, pos_embed=pos_embed).eval()
+def _attention_model(pos_embed: str, depth: int):
+    """A tiny ViT whose head and relative-position tables are non-zero, so that every path shows in the output."""
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=depth, num_classes=10, pos_embed=pos_embed)
     torch.nn.init.normal_(m.head.weight, std=0.02)
     for blk in m.blocks:
         if blk.attn.rel_pos is not None:
             torch.nn.init.normal_(blk.attn.rel_pos.table)
+    return m
+
+
+@pytest.mark.parametrize("pos_embed", ["learned_1d", "relative"])
+def test_fused_and_explicit_attention_agree(pos_embed):
+    m = _attention_model(pos_embed, depth=3).eval()
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         fused = m(x)
@@ -132,6 +138,53 @@ def test_fused_and_explicit_attention_agree(pos_embed):
     a = out["attention"][1]
     assert a.shape == (3, 3, 17, 17)
     torch.testing.assert_close(a.sum(-1), torch.ones(3, 3, 17))
+
+
+def _loss_and_grads(m, x, impl, bf16):
+    from vitkit.models.layers.attention import Attention
+
+    m.zero_grad(set_to_none=True)
+    old, Attention.impl = Attention.impl, impl
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = m(x).float().logsumexp(-1).mean()
+        loss.backward()
+    finally:
+        Attention.impl = old
+    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("pos_embed", ["learned_1d", "relative"])
+def test_training_attention_paths_give_the_same_gradients(pos_embed):
+    # the CPU bf16 training path swaps the fused kernel for matmul + softmax: same loss and gradients
+    torch.manual_seed(0)
+    m = _attention_model(pos_embed, depth=2).train()
+    x = torch.randn(4, 3, 32, 32)
+    l_f, g_f = _loss_and_grads(m, x, "sdpa", False)
+    l_e, g_e = _loss_and_grads(m, x, "explicit", False)
+    assert g_f.keys() == g_e.keys() and len(g_f) > 10
+    torch.testing.assert_close(l_f, l_e, rtol=1e-5, atol=1e-5)
+    for n in g_f:
+        torch.testing.assert_close(g_f[n], g_e[n], rtol=1e-4, atol=1e-5, msg=n)
+    # bf16 autocast: "auto" takes the explicit path here; it must match the fused kernel to bf16 precision
+    l_fb, g_fb = _loss_and_grads(m, x, "sdpa", True)
+    l_ab, g_ab = _loss_and_grads(m, x, "auto", True)
+    assert abs(l_fb - l_ab) < 2e-2 and abs(l_ab - l_f) < 5e-2
+    for n in g_fb:
+        scale = g_f[n].abs().max().clamp_min(1e-3)
+        assert (g_fb[n] - g_ab[n]).abs().max() / scale < 0.1, n
+
+
+def test_auto_attention_picks_explicit_only_for_cpu_bf16_training():
+    from vitkit.models.layers.attention import Attention
+
+    a = Attention(64, 4)
+    q = torch.zeros(2, 4, 50, 16, dtype=torch.bfloat16, requires_grad=True)
+    assert a._explicit_is_faster(q, 50)
+    assert not a._explicit_is_faster(q, 1025)  # long sequences: the fused kernel wins again
+    assert not a._explicit_is_faster(q.detach().float().requires_grad_(), 50)  # fp32: fused
+    with torch.no_grad():
+        assert not a._explicit_is_faster(q, 50)  # inference: fused
 
 
 def test_forward_intermediates_only_the_layers_asked():

@@ -96,6 +96,20 @@ class Attention(nn.Module):
         nn.init.xavier_uniform_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
 
+    # "auto" picks per call; "sdpa" / "explicit" force a path (tests, benchmarks)
+    impl: str = "auto"
+
+    def _explicit_is_faster(self, q: torch.Tensor, tokens: int) -> bool:
+        """On CPU in bf16, when gradients flow, plain matmul + softmax beats the fused kernel up to ~600
+        tokens: the fused kernel's bf16 backward is slow (ViT-S/16, 197 tokens: 28 ms vs 11 ms per layer;
+        49 tokens: 89 ms vs 13 ms). In fp32 the two are even and inference always takes the fused kernel.
+        Measured in benchmarks/NOTES.md, section 7."""
+        if self.impl != "auto":
+            return self.impl == "explicit"
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not (q.requires_grad and torch.is_grad_enabled()):
+            return False
+        return tokens <= 640
+
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         """x: (B, T, D) -> (B, T, D); with `return_attention`, also the softmax weights (B, H, T, T)."""
         B, T, D = x.shape
@@ -104,12 +118,14 @@ class Attention(nn.Module):
         q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(D, dim=-1))  # each (B, H, T, hd)
         bias = self.rel_pos() if self.rel_pos is not None else None  # (H, T, T) or None
         drop = self.attn_drop if self.training else 0.0
-        if return_attention:
+        if return_attention or self._explicit_is_faster(q, T):
             logits = (q * self.scale) @ k.transpose(-2, -1)  # (B, H, T, T)
             if bias is not None:
                 logits = logits + bias
             attn = logits.softmax(dim=-1)
             out = F.dropout(attn, drop) @ v  # (B, H, T, hd)
+            if not return_attention:
+                attn = None
         else:
             attn = None
             if bias is not None:

@@ -248,7 +248,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     t_start = time.perf_counter()
     t_log, seen_log, loss_log, correct_log, skipped_total = time.perf_counter(), 0, 0.0, 0.0, 0
     result: dict = {"interrupted": False}
-    last_eval: dict = {}  # {step: {"model": EvalResult, "ema": EvalResult}} of the latest evaluation
+    last_eval: tuple[int, dict] = (-1, {})  # (step, {"model": EvalResult, "ema": EvalResult}) of the latest evaluation
     limit = min(total, max_steps) if max_steps else total
     try:
         while step < limit:
@@ -306,7 +306,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
                 if end_of_epoch or step == limit:
                     ep = step / steps_per_epoch
                     if end_of_epoch and (round(ep / r.eval_every, 6) % 1 == 0 or step == total) or step == limit:
-                        best, last_eval = _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar)
+                        best, evaluated = _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar)
+                        last_eval = (step, evaluated)
                 if step % r.ckpt_every == 0 or step % steps_per_epoch == 0 or step == limit:
                     write_state()
                 if stop["flag"]:
@@ -323,7 +324,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     final = ema if ema is not None else model
     save(final, out / "final.safetensors")
     # the loop evaluated the final weights at its last step; evaluate again only if it did not
-    final_eval = last_eval.get(step, {}).get("ema" if ema is not None else "model")
+    final_eval = last_eval[1].get("ema" if ema is not None else "model") if last_eval[0] == step else None
     if final_eval is None:
         final_eval = evaluate(final, spec.test, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision)
     result.update(step=step, acc1=final_eval.acc1, acc5=final_eval.acc5, best_acc1=max(best, final_eval.acc1),
@@ -351,4 +352,4 @@ def _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, b
     if cand_acc > best:
         save(cand, out / "best.safetensors", metadata={"acc1": str(cand_acc), "step": str(step)})
         best = cand_acc
-    return best, {step: results}
+    return best, results

@@ -106,7 +106,7 @@ class Attention(nn.Module):
         Measured in benchmarks/NOTES.md, section 7."""
         if self.impl != "auto":
             return self.impl == "explicit"
-        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not (q.requires_grad and torch.is_grad_enabled()):
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not q.requires_grad:
             return False
         return tokens <= 640
 

@@ -2,7 +2,8 @@
 
 Every case builds the peer's model, writes its weights, loads them into vitkit through `vitkit.load`
 (so both run the same numbers), checks the outputs agree, then alternates timed rounds between the
-implementations and prints img/s and the vitkit/peer ratio (median of the rounds).
+implementations (alternating which goes first) and prints img/s and the vitkit/peer ratio (median of the
+rounds, each round timed by its median call).
 
     python benchmarks/peers.py                      # the default cases (2-core CPU: a few minutes)
     python benchmarks/peers.py --cases vit_s16:infer:fp32 --rounds 5 --json out.json
@@ -94,12 +95,14 @@ def runner(model, kind: str, x: torch.Tensor, dtype: str, train: bool):
 
 
 def measure(fn, batch: int, seconds: float) -> float:
-    fn()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds or n < 2:
+    """img/s from the median time per call: robust to the odd call a busy neighbour slows down."""
+    times = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 3:
+        t = time.perf_counter()
         fn()
-        n += 1
-    return batch * n / (time.perf_counter() - t0)
+        times.append(time.perf_counter() - t)
+    return batch / statistics.median(times)
 
 
 def main() -> None:
@@ -108,7 +111,7 @@ def main() -> None:
     ap.add_argument("--img-size", type=int, default=224)
     ap.add_argument("--batch-infer", type=int, default=8)
     ap.add_argument("--batch-train", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=4.0, help="per implementation per round")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
@@ -139,9 +142,13 @@ def main() -> None:
                     diff = (a - ours(x[:2])).abs().max().item()
                 fns = {"vitkit": runner(ours, "vitkit", x, dtype, train), peer: runner(ref, peer, x, dtype, train)}
                 speeds: dict[str, list[float]] = {k: [] for k in fns}
+                for fn in fns.values():  # warm-up: first-call allocations and kernel selection
+                    measure(fn, batch, 1.0)
+                order = list(fns)
                 for _ in range(args.rounds):
-                    for k, fn in fns.items():  # interleaved: drifts in machine speed hit both
-                        speeds[k].append(measure(fn, batch, args.seconds))
+                    for k in order:  # interleaved: drifts in machine speed hit both
+                        speeds[k].append(measure(fns[k], batch, args.seconds))
+                    order.reverse()  # and neither always goes first
                 med = {k: statistics.median(v) for k, v in speeds.items()}
                 flops = count_flops(ours, (args.img_size,) * 2) * (3 if train else 1)
                 row = {"case": case, "peer": peer, "batch": batch, "vitkit_img_s": med["vitkit"], "peer_img_s": med[peer],

@@ -148,10 +148,11 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
     model = model.to(device)
     c = model.config
     x = torch.randn(batch_size, c.in_chans, *c.img_size, device=device)
-    flops = count_flops(model, c.img_size, c.in_chans)
     step = make_step(model, x, dtype, train, compile_)
+    # before any other forward: on CPU, memory an earlier forward freed stays in the process and would hide the peak
     with PeakMemory(device) as mem:
         times = time_fn(step, device, warmup, iters, min_seconds)
+    flops = count_flops(model, c.img_size, c.in_chans)
     ips = batch_size / statistics.median(times)
     lat = None
     if latency and not train:

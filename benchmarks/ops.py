@@ -1,0 +1,86 @@
+"""Single-op choices on a CPU (NOTES.md, section 8): the patch embedding's op, and foreach vs fused AdamW.
+
+    python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
+    python benchmarks/ops.py adamw         # one AdamW step over ViT-S/16 and ViT-B/16 parameters: foreach vs fused
+
+Rounds alternate between the candidates; each number is the median over rounds, in ms.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def timed(fn, n: int = 10) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def compare(fns: dict, rounds: int = 5, n: int = 10) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            times[k].append(timed(fns[k], n))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def patch_embed() -> None:
+    """The same linear map two ways: F.conv2d, and the image cut into patches by reshape/permute, then a matmul."""
+    P = 16
+    for B, D, dtype, train in [(8, 384, torch.float32, False), (8, 768, torch.float32, False), (16, 384, torch.float32, True),
+                               (8, 768, torch.bfloat16, False), (16, 384, torch.bfloat16, True)]:
+        x = torch.randn(B, 3, 224, 224, requires_grad=train)
+        w = torch.randn(D, 3, P, P, requires_grad=train)
+        b = torch.randn(D, requires_grad=train)
+
+        def conv():
+            return F.conv2d(x, w, b, stride=P).flatten(2).transpose(1, 2)  # (B, D, 14, 14) -> (B, 196, D)
+
+        def matmul():
+            p = x.view(B, 3, 14, P, 14, P).permute(0, 2, 4, 1, 3, 5).reshape(B, 196, 3 * P * P)  # (B, 196, 3*P*P)
+            return F.linear(p, w.view(D, -1), b)  # (B, 196, D)
+
+        assert torch.allclose(conv(), matmul(), atol=1e-3, rtol=1e-3)
+
+        def run(f):
+            def go():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16), torch.set_grad_enabled(train):
+                    y = f()
+                if train:
+                    y.float().sum().backward()
+            return go
+
+        res = compare({"conv": run(conv), "matmul": run(matmul)})
+        print(f"B {B:>2} D {D} {str(dtype)[6:]:>8} {'fwd+bwd' if train else 'fwd':>7}: conv {res['conv']:6.2f} ms, "
+              f"patches + matmul {res['matmul']:6.2f} ms", flush=True)
+
+
+def adamw() -> None:
+    import vitkit
+
+    for name in ["vit_s16", "vit_b16"]:
+        model = vitkit.create_model(name, num_classes=1000)
+        params = list(model.parameters())
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opts = {mode: torch.optim.AdamW(params, lr=1e-6, **{mode: True}) for mode in ("foreach", "fused")}
+        res = compare({mode: opt.step for mode, opt in opts.items()}, n=5)
+        print(f"{name} ({sum(p.numel() for p in params) / 1e6:.0f}M params): AdamW step foreach {res['foreach']:.1f} ms, "
+              f"fused {res['fused']:.1f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["patch-embed", "adamw"])
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    {"patch-embed": patch_embed, "adamw": adamw}[args.what]()

@@ -104,14 +104,23 @@ class ResNetBackbone(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.stem.norm(self.stem.conv(x)))  # (B, C, H, W) -> (B, w, H/2, W/2)
+        x = self._max_pool(x)  # (B, w, H/4, W/4)
+        return self.stages(x)  # (B, C', H/s, W/s)
+
+    def _max_pool(self, x: torch.Tensor) -> torch.Tensor:
+        # The CPU max-pool is 14x faster channels-last than NCHW (benchmarks/NOTES.md, section 8), while GroupNorm is
+        # much slower channels-last: a 1-channel input leaves the stem NCHW, so only the pool switches layout.
+        nchw = not x.is_contiguous(memory_format=torch.channels_last)
+        if nchw:
+            x = x.contiguous(memory_format=torch.channels_last)
         if self.same and x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0:
             # 'SAME' pads one row/column at the bottom/right only: exactly ceil_mode, without a padded copy
-            x = F.max_pool2d(x, 3, 2, ceil_mode=True)  # (B, w, H/4, W/4)
+            x = F.max_pool2d(x, 3, 2, ceil_mode=True)
         elif self.same:
             x = F.max_pool2d(pad_same(x, 3, 2, value=float("-inf")), 3, 2)
         else:
             x = F.max_pool2d(x, 3, 2, padding=1)
-        return self.stages(x)  # (B, C', H/s, W/s)
+        return x.contiguous() if nchw else x
 
 
 class PreActBottleneck(nn.Module):

@@ -38,7 +38,7 @@ def patch_embed() -> None:
     P = 16
     for B, D, dtype, train in [(8, 384, torch.float32, False), (8, 768, torch.float32, False), (16, 384, torch.float32, True),
                                (8, 768, torch.bfloat16, False), (16, 384, torch.bfloat16, True)]:
-        x = torch.randn(B, 3, 224, 224, requires_grad=train)
+        x = torch.randn(B, 3, 224, 224)  # images need no gradient
         w = torch.randn(D, 3, P, P, requires_grad=train)
         b = torch.randn(D, requires_grad=train)
 

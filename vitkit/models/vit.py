@@ -176,6 +176,13 @@ class PreLogits(nn.Module):
 class VisionTransformer(nn.Module):
     """ViT, and with `hybrid_layers` set, the ResNet + ViT hybrid. Build it with `vitkit.create_model`."""
 
+    # Under autocast, the tokens between blocks stay fp32 (the position embedding promotes them): every norm,
+    # residual add and GELU then runs in fp32, with a cast in front of every Linear and back in the backward.
+    # True keeps the token stream in the autocast dtype instead (as pure-bf16 training does): measured 1.2x
+    # faster training on a CPU at small widths (benchmarks/NOTES.md, section 8). Off by default; the weights,
+    # their gradients and the optimizer stay fp32 either way. The trainer sets it from `run.lowp_stream`.
+    lowp_stream: bool = False
+
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         c = self.config = config
@@ -213,7 +220,10 @@ class VisionTransformer(nn.Module):
         x = self.patch_embed(x)  # (B, N, D)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, D)
-        return self.pos_drop(self.pos_embed(x))
+        x = self.pos_drop(self.pos_embed(x))
+        if self.lowp_stream and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return x
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """All tokens after the final norm: (B, C, H, W) -> (B, T, D)."""

@@ -96,6 +96,8 @@ class RunConfig:
     seed: everything random derives from it.
     device: "auto", "cpu", "cuda", ...
     precision: "fp32", "bf16" (autocast, CPU or GPU) or "fp16" (autocast + grad scaler, GPU).
+    lowp_stream: with bf16/fp16, keep the tokens between blocks in that dtype too, not fp32: no casts around
+        every Linear (faster, most on CPUs); weights, gradients and optimizer stay fp32.
     compile: torch.compile the model.
     accumulate: gradient accumulation steps.
     ema: EMA decay of the weights (e.g. 0.9998); None: off.
@@ -110,6 +112,7 @@ class RunConfig:
     seed: int = 0
     device: str = "auto"
     precision: str = "fp32"
+    lowp_stream: bool = False
     compile: bool = False
     accumulate: int = 1
     ema: float | None = None

@@ -187,6 +187,26 @@ def test_auto_attention_picks_explicit_only_for_cpu_bf16_training():
         assert not a._explicit_is_faster(q * 1, 50)  # inference (q computed without grad): fused
 
 
+def test_low_precision_token_stream():
+    torch.manual_seed(0)
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=2, num_classes=5)
+    torch.nn.init.normal_(m.head.weight, std=0.02)
+    x = torch.randn(4, 3, 32, 32)
+    seen = []
+    m.blocks[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    ref = m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp = m(x)
+    m.lowp_stream = True
+    assert torch.equal(m(x), ref)  # without autocast it changes nothing
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = m(x)
+        low.float().sum().backward()
+    assert seen == [torch.float32, torch.float32, torch.float32, torch.bfloat16]
+    assert (low.float() - ref).abs().max() < 0.1 and (amp.float() - ref).abs().max() < 0.1
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
+
+
 def test_forward_intermediates_only_the_layers_asked():
     m = vitkit.create_model("vit_ti16", img_size=32, depth=4, num_classes=3).eval()
     calls = []

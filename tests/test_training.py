@@ -163,6 +163,14 @@ def test_finetune_a_fixture_checkpoint_at_a_new_resolution(tmp_path):
     assert after.head.weight.abs().sum() > 0
 
 
+def test_low_precision_token_stream_trains(tmp_path):
+    cfg = tiny_cfg(tmp_path / "lowp", **{"schedule.epochs": 8, "run.lowp_stream": True})
+    assert cfg.run.precision == "bf16"
+    assert train(cfg)["acc1"] > 0.9
+    with pytest.raises(ValueError, match="lowp_stream needs"):
+        train(tiny_cfg(tmp_path / "lowp32", **{"run.lowp_stream": True, "run.precision": "fp32"}))
+
+
 def test_nan_loss_stops_with_the_last_good_checkpoint_intact(tmp_path):
     cfg = tiny_cfg(tmp_path / "nan", **{"run.ckpt_every": 1, "optim.clip_grad": None, "optim.lr": 1e4, "schedule.warmup_epochs": 0.0})
     with pytest.raises(TrainingError, match="became") as e:

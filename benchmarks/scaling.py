@@ -44,7 +44,7 @@ def main() -> None:
     args = ap.parse_args()
 
     rows, base = [], {}
-    print("| model | mode | res | tokens | batch | img/s | ms/img | peak MB | GFLOP/img | % of matmul peak | tokens vs 224 | cost/img vs 224 |")
+    print("| model | mode | res | tokens | batch | img/s | ms/img | peak MB above weights | GFLOP/img | % of matmul peak | tokens vs 224 | cost/img vs 224 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for mode in args.modes:

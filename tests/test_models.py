@@ -52,6 +52,20 @@ def test_flops_of_vit_b16_and_tokens():
     assert 34.5 < stats["gflops"] < 35.5
 
 
+def test_flops_count_the_cpu_fused_attention():
+    # a real CPU forward runs the fused attention kernel, which torch's counter does not know by itself:
+    # the count must equal the meta-device count (where attention runs as explicit matmuls), T^2 term included
+    from vitkit.stats import count_flops
+
+    model = vitkit.create_model("vit_ti16", img_size=64, num_classes=0)
+    with torch.device("meta"):
+        meta = vitkit.create_model("vit_ti16", img_size=64, num_classes=0)
+    cpu = count_flops(model, (64, 64))
+    T, D, L = 17, 192, 12
+    assert cpu == count_flops(meta, (64, 64))
+    assert cpu > L * 2 * (2 * T * T * D)  # more than the attention's own matmuls
+
+
 def test_paper_names_are_aliases():
     assert get_entry("ViT-B/16").name == "vit_b16"
     assert get_entry("R50+ViT-B/16").name == "r50_vit_b16"

@@ -12,7 +12,7 @@ def demo(epochs: float = 2.0, out: str = "runs/demo", images: int = 4) -> dict:
     --data-dir / $VITKIT_DATA, or downloaded from the official URL.
 
     Args:
-        epochs: training length (the full preset uses 11; 2 take about 2.5 minutes on 2 cores).
+        epochs: training length (the full preset uses 9; 2 take about 3 minutes on a 2-core CPU).
         out: the run directory.
         images: how many test images to write out and classify.
     """

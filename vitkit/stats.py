@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .models import build_model
 from .models.registry import ModelEntry
@@ -12,6 +12,21 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _cpu_sdpa_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:  # shapes, as FlopCounterMode passes them
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_sdpa_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, q, k, v)
+
+
+# The counter knows the CUDA attention kernels only; without these the CPU's fused attention counts 0 FLOPs.
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
+}
+
+
 def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int = 3, batch: int = 1) -> int:
     """FLOPs of one forward pass per image, counted by `torch.utils.flop_counter`.
 
@@ -19,7 +34,7 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
     Only matmuls, convolutions and attention are counted; norms, activations and softmax are not.
     """
     x = torch.empty(batch, in_chans, *img_size, device=next(model.parameters()).device)
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter, torch.no_grad():
         model(x)
     return counter.get_total_flops() // batch
 

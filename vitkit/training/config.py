@@ -97,7 +97,7 @@ class RunConfig:
     device: "auto", "cpu", "cuda", ...
     precision: "fp32", "bf16" (autocast, CPU or GPU) or "fp16" (autocast + grad scaler, GPU).
     lowp_stream: with bf16/fp16, keep the tokens between blocks in that dtype too, not fp32: no casts around
-        every Linear (faster, most on CPUs); weights, gradients and optimizer stay fp32.
+        every Linear (faster, most on CPUs); weights, gradients and optimizer stay fp32. ViTs only; no effect on a CNN.
     compile: torch.compile the model.
     accumulate: gradient accumulation steps.
     ema: EMA decay of the weights (e.g. 0.9998); None: off.

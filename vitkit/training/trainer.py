@@ -187,9 +187,10 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     model = build_model_for(cfg, spec).to(device)
     mc = model.config
     if r.lowp_stream:
-        if r.precision not in ("bf16", "fp16") or not hasattr(model, "lowp_stream"):
-            raise ValueError(f"run.lowp_stream needs run.precision bf16 or fp16 and a ViT (got {r.precision}, {type(model).__name__})")
-        model.lowp_stream = True
+        if r.precision not in ("bf16", "fp16"):
+            raise ValueError(f"run.lowp_stream needs run.precision bf16 or fp16 (got {r.precision}): set run.lowp_stream=false")
+        if hasattr(model, "lowp_stream"):  # a ViT; a CNN (BiT) has no token stream, so the option changes nothing there
+            model.lowp_stream = True
     if len(spec.train) < d.batch_size * r.accumulate:
         raise ValueError(f"{len(spec.train)} training images are fewer than one batch of {d.batch_size * r.accumulate}")
     if cfg.model.linear_probe:

@@ -137,6 +137,7 @@ def evaluate(
     out: str | None = None,
     batch_size: int = 500,
     num_workers: int = 2,
+    tta: Literal["none", "flip", "flip-shift"] = "none",
 ) -> dict:
     """Evaluate a checkpoint on a test set: top-1, top-5, per-class accuracy, a confusion-matrix PNG and a JSON report.
 
@@ -148,6 +149,8 @@ def evaluate(
         out: folder for eval_report.json and confusion.png (default: next to the checkpoint).
         batch_size: images per forward pass.
         num_workers: decoding workers for folder datasets.
+        tta: test-time augmentation: the mean probabilities of the image and its mirror (flip), and of both
+            moved by one pixel each way (flip-shift, 10 views). For models trained with flips.
     """
     from .checkpoints import load
     from .data.augment import AugConfig, BatchAugment
@@ -174,9 +177,9 @@ def evaluate(
     if c.num_classes != len(test.classes):
         raise ValueError(f"the checkpoint has {c.num_classes} classes, the data {len(test.classes)}")
     transform = BatchAugment(AugConfig(), c.img_size, c.mean, c.std, c.num_classes, replicate).eval
-    res = _evaluate(model, test, transform, batch_size=batch_size, num_workers=num_workers)
+    res = _evaluate(model, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta)
     out_dir = Path(out) if out else Path(checkpoint).parent
-    write_report(res, out_dir / "eval_report.json", {"checkpoint": str(checkpoint), "data": data})
+    write_report(res, out_dir / "eval_report.json", {"checkpoint": str(checkpoint), "data": data, "tta": tta})
     save_confusion_png(res, out_dir / "confusion.png")
     print(f"{checkpoint} on {data}: top-1 {res.acc1:.4f}  top-5 {res.acc5:.4f}  loss {res.loss:.4f}  (n = {res.n}, skipped {res.skipped})")
     width = max(len(n) for n in res.classes)
@@ -191,6 +194,7 @@ def predict(
     checkpoint: str = "runs/fashion-mnist/best.safetensors",
     top_k: int = 3,
     format: Literal["table", "json", "csv"] = "table",
+    tta: Literal["none", "flip", "flip-shift"] = "none",
 ) -> list[dict]:
     """Classify image files with a checkpoint's own preprocessing and class names; unreadable files are reported.
 
@@ -199,11 +203,12 @@ def predict(
         checkpoint: any checkpoint vitkit loads.
         top_k: how many classes per image.
         format: table, json or csv.
+        tta: test-time augmentation, as for `vitkit eval`.
     """
     from .checkpoints import load
     from .inference import predict as _predict
 
-    records = _predict(load(checkpoint), images, top_k)
+    records = _predict(load(checkpoint), images, top_k, tta=tta)
     if format == "json":
         print(json.dumps(records, indent=1))
     elif format == "csv":

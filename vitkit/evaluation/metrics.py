@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +30,44 @@ class EvalResult:
                 "per_class": {c: a for c, a in zip(self.classes, self.per_class)}, "confusion": self.confusion.tolist()}
 
 
+TTA_MODES = ("none", "flip", "flip-shift")
+
+
+def tta_views(x: torch.Tensor, mode: str = "none") -> list[torch.Tensor]:
+    """The test-time-augmentation views of a model-ready batch x (B, C, H, W).
+
+    "none": x. "flip": x and its horizontal mirror (for models trained with flips).
+    "flip-shift": those two, each also moved by one pixel up, down, left and right (edges replicated): 10 views.
+    """
+    if mode not in TTA_MODES:
+        raise ValueError(f"unknown test-time augmentation {mode!r}; choose one of {', '.join(TTA_MODES)}")
+    if mode == "none":
+        return [x]
+    views = [x, x.flip(-1)]
+    if mode == "flip-shift":
+        h, w = x.shape[-2:]
+        padded = F.pad(x, (1, 1, 1, 1), mode="replicate")  # (B, C, H + 2, W + 2)
+        for dy, dx in ((0, 1), (2, 1), (1, 0), (1, 2)):  # window corners: the content moves down, up, right, left
+            moved = padded[..., dy:dy + h, dx:dx + w]  # (B, C, H, W)
+            views += [moved, moved.flip(-1)]
+    return views
+
+
+def tta_log_probs(model: nn.Module, x: torch.Tensor, mode: str = "none") -> torch.Tensor:
+    """log of the class probabilities (B, K) averaged over the views of `tta_views`, in float32."""
+    views = tta_views(x, mode)
+    logp = torch.stack([model(v).float().log_softmax(-1) for v in views])  # (V, B, K)
+    return logp.logsumexp(0) - math.log(len(views))
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, device: str | torch.device = "cpu",
-             precision: str = "fp32", num_workers: int = 0) -> EvalResult:
-    """Accuracy of `model` on `data` (an in-memory or file dataset); `transform` maps uint8 batches to model inputs."""
+             precision: str = "fp32", num_workers: int = 0, tta: str = "none") -> EvalResult:
+    """Accuracy of `model` on `data` (an in-memory or file dataset); `transform` maps uint8 batches to model inputs.
+
+    tta: test-time augmentation (`tta_views`): the prediction is the mean of the views' probabilities.
+    """
+    tta_views(torch.zeros(1, 1, 3, 3), tta)  # an unknown mode fails before any work
     was_training = model.training
     model.eval()
     k = len(data.classes)
@@ -44,8 +79,8 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
         if len(y) == 0:
             continue
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            logits = model(transform(x)).float()
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
+            logits = tta_log_probs(model, transform(x), tta)  # log-probabilities: top-k and the loss as from logits
+        loss_sum += F.nll_loss(logits, y, reduction="sum").item()
         pred = logits.argmax(1)
         conf += torch.bincount((y * k + pred).cpu(), minlength=k * k).view(k, k)
         top5 += (logits.topk(min(5, k), 1).indices == y[:, None]).any(1).sum().item()

@@ -7,11 +7,16 @@ import torch
 from torch import nn
 
 from ..data.image import ImageDecodeError, load_image, preprocess
+from ..evaluation.metrics import tta_log_probs, tta_views
 
 
 @torch.no_grad()
-def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_size: int = 32) -> list[dict]:
-    """One record per image: {"image", "top": [(label, probability), ...]} or {"image", "error"} if unreadable."""
+def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_size: int = 32, tta: str = "none") -> list[dict]:
+    """One record per image: {"image", "top": [(label, probability), ...]} or {"image", "error"} if unreadable.
+
+    tta: test-time augmentation (`vitkit.evaluation.tta_views`): probabilities averaged over the views.
+    """
+    tta_views(torch.zeros(1, 1, 3, 3), tta)  # an unknown mode fails before any image is read
     c = model.config
     names = c.class_names or [str(i) for i in range(c.num_classes)]
     device = next(model.parameters()).device
@@ -22,7 +27,7 @@ def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_si
         if not pending:
             return
         x = torch.stack([t for _, t in pending]).to(device)
-        probs = model(x).float().softmax(-1)
+        probs = tta_log_probs(model, x, tta).exp()  # (B, K)
         top = probs.topk(min(top_k, probs.shape[1]), dim=1)
         for (i, _), v, idx in zip(pending, top.values.tolist(), top.indices.tolist()):
             records[i]["top"] = [(names[j], p) for j, p in zip(idx, v)]

@@ -104,6 +104,8 @@ class RunConfig:
     threads: CPU threads (None: torch's default).
     deterministic: deterministic algorithms (bitwise resume on CPU).
     eval_every: evaluate every this many epochs.
+    tta: test-time augmentation of those evaluations: "none", "flip" (the image and its mirror) or "flip-shift"
+        (also moved by one pixel each way: 10 views); the mean of the views' probabilities is the prediction.
     ckpt_every: write the resumable checkpoint every this many steps (and at every epoch end).
     log_every: log every this many steps.
     """
@@ -119,6 +121,7 @@ class RunConfig:
     threads: int | None = None
     deterministic: bool = False
     eval_every: float = 1.0
+    tta: str = "none"
     ckpt_every: int = 200
     log_every: int = 20
     progress: bool = True

@@ -29,7 +29,7 @@ from torch import nn
 from ..checkpoints.api import _atomic_write, save
 from ..data.augment import BatchAugment
 from ..data.datasets import DataSpec, InMemoryDataset, iterate_batches, load_dataset
-from ..evaluation import evaluate
+from ..evaluation import TTA_MODES, evaluate
 from .config import TrainConfig
 from .optim import build_optimizer, lr_factor, schedule_steps, set_lr
 
@@ -179,6 +179,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     torch.manual_seed(r.seed)
 
     d = cfg.data
+    if r.tta not in TTA_MODES:  # before any work, not at the first evaluation
+        raise ValueError(f"unknown run.tta {r.tta!r}; choose one of {', '.join(TTA_MODES)}")
     spec = load_dataset(d.dataset, d.data_dir, img_size=cfg.model.overrides.get("img_size"), strict_images=d.strict_images,
                         test_dir=d.test_dir, in_chans=cfg.model.overrides.get("in_chans"))
     if isinstance(spec.train, InMemoryDataset):
@@ -331,7 +333,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     # the loop evaluated the final weights at its last step; evaluate again only if it did not
     final_eval = last_eval[1].get("ema" if ema is not None else "model") if last_eval[0] == step else None
     if final_eval is None:
-        final_eval = evaluate(final, spec.test, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision)
+        final_eval = evaluate(final, spec.test, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
     result.update(step=step, acc1=final_eval.acc1, acc5=final_eval.acc5, best_acc1=max(best, final_eval.acc1),
                   time_s=elapsed + time.perf_counter() - t_start, skipped_images=skipped_total)
     bar.message(f"done: {step} steps in {result['time_s']:.0f} s; test top-1 {final_eval.acc1:.4f}, top-5 {final_eval.acc5:.4f}")
@@ -341,12 +343,12 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
 
 def _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar) -> tuple[float, dict]:
     r = cfg.run
-    res = evaluate(model, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision)
+    res = evaluate(model, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
     rec = {"split": "test", "step": step, "epoch": ep, "acc1": res.acc1, "acc5": res.acc5, "loss": res.loss}
     cand, cand_acc = model, res.acc1
     results = {"model": res}
     if ema is not None:
-        res_e = evaluate(ema, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision)
+        res_e = evaluate(ema, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
         rec.update(ema_acc1=res_e.acc1, ema_acc5=res_e.acc5)
         results["ema"] = res_e
         if res_e.acc1 > cand_acc:

@@ -1,0 +1,65 @@
+"""Evaluation: test-time augmentation views and their averaging, in `evaluate`, `predict` and the trainer."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from vitkit.data.datasets import InMemoryDataset
+from vitkit.evaluation import evaluate, tta_log_probs, tta_views
+
+
+def test_tta_views_mirror_and_move_the_image():
+    x = torch.zeros(1, 1, 5, 5)
+    x[0, 0, 1, 3] = 1.0  # one bright pixel at row 1, column 3
+    assert len(tta_views(x, "none")) == 1 and tta_views(x, "none")[0] is x
+    plain, mirror = tta_views(x, "flip")
+    assert torch.equal(plain, x) and mirror[0, 0, 1, 1] == 1.0 and mirror.sum() == 1.0
+    views = tta_views(x, "flip-shift")
+    assert len(views) == 10 and all(v.shape == x.shape for v in views)
+    where = [tuple(v[0, 0].nonzero()[0].tolist()) for v in views[2::2]]  # the unmirrored moved views
+    assert where == [(2, 3), (0, 3), (1, 4), (1, 2)]  # down, up, right, left by one pixel
+    assert all(torch.equal(m, v.flip(-1)) for v, m in zip(views[2::2], views[3::2]))
+    with pytest.raises(ValueError, match="unknown test-time augmentation 'rot90'"):
+        tta_views(x, "rot90")
+
+
+class LeftVsRight(nn.Module):
+    """Logits (left-half mean, right-half mean) * 10: a model that is not mirror-invariant at all."""
+
+    def forward(self, x):
+        w = x.shape[-1] // 2
+        return 10 * torch.stack([x[..., :w].mean((1, 2, 3)), x[..., w:].mean((1, 2, 3))], 1)
+
+
+def test_flip_tta_averages_the_probabilities_of_image_and_mirror():
+    images = torch.zeros(8, 1, 4, 4, dtype=torch.uint8)
+    images[..., :2] = 255  # bright left half: class 0
+    data = InMemoryDataset(images, torch.zeros(8, dtype=torch.long), ["left", "right"])
+    model, to_float = LeftVsRight(), (lambda x: x.float() / 255)
+    plain = evaluate(model, data, to_float)
+    assert plain.acc1 == 1.0 and plain.loss == pytest.approx(math.log1p(math.exp(-10)), rel=1e-3)
+    # the mirror puts the same confidence on the other class: the mean of the two is exactly one half each
+    flipped = evaluate(model, data, to_float, tta="flip")
+    assert flipped.loss == pytest.approx(math.log(2), abs=1e-6)
+    logp = tta_log_probs(model, to_float(images[:2]), "flip")
+    assert torch.allclose(logp.exp(), torch.full((2, 2), 0.5))
+    # a top-vs-bottom model on a bright top row: the views moved up and down change its answer, the mirror does not
+    top_vs_bottom = lambda x: LeftVsRight()(x.transpose(-1, -2))  # noqa: E731
+    row = torch.zeros(1, 1, 4, 4)
+    row[..., 0, :] = 1.0
+    views = tta_views(row, "flip-shift")
+    manual = torch.stack([top_vs_bottom(v).softmax(-1) for v in views]).mean(0)
+    got = tta_log_probs(top_vs_bottom, row, "flip-shift").exp()
+    assert torch.allclose(got, manual, atol=1e-6)
+    assert not torch.allclose(got, tta_log_probs(top_vs_bottom, row, "flip").exp(), atol=1e-3)  # 10 views, not 2
+
+
+def test_trainer_rejects_an_unknown_tta_before_training(tmp_path):
+    from vitkit.training import apply_overrides, get_preset, train
+
+    cfg = get_preset("fashion-mnist", smoke=True)
+    apply_overrides(cfg, {"run.tta": "mirror", "run.out_dir": str(tmp_path / "run"), "data.dataset": "digits"})
+    with pytest.raises(ValueError, match="unknown run.tta 'mirror'"):
+        train(cfg)
+    assert not (tmp_path / "run" / "last.ckpt").exists()

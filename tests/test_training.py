@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = {
     "data.dataset": "digits", "data.batch_size": 64, "data.eval_batch_size": 500, "model.name": "vit_ti16",
     "model.overrides": {"img_size": 16, "patch_size": 4, "embed_dim": 64, "depth": 2, "num_heads": 4, "mlp_dim": 128},
-    "aug.hflip": False, "aug.pad": 0,
+    "aug.hflip": False, "aug.pad": 0, "run.tta": "none",
     "optim.lr": 3e-3, "schedule.epochs": 4, "schedule.warmup_epochs": 0.5,
     "run.progress": False, "run.log_every": 1, "run.threads": 1, "run.deterministic": True,
 }
@@ -253,3 +253,15 @@ def test_finetune_a_bit_checkpoint_gets_a_new_head(tmp_path):
     train(cfg)
     m = vitkit.load(tmp_path / "bit" / "final.safetensors")
     assert m.config.num_classes == 10 and m.config.class_names == [str(i) for i in range(10)]
+
+
+def test_eval_every_a_fraction_of_an_epoch(tmp_path):
+    with pytest.raises(ValueError, match="set aug.hflip=true or run.tta=none"):
+        train(tiny_cfg(tmp_path / "x", **{"run.tta": "flip"}))  # digits trained without flips
+    cfg = tiny_cfg(tmp_path / "run", **{"schedule.epochs": 2, "run.eval_every": 0.5, "run.tta": "flip", "aug.hflip": True})
+    steps_per_epoch = 1500 // 64  # digits: 1500 training images
+    train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [r["step"] for r in lines if r.get("split") == "test"]
+    half = round(0.5 * steps_per_epoch)
+    assert steps == [half, 2 * half, 3 * half, 2 * steps_per_epoch], steps  # every half epoch, and the last step

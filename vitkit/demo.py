@@ -30,7 +30,7 @@ def demo(epochs: float = 2.0, out: str = "runs/demo", images: int = 4) -> dict:
     result = train(cfg, resume=False)
     ckpt = str(Path(out) / "best.safetensors")
     print(f"\n== evaluating {ckpt}")
-    evaluate(ckpt, data="fashion-mnist", out=out)
+    evaluate(ckpt, data="fashion-mnist", out=out, tta=cfg.run.tta)
     test = load_fashion_mnist("test")
     samples = Path(out) / "samples"
     samples.mkdir(parents=True, exist_ok=True)
@@ -40,5 +40,5 @@ def demo(epochs: float = 2.0, out: str = "runs/demo", images: int = 4) -> dict:
         Image.fromarray(test.images[i, 0].numpy()).save(f)
         files.append(str(f))
     print(f"\n== predicting {images} test images (the file names carry the true class)")
-    predict(files, checkpoint=ckpt, top_k=3)
+    predict(files, checkpoint=ckpt, top_k=3, tta=cfg.run.tta)
     return result

@@ -103,7 +103,7 @@ class RunConfig:
     ema: EMA decay of the weights (e.g. 0.9998); None: off.
     threads: CPU threads (None: torch's default).
     deterministic: deterministic algorithms (bitwise resume on CPU).
-    eval_every: evaluate every this many epochs.
+    eval_every: evaluate every this many epochs (fractions too: 0.5 is twice an epoch), and at the end.
     tta: test-time augmentation of those evaluations: "none", "flip" (the image and its mirror) or "flip-shift"
         (also moved by one pixel each way: 10 views); the mean of the views' probabilities is the prediction.
     ckpt_every: write the resumable checkpoint every this many steps (and at every epoch end).

@@ -181,6 +181,9 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     d = cfg.data
     if r.tta not in TTA_MODES:  # before any work, not at the first evaluation
         raise ValueError(f"unknown run.tta {r.tta!r}; choose one of {', '.join(TTA_MODES)}")
+    if r.tta != "none" and not cfg.aug.hflip:
+        raise ValueError(f"run.tta={r.tta} averages over mirrored images, for models trained with flips: "
+                         "set aug.hflip=true or run.tta=none")
     spec = load_dataset(d.dataset, d.data_dir, img_size=cfg.model.overrides.get("img_size"), strict_images=d.strict_images,
                         test_dir=d.test_dir, in_chans=cfg.model.overrides.get("in_chans"))
     if isinstance(spec.train, InMemoryDataset):
@@ -215,6 +218,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     per_step = d.batch_size * r.accumulate
     steps_per_epoch = len(spec.train) // per_step
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
+    eval_steps = max(1, round(r.eval_every * steps_per_epoch))  # and always at the last step
     step, best, elapsed = 0, -1.0, 0.0
     ckpt_path = out / "last.ckpt"
     if resume and ckpt_path.exists():
@@ -309,12 +313,10 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
                     logger.log(rec)
                     bar.update(step, epoch, rec["loss"], rec["train_acc"], ips, (limit - step) * per_step / max(ips, 1e-9), lr)
                     t_log, seen_log, loss_log, correct_log = now, 0, 0.0, 0.0
-                end_of_epoch = step % steps_per_epoch == 0
-                if end_of_epoch or step == limit:
+                if step % eval_steps == 0 or step == total or step == limit:  # eval_every may be a fraction of an epoch
                     ep = step / steps_per_epoch
-                    if end_of_epoch and (round(ep / r.eval_every, 6) % 1 == 0 or step == total) or step == limit:
-                        best, evaluated = _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar)
-                        last_eval = (step, evaluated)
+                    best, evaluated = _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar)
+                    last_eval = (step, evaluated)
                 if step % r.ckpt_every == 0 or step % steps_per_epoch == 0 or step == limit:
                     write_state()
                 if stop["flag"]:

@@ -55,11 +55,14 @@ def test_flip_tta_averages_the_probabilities_of_image_and_mirror():
     assert not torch.allclose(got, tta_log_probs(top_vs_bottom, row, "flip").exp(), atol=1e-3)  # 10 views, not 2
 
 
-def test_trainer_rejects_an_unknown_tta_before_training(tmp_path):
+def test_trainer_rejects_a_bad_tta_before_training(tmp_path):
     from vitkit.training import apply_overrides, get_preset, train
 
     cfg = get_preset("fashion-mnist", smoke=True)
     apply_overrides(cfg, {"run.tta": "mirror", "run.out_dir": str(tmp_path / "run"), "data.dataset": "digits"})
     with pytest.raises(ValueError, match="unknown run.tta 'mirror'"):
+        train(cfg)
+    apply_overrides(cfg, {"run.tta": "flip", "aug.hflip": False})  # mirrored views for a model trained without flips
+    with pytest.raises(ValueError, match="set aug.hflip=true or run.tta=none"):
         train(cfg)
     assert not (tmp_path / "run" / "last.ckpt").exists()

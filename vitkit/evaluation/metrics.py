@@ -33,15 +33,20 @@ class EvalResult:
 TTA_MODES = ("none", "flip", "flip-shift")
 
 
+def check_tta(mode: str, what: str = "test-time augmentation") -> str:
+    """`mode` if it is one of TTA_MODES, else a ValueError naming `what` (e.g. the config key)."""
+    if mode not in TTA_MODES:
+        raise ValueError(f"unknown {what} {mode!r}; choose one of {', '.join(TTA_MODES)}")
+    return mode
+
+
 def tta_views(x: torch.Tensor, mode: str = "none") -> list[torch.Tensor]:
     """The test-time-augmentation views of a model-ready batch x (B, C, H, W).
 
     "none": x. "flip": x and its horizontal mirror (for models trained with flips).
     "flip-shift": those two, each also moved by one pixel up, down, left and right (edges replicated): 10 views.
     """
-    if mode not in TTA_MODES:
-        raise ValueError(f"unknown test-time augmentation {mode!r}; choose one of {', '.join(TTA_MODES)}")
-    if mode == "none":
+    if check_tta(mode) == "none":
         return [x]
     views = [x, x.flip(-1)]
     if mode == "flip-shift":
@@ -67,7 +72,7 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
 
     tta: test-time augmentation (`tta_views`): the prediction is the mean of the views' probabilities.
     """
-    tta_views(torch.zeros(1, 1, 3, 3), tta)  # an unknown mode fails before any work
+    check_tta(tta)  # before any work
     was_training = model.training
     model.eval()
     k = len(data.classes)

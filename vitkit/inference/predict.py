@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..data.image import ImageDecodeError, load_image, preprocess
-from ..evaluation.metrics import tta_log_probs, tta_views
+from ..evaluation.metrics import check_tta, tta_log_probs
 
 
 @torch.no_grad()
@@ -16,7 +16,7 @@ def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_si
 
     tta: test-time augmentation (`vitkit.evaluation.tta_views`): probabilities averaged over the views.
     """
-    tta_views(torch.zeros(1, 1, 3, 3), tta)  # an unknown mode fails before any image is read
+    check_tta(tta)  # before any image is read
     c = model.config
     names = c.class_names or [str(i) for i in range(c.num_classes)]
     device = next(model.parameters()).device

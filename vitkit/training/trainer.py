@@ -29,7 +29,7 @@ from torch import nn
 from ..checkpoints.api import _atomic_write, save
 from ..data.augment import BatchAugment
 from ..data.datasets import DataSpec, InMemoryDataset, iterate_batches, load_dataset
-from ..evaluation import TTA_MODES, evaluate
+from ..evaluation import check_tta, evaluate
 from .config import TrainConfig
 from .optim import build_optimizer, lr_factor, schedule_steps, set_lr
 
@@ -179,9 +179,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     torch.manual_seed(r.seed)
 
     d = cfg.data
-    if r.tta not in TTA_MODES:  # before any work, not at the first evaluation
-        raise ValueError(f"unknown run.tta {r.tta!r}; choose one of {', '.join(TTA_MODES)}")
-    if r.tta != "none" and not cfg.aug.hflip:
+    if check_tta(r.tta, "run.tta") != "none" and not cfg.aug.hflip:
         raise ValueError(f"run.tta={r.tta} averages over mirrored images, for models trained with flips: "
                          "set aug.hflip=true or run.tta=none")
     spec = load_dataset(d.dataset, d.data_dir, img_size=cfg.model.overrides.get("img_size"), strict_images=d.strict_images,
@@ -218,7 +216,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     per_step = d.batch_size * r.accumulate
     steps_per_epoch = len(spec.train) // per_step
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
-    eval_steps = max(1, round(r.eval_every * steps_per_epoch))  # and always at the last step
+    eval_steps = max(1, round(r.eval_every * steps_per_epoch))  # and at the last step
     step, best, elapsed = 0, -1.0, 0.0
     ckpt_path = out / "last.ckpt"
     if resume and ckpt_path.exists():
@@ -313,7 +311,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
                     logger.log(rec)
                     bar.update(step, epoch, rec["loss"], rec["train_acc"], ips, (limit - step) * per_step / max(ips, 1e-9), lr)
                     t_log, seen_log, loss_log, correct_log = now, 0, 0.0, 0.0
-                if step % eval_steps == 0 or step == total or step == limit:  # eval_every may be a fraction of an epoch
+                if step % eval_steps == 0 or step == limit:  # eval_every may be a fraction of an epoch
                     ep = step / steps_per_epoch
                     best, evaluated = _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar)
                     last_eval = (step, evaluated)

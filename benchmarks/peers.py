@@ -7,6 +7,13 @@ rounds, each round timed by its median call).
 
     python benchmarks/peers.py                      # the default cases (2-core CPU: a few minutes)
     python benchmarks/peers.py --cases vit_s16:infer:fp32 --rounds 5 --json out.json
+    python benchmarks/peers.py --device cuda --cases vit_b16:infer:bf16 vit_l16:train:bf16 \
+        --batch-infer 256 --batch-train 64                    # a GPU (bf16 autocast; fp16 adds a grad scaler)
+
+On a GPU every timed call ends with a device synchronisation; both sides of a pair train with the same
+optimizer (AdamW, fused on CUDA, foreach on CPU), so only the models differ. `--compile` times both sides
+under `torch.compile` (vitkit's full graph; the peers' default mode). `--lowp-stream` also times vitkit with
+its bf16/fp16 token stream between blocks (`run.lowp_stream`), as an extra row.
 
 Environment. HF transformers works with the CPU build of torch. timm needs torchvision, which loads only
 with the CUDA build of torch, so for timm make a separate environment:
@@ -21,6 +28,7 @@ Without timm importable, the timm columns are skipped and the script says so.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -37,7 +45,9 @@ from vitkit.bench import matmul_peak  # noqa: E402
 from vitkit.stats import count_flops  # noqa: E402
 
 SIZES = {"vit_s16": dict(hidden=384, depth=12, heads=6, mlp=1536, timm="vit_small_patch16_224"),
-         "vit_b16": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch16_224")}
+         "vit_b16": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch16_224"),
+         "vit_l16": dict(hidden=1024, depth=24, heads=16, mlp=4096, timm="vit_large_patch16_224")}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_CASES = ["vit_s16:infer:fp32", "vit_s16:infer:bf16", "vit_b16:infer:fp32", "vit_b16:infer:bf16",
                  "vit_s16:train:fp32", "vit_s16:train:bf16"]
 
@@ -64,103 +74,139 @@ def build_timm(name: str, img: int, tmp: Path):
     return model, vitkit.load(tmp / f"timm_{name}.safetensors")
 
 
-def runner(model, kind: str, x: torch.Tensor, dtype: str, train: bool):
+def runner(model, kind: str, x: torch.Tensor, dtype: str, train: bool, compile_: bool = False):
     """One call = one inference forward or one training step, in the peer's own calling convention."""
-    amp = dtype == "bf16"
+    dev = x.device
+    amp = dtype != "fp32"
+    call = torch.compile(model, fullgraph=kind == "vitkit") if compile_ else model
 
     def fwd():
-        out = model(pixel_values=x) if kind == "hf" else model(x)
+        out = call(pixel_values=x) if kind == "hf" else call(x)
         return out.logits if kind == "hf" else out
 
     if not train:
         model.eval()
 
         def infer():
-            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            with torch.inference_mode(), torch.autocast(dev.type, dtype=DTYPES[dtype], enabled=amp):
                 fwd()
 
         return infer
     model.train()
-    y = torch.randint(0, 1000, (x.shape[0],))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    y = torch.randint(0, 1000, (x.shape[0],), device=dev)
+    fused = dev.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
+    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == "fp16")
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(dev.type, dtype=DTYPES[dtype], enabled=amp):
             loss = F.cross_entropy(fwd().float(), y)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
 
     return step
 
 
-def measure(fn, batch: int, seconds: float) -> float:
-    """img/s from the median time per call: robust to the odd call a busy neighbour slows down."""
+def measure(fn, batch: int, seconds: float, device: torch.device) -> float:
+    """img/s from the median time per call (each ended by a device sync): robust to the odd slow call."""
     times = []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end or len(times) < 3:
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return batch / statistics.median(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help="model:infer|train:fp32|bf16")
+    ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help="model:infer|train:fp32|bf16|fp16")
+    ap.add_argument("--peers", nargs="*", default=["timm", "hf"], choices=["timm", "hf"])
     ap.add_argument("--img-size", type=int, default=224)
     ap.add_argument("--batch-infer", type=int, default=8)
     ap.add_argument("--batch-train", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=4.0, help="per implementation per round")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--compile", action="store_true", help="torch.compile both sides")
+    ap.add_argument("--lowp-stream", action="store_true", help="also time vitkit with its low-precision token stream")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
-    try:
-        import timm  # noqa: F401
-
-        peers = ["timm", "hf"]
-    except Exception as e:  # noqa: BLE001
-        print(f"timm not importable ({type(e).__name__}: {e}); measuring HF transformers only. See this script's docstring.")
-        peers = ["hf"]
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    peers = list(args.peers)
+    if "timm" in peers:
+        try:
+            import timm  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            print(f"timm not importable ({type(e).__name__}: {e}); skipping it. See this script's docstring.")
+            peers.remove("timm")
     torch.manual_seed(0)
-    peak = {d: matmul_peak(d) for d in ("fp32", "bf16")}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; measured matmul peak: "
-          f"fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s")
+    dtypes = sorted({c.split(":")[2] for c in args.cases})
+    peak = {d: matmul_peak(d, device) for d in dtypes}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__} on {name}; measured matmul peak: "
+          + ", ".join(f"{d} {v / 1e12:.2f} TFLOP/s" for d, v in peak.items()))
     rows = []
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
         for case in args.cases:
-            name, mode, dtype = case.split(":")
+            model_name, mode, dtype = case.split(":")
             train = mode == "train"
             batch = args.batch_train if train else args.batch_infer
-            x = torch.randn(batch, 3, args.img_size, args.img_size)
+            x = torch.randn(batch, 3, args.img_size, args.img_size, device=device)
             for peer in peers:
-                ref, ours = (build_hf if peer == "hf" else build_timm)(name, args.img_size, tmp)
+                ref, ours = (build_hf if peer == "hf" else build_timm)(model_name, args.img_size, tmp)
+                ref, ours = ref.to(device), ours.to(device)
                 with torch.no_grad():
                     ref.eval(), ours.eval()
                     a = ref(pixel_values=x[:2]).logits if peer == "hf" else ref(x[:2])
                     diff = (a - ours(x[:2])).abs().max().item()
-                fns = {"vitkit": runner(ours, "vitkit", x, dtype, train), peer: runner(ref, peer, x, dtype, train)}
+                impls = {"vitkit": ours, peer: ref}
+                if args.lowp_stream:
+                    lp = copy.deepcopy(ours)
+                    lp.lowp_stream = True
+                    impls = {"vitkit": ours, "vitkit-lowp": lp, peer: ref}
+                    with torch.no_grad():  # the price of the low-precision stream, next to autocast's own
+                        lp.eval()
+                        peer_logits = (lambda v: ref(pixel_values=v).logits if peer == "hf" else ref(v))
+                        exact = peer_logits(x[:8]).float()
+                        with torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "fp32"):
+                            amp_peer, amp_lp = peer_logits(x[:8]).float(), lp(x[:8]).float()
+                        print(f"  relative error of the logits against {peer} in fp32: {peer} under {dtype} autocast "
+                              f"{(amp_peer - exact).norm() / exact.norm():.1e}, vitkit-lowp "
+                              f"{(amp_lp - exact).norm() / exact.norm():.1e}")
+                fns = {k: runner(m, "vitkit" if k.startswith("vitkit") else peer, x, dtype, train, args.compile)
+                       for k, m in impls.items()}
                 speeds: dict[str, list[float]] = {k: [] for k in fns}
-                for fn in fns.values():  # warm-up: first-call allocations and kernel selection
-                    measure(fn, batch, 1.0)
+                for fn in fns.values():  # warm-up: compilation, first-call allocations and kernel selection
+                    measure(fn, batch, 1.0, device)
                 order = list(fns)
                 for _ in range(args.rounds):
                     for k in order:  # interleaved: drifts in machine speed hit both
-                        speeds[k].append(measure(fns[k], batch, args.seconds))
+                        speeds[k].append(measure(fns[k], batch, args.seconds, device))
                     order.reverse()  # and neither always goes first
                 med = {k: statistics.median(v) for k, v in speeds.items()}
                 flops = count_flops(ours, (args.img_size,) * 2) * (3 if train else 1)
-                row = {"case": case, "peer": peer, "batch": batch, "vitkit_img_s": med["vitkit"], "peer_img_s": med[peer],
-                       "ratio": med["vitkit"] / med[peer], "vitkit_fraction_of_peak": flops * med["vitkit"] / peak[dtype],
-                       "peer_fraction_of_peak": flops * med[peer] / peak[dtype], "max_abs_output_diff": diff}
-                rows.append(row)
-                print(f"{case:<22} vs {peer:<4} batch {batch:>2}: vitkit {med['vitkit']:7.2f} img/s, {peer} {med[peer]:7.2f} img/s, "
-                      f"ratio {row['ratio']:.3f}  (vitkit {row['vitkit_fraction_of_peak']:.0%} / {peer} "
-                      f"{row['peer_fraction_of_peak']:.0%} of the {dtype} matmul peak; outputs agree to {diff:.1e})", flush=True)
-                del ref, ours, fns
+                for k in [k for k in fns if k.startswith("vitkit")]:
+                    row = {"case": case, "impl": k, "peer": peer, "device": name, "batch": batch, "compiled": args.compile,
+                           "vitkit_img_s": med[k], "peer_img_s": med[peer], "ratio": med[k] / med[peer],
+                           "vitkit_fraction_of_peak": flops * med[k] / peak[dtype],
+                           "peer_fraction_of_peak": flops * med[peer] / peak[dtype], "max_abs_output_diff": diff}
+                    rows.append(row)
+                    print(f"{case:<18}{' compiled' if args.compile else ''} {k:<11} vs {peer:<4} batch {batch:>3}: "
+                          f"{med[k]:8.2f} vs {med[peer]:8.2f} img/s, ratio {row['ratio']:.3f}  ({k} "
+                          f"{row['vitkit_fraction_of_peak']:.0%} / {peer} {row['peer_fraction_of_peak']:.0%} of the {dtype} "
+                          f"matmul peak; outputs agree to {diff:.1e})", flush=True)
+                del ref, ours, impls, fns
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     if args.json:
-        Path(args.json).write_text(json.dumps({"peak": peak, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": name, "peak": peak, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

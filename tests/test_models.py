@@ -226,6 +226,30 @@ def test_low_precision_token_stream():
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in m.parameters())
 
 
+def test_layernorm_keeps_a_low_precision_stream_in_its_dtype():
+    """fp32 in: exactly nn.LayerNorm. bf16 in under autocast: bf16 out (CPU autocast's own behaviour; on CUDA, whose
+    autocast would write fp32, vitkit's branch), close to the fp32 result, gradients to the fp32 weights."""
+    from vitkit.models.layers import LayerNorm
+
+    torch.manual_seed(0)
+    ln, ref = LayerNorm(64, eps=1e-6), torch.nn.LayerNorm(64, eps=1e-6)
+    torch.nn.init.normal_(ln.weight)
+    torch.nn.init.normal_(ln.bias)
+    ref.load_state_dict(ln.state_dict())
+    x = torch.randn(3, 5, 64)
+    assert torch.equal(ln(x), ref(x))
+    for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        ln, ref = ln.to(dev), ref.to(dev)
+        ln.zero_grad()
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            y = ln(x.to(dev, torch.bfloat16))
+            assert ln(x.to(dev)).dtype == torch.float32  # an fp32 stream stays fp32
+        assert y.dtype == torch.bfloat16
+        assert (y.float() - ref(x.to(dev))).abs().max() < 0.1
+        y.float().square().sum().backward()
+        assert ln.weight.grad.dtype == torch.float32 and ln.weight.grad.abs().sum() > 0
+
+
 def test_forward_intermediates_only_the_layers_asked():
     m = vitkit.create_model("vit_ti16", img_size=32, depth=4, num_classes=3).eval()
     calls = []

@@ -172,6 +172,7 @@ def bench(
     dtype: str = "fp32",
     compile: bool = False,
     train: bool = False,
+    lowp_stream: bool = False,
     device: str = "auto",
     num_classes: int = 1000,
     min_seconds: float = 3.0,
@@ -187,6 +188,7 @@ def bench(
         dtype: fp32 | bf16 | fp16 (bf16/fp16 via autocast; fp16 on GPU).
         compile: torch.compile the model (full graph).
         train: time a training step (forward, backward, AdamW) instead of inference.
+        lowp_stream: with bf16/fp16, keep a ViT's tokens between blocks in that dtype (`run.lowp_stream`).
         device: auto | cpu | cuda.
         num_classes: head size for registry models.
         min_seconds: measure for at least this long.
@@ -200,6 +202,10 @@ def bench(
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
     kw = {"img_size": img_size} if img_size else {}
     net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
+    if lowp_stream:
+        if dtype == "fp32" or not hasattr(net, "lowp_stream"):
+            raise ValueError("--lowp-stream needs --dtype bf16 or fp16 and a ViT (a CNN has no token stream)")
+        net.lowp_stream = True
     res = bench_model(net, model, batch_size=batch_size, dtype=dtype, train=train, compile_=compile, device=dev,
                       min_seconds=min_seconds)
     d = res.to_dict()

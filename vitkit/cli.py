@@ -138,6 +138,7 @@ def evaluate(
     batch_size: int = 500,
     num_workers: int = 2,
     tta: Literal["none", "flip", "flip-shift"] = "none",
+    device: str = "auto",
 ) -> dict:
     """Evaluate a checkpoint on a test set: top-1, top-5, per-class accuracy, a confusion-matrix PNG and a JSON report.
 
@@ -151,13 +152,17 @@ def evaluate(
         num_workers: decoding workers for folder datasets.
         tta: test-time augmentation: the mean probabilities of the image and its mirror (flip), and of both
             moved by one pixel each way (flip-shift, 10 views). For models trained with flips.
+        device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
     """
     from .checkpoints import load
     from .data.augment import AugConfig, BatchAugment
     from .data.datasets import csv_list, image_folder, load_dataset
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
 
-    model = load(checkpoint)
+    from .training.trainer import resolve_device
+
+    dev = resolve_device(device)
+    model = load(checkpoint).to(dev)
     c = model.config
     names = c.class_names
     if data.endswith(".csv") or test_dir:
@@ -177,7 +182,8 @@ def evaluate(
     if c.num_classes != len(test.classes):
         raise ValueError(f"the checkpoint has {c.num_classes} classes, the data {len(test.classes)}")
     transform = BatchAugment(AugConfig(), c.img_size, c.mean, c.std, c.num_classes, replicate).eval
-    res = _evaluate(model, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta)
+    res = _evaluate(model, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta,
+                      device=dev)
     out_dir = Path(out) if out else Path(checkpoint).parent
     write_report(res, out_dir / "eval_report.json", {"checkpoint": str(checkpoint), "data": data, "tta": tta})
     save_confusion_png(res, out_dir / "confusion.png")
@@ -195,6 +201,7 @@ def predict(
     top_k: int = 3,
     format: Literal["table", "json", "csv"] = "table",
     tta: Literal["none", "flip", "flip-shift"] = "none",
+    device: str = "auto",
 ) -> list[dict]:
     """Classify image files with a checkpoint's own preprocessing and class names; unreadable files are reported.
 
@@ -204,11 +211,13 @@ def predict(
         top_k: how many classes per image.
         format: table, json or csv.
         tta: test-time augmentation, as for `vitkit eval`.
+        device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
     """
     from .checkpoints import load
     from .inference import predict as _predict
+    from .training.trainer import resolve_device
 
-    records = _predict(load(checkpoint), images, top_k, tta=tta)
+    records = _predict(load(checkpoint).to(resolve_device(device)), images, top_k, tta=tta)
     if format == "json":
         print(json.dumps(records, indent=1))
     elif format == "csv":

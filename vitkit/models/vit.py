@@ -20,6 +20,7 @@ from torch import nn
 from .layers import (
     Attention,
     DropPath,
+    LayerNorm,
     LearnedPosEmbed1d,
     LearnedPosEmbed2d,
     Mlp,
@@ -144,10 +145,10 @@ class Block(nn.Module):
     def __init__(self, c: ViTConfig, drop_path: float) -> None:
         super().__init__()
         rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens) if c.pos_embed == "relative" else None
-        self.norm1 = nn.LayerNorm(c.embed_dim, eps=c.norm_eps)
+        self.norm1 = LayerNorm(c.embed_dim, eps=c.norm_eps)
         self.attn = Attention(c.embed_dim, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate, rel_pos=rel)
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = nn.LayerNorm(c.embed_dim, eps=c.norm_eps)
+        self.norm2 = LayerNorm(c.embed_dim, eps=c.norm_eps)
         self.mlp = Mlp(c.embed_dim, c.mlp_dim, act=c.act, drop=c.drop_rate)
         self.drop_path2 = DropPath(drop_path)
 
@@ -198,8 +199,8 @@ class VisionTransformer(nn.Module):
         self.pos_drop = nn.Dropout(c.drop_rate)
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]  # stochastic depth, linear over depth
         self.blocks = nn.ModuleList(Block(c, dpr[i]) for i in range(c.depth))
-        self.norm = nn.Identity() if c.fc_norm else nn.LayerNorm(c.embed_dim, eps=c.norm_eps)
-        self.fc_norm = nn.LayerNorm(c.embed_dim, eps=c.norm_eps) if c.fc_norm else nn.Identity()
+        self.norm = nn.Identity() if c.fc_norm else LayerNorm(c.embed_dim, eps=c.norm_eps)
+        self.fc_norm = LayerNorm(c.embed_dim, eps=c.norm_eps) if c.fc_norm else nn.Identity()
         self.pre_logits = PreLogits(c.embed_dim, c.representation_size) if c.representation_size else nn.Identity()
         self.head_drop = nn.Dropout(c.drop_rate)
         self.num_features = c.representation_size or c.embed_dim

@@ -2,6 +2,7 @@
 from .attention import Attention, RelativePositionBias
 from .drop_path import DropPath
 from .mlp import Mlp
+from .norm import LayerNorm
 from .patch_embed import PatchEmbed
 from .pos_embed import (
     LearnedPosEmbed1d,
@@ -13,6 +14,6 @@ from .pos_embed import (
 from .std_conv import StdConv2d, pad_same
 
 __all__ = [
-    "Attention", "RelativePositionBias", "DropPath", "Mlp", "PatchEmbed", "LearnedPosEmbed1d",
+    "Attention", "RelativePositionBias", "DropPath", "LayerNorm", "Mlp", "PatchEmbed", "LearnedPosEmbed1d",
     "LearnedPosEmbed2d", "NoPosEmbed", "SinCosPosEmbed2d", "resample_pos_embed_grid", "StdConv2d", "pad_same",
 ]

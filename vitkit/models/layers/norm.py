@@ -1,0 +1,22 @@
+"""LayerNorm that keeps a low-precision token stream in its dtype under CUDA autocast."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm`, except for a bf16/fp16 input under CUDA autocast (`lowp_stream`): CUDA autocast runs
+    layer_norm in fp32, so the norm would write an fp32 tensor that the next Linear casts back; here it reads
+    and writes the input's dtype (the kernel still accumulates its statistics in fp32), as CPU autocast
+    already does. An fp32 input (the default token stream) takes the ordinary path: nothing changes there.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and torch.is_autocast_enabled("cuda"):
+            w = None if self.weight is None else self.weight.to(x.dtype)
+            b = None if self.bias is None else self.bias.to(x.dtype)
+            with torch.autocast("cuda", enabled=False):
+                return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+        return super().forward(x)

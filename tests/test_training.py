@@ -130,14 +130,15 @@ def test_image_folder_end_to_end(tmp_path, capsys):
     from vitkit.cli import main
 
     ckpt = tmp_path / "run" / "best.safetensors"
-    assert main(["eval", str(ckpt), "--data", str(root), "--num-workers", "0", "--out", str(tmp_path / "ev"), "--tta", "flip"]) == 0
+    assert main(["eval", str(ckpt), "--data", str(root), "--num-workers", "0", "--out", str(tmp_path / "ev"), "--tta", "flip",
+                 "--device", "cpu"]) == 0
     report = json.loads((tmp_path / "ev" / "eval_report.json").read_text())
     assert set(report["per_class"]) == {"digit0", "digit1", "digit2"} and report["n"] == 36 and report["tta"] == "flip"
     assert Image.open(tmp_path / "ev" / "confusion.png").size[0] > 200
     capsys.readouterr()
     img = next((root / "val" / "digit1").iterdir())
     assert main(["predict", str(img), str(root / "train" / "digit0" / "broken.png"), "--checkpoint", str(ckpt), "--format", "json",
-                 "--tta", "flip-shift"]) == 0
+                 "--tta", "flip-shift", "--device", "cpu"]) == 0
     recs = json.loads(capsys.readouterr().out)
     assert recs[0]["top"][0][0] in {"digit0", "digit1", "digit2"} and "error" in recs[1]
     cfg.data.strict_images = True

@@ -198,8 +198,9 @@ def bench(
     from pathlib import Path
 
     from . import create_model, load
+    from .training.trainer import resolve_device
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+    dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}
     net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
     if lowp_stream:

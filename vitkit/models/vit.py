@@ -180,7 +180,8 @@ class VisionTransformer(nn.Module):
     # Under autocast, the tokens between blocks stay fp32 (the position embedding promotes them): every norm,
     # residual add and GELU then runs in fp32, with a cast in front of every Linear and back in the backward.
     # True keeps the token stream in the autocast dtype instead (as pure-bf16 training does): measured 1.2x
-    # faster training on a CPU at small widths (benchmarks/NOTES.md, section 8). Off by default; the weights,
+    # faster training on a CPU at small widths (benchmarks/NOTES.md, section 8), and 1.1-1.2x for B/16 and L/16 on an
+    # H100, where `LayerNorm` then stays in bf16 too (section 11). Off by default; the weights,
     # their gradients and the optimizer stay fp32 either way. The trainer sets it from `run.lowp_stream`.
     lowp_stream: bool = False
 

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu.sh peers     # the device; vitkit vs timm and HF (B/16, L/16, bf16, eager); every
 #                                    # registered model (`vitkit bench`); the Fashion-MNIST preset on CUDA
 #   bash benchmarks/gpu.sh scaling   # where a step's time goes (gpu_profile.py); the scaling table (B/16, L/16,
-#                                    # bf16); vitkit vs timm, both compiled
+#                                    # bf16); vitkit vs timm, both compiled; B/16 training at batch 128
 #
 # Needs torch with CUDA, timm and transformers importable (vitkit runs from this checkout), and for the
 # trainer Fashion-MNIST where `vitkit train` finds it ($VITKIT_DATA). Logs and JSON go to ${OUT:-gpu-results}.
@@ -36,6 +36,8 @@ scaling)
   timeout 290 "$py" benchmarks/peers.py --device cuda --compile --peers timm --rounds 3 --seconds 1.5 --batch-infer 256 \
     --batch-train 64 --cases vit_b16:infer:bf16 vit_b16:train:bf16 --json "$out/peers_compiled.json" \
     2>&1 | grep -v "model shards" | tee "$out/peers_compiled.log"
+  timeout 150 "$py" benchmarks/peers.py --device cuda --lowp-stream --rounds 5 --seconds 3 --batch-train 128 \
+    --cases vit_b16:train:bf16 --json "$out/peers_b16_train_b128.json" 2>&1 | grep -v "model shards" | tee "$out/peers_b16_train_b128.log"
   ;;
 *) echo "usage: $0 peers|scaling" >&2; exit 2 ;;
 esac

@@ -6,6 +6,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -109,11 +110,11 @@ def time_fn(fn, device: torch.device, warmup: int, iters: int, min_seconds: floa
     return times
 
 
-def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compile_: bool):
+def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compile_: bool, compile_mode: str = "default"):
     """A closure running one inference forward, or one training step (forward, backward, fused/foreach AdamW)."""
     device = x.device
     amp = dtype != "fp32"
-    fwd = torch.compile(model, fullgraph=True) if compile_ else model
+    fwd = torch.compile(model, fullgraph=True, mode=compile_mode) if compile_ else model
     if not train:
         model.eval()
 
@@ -140,7 +141,7 @@ def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compil
 
 
 def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, dtype: str = "fp32", train: bool = False,
-                compile_: bool = False, device: str | torch.device = "cpu", warmup: int = 2, iters: int = 5,
+                compile_: bool = False, compile_mode: str = "default", device: str | torch.device = "cpu", warmup: int = 2, iters: int = 5,
                 min_seconds: float = 3.0, latency: bool = True, peak: float | None = None) -> BenchResult:
     from .stats import count_flops
 
@@ -148,7 +149,7 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
     model = model.to(device)
     c = model.config
     x = torch.randn(batch_size, c.in_chans, *c.img_size, device=device)
-    step = make_step(model, x, dtype, train, compile_)
+    step = make_step(model, x, dtype, train, compile_, compile_mode)
     # before any other forward: on CPU, memory an earlier forward freed stays in the process and would hide the peak
     with PeakMemory(device) as mem:
         times = time_fn(step, device, warmup, iters, min_seconds)
@@ -156,7 +157,7 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
     ips = batch_size / statistics.median(times)
     lat = None
     if latency and not train:
-        one = make_step(model, x[:1], dtype, False, compile_)
+        one = make_step(model, x[:1], dtype, False, compile_, compile_mode)
         lat = statistics.median(time_fn(one, device, 2, 10, 1.0)) * 1e3
     work = flops * (3 if train else 1)  # backward ~ 2x forward
     peak = peak or matmul_peak(dtype, device)
@@ -171,6 +172,7 @@ def bench(
     batch_size: int = 8,
     dtype: str = "fp32",
     compile: bool = False,
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default",
     train: bool = False,
     lowp_stream: bool = False,
     device: str = "auto",
@@ -187,6 +189,7 @@ def bench(
         batch_size: images per call.
         dtype: fp32 | bf16 | fp16 (bf16/fp16 via autocast; fp16 on GPU).
         compile: torch.compile the model (full graph).
+        compile_mode: torch.compile's mode; reduce-overhead replays CUDA graphs (for launch-bound small batches on a GPU).
         train: time a training step (forward, backward, AdamW) instead of inference.
         lowp_stream: with bf16/fp16, keep a ViT's tokens between blocks in that dtype (`run.lowp_stream`).
         device: auto | cpu | cuda.
@@ -207,15 +210,15 @@ def bench(
         if dtype == "fp32" or not hasattr(net, "lowp_stream"):
             raise ValueError("--lowp-stream needs --dtype bf16 or fp16 and a ViT (a CNN has no token stream)")
         net.lowp_stream = True
-    res = bench_model(net, model, batch_size=batch_size, dtype=dtype, train=train, compile_=compile, device=dev,
-                      min_seconds=min_seconds)
-    d = res.to_dict()
+    res = bench_model(net, model, batch_size=batch_size, dtype=dtype, train=train, compile_=compile,
+                      compile_mode=compile_mode, device=dev, min_seconds=min_seconds)
+    d = res.to_dict() | {"compile_mode": compile_mode if compile else None}
     if json_out:
         print(json.dumps(d, indent=1))
     else:
         mem = "n/a" if res.peak_mem_mb is None else f"{res.peak_mem_mb:.0f} MB"
         lat = "" if res.latency_ms_b1 is None else f", latency (batch 1) {res.latency_ms_b1:.1f} ms"
-        print(f"{model} {res.mode} {res.img_size}px batch {batch_size} {dtype}{' compiled' if compile else ''} on {res.device} "
+        print(f"{model} {res.mode} {res.img_size}px batch {batch_size} {dtype}{f' compiled ({compile_mode})' if compile else ''} on {res.device} "
               f"({res.threads} threads): {res.img_per_s:.2f} img/s{lat}, peak memory {mem}, {res.gflops_per_img:.2f} GFLOP/img, "
               f"{res.achieved_tflops * 1e3:.1f} GFLOP/s = {res.fraction_of_peak:.0%} of the measured {dtype} matmul peak "
               f"({res.matmul_peak_tflops * 1e3:.0f} GFLOP/s)")

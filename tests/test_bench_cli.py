@@ -37,7 +37,8 @@ def test_cli_bench_every_family_and_models_table(capsys):
 def test_cli_bench_low_precision_stream(capsys):
     args = ["bench", "vit_s32", "--img-size", "64", "--batch-size", "1", "--min-seconds", "0.01", "--num-classes", "3"]
     assert main(args + ["--dtype", "bf16", "--lowp-stream", "--json-out"]) == 0
-    assert json.loads(capsys.readouterr().out)["dtype"] == "bf16"
+    out = json.loads(capsys.readouterr().out)
+    assert out["dtype"] == "bf16" and out["compiled"] is False and out["compile_mode"] is None
     assert main(args + ["--lowp-stream"]) == 2  # fp32: there is no low-precision stream to keep
     assert "--lowp-stream needs --dtype bf16" in capsys.readouterr().err
     assert main(["bench", "bit_r50x1", "--img-size", "64", "--dtype", "bf16", "--lowp-stream"]) == 2  # a CNN has none

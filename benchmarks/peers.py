@@ -12,7 +12,7 @@ rounds, each round timed by its median call).
 
 On a GPU every timed call ends with a device synchronisation; both sides of a pair train with the same
 optimizer (AdamW, fused on CUDA, foreach on CPU), so only the models differ. `--compile` times both sides
-under `torch.compile` (vitkit's full graph; the peers' default mode). `--lowp-stream` also times vitkit with
+under `torch.compile` (vitkit with `fullgraph=True`; the peers without, so graph breaks are allowed there). `--lowp-stream` also times vitkit with
 its bf16/fp16 token stream between blocks (`run.lowp_stream`), as an extra row.
 
 Environment. HF transformers works with the CPU build of torch. timm needs torchvision, which loads only

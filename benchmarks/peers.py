@@ -12,8 +12,9 @@ rounds, each round timed by its median call).
 
 On a GPU every timed call ends with a device synchronisation; both sides of a pair train with the same
 optimizer (AdamW, fused on CUDA, foreach on CPU), so only the models differ. `--compile` times both sides
-under `torch.compile` (vitkit with `fullgraph=True`; the peers without, so graph breaks are allowed there). `--lowp-stream` also times vitkit with
-its bf16/fp16 token stream between blocks (`run.lowp_stream`), as an extra row.
+under `torch.compile` (vitkit with `fullgraph=True`; the peers without, so graph breaks are allowed there).
+`--lowp-stream` also times vitkit with its bf16/fp16 token stream between blocks (`run.lowp_stream`), as
+an extra row, and prints how far its logits are from the fp32 model next to autocast's own error.
 
 Environment. HF transformers works with the CPU build of torch. timm needs torchvision, which loads only
 with the CUDA build of torch, so for timm make a separate environment:

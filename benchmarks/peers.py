@@ -36,19 +36,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitkit  # noqa: E402
-from vitkit.bench import matmul_peak  # noqa: E402
+from vitkit.bench import DTYPES, make_step, matmul_peak  # noqa: E402
 from vitkit.stats import count_flops  # noqa: E402
 
 SIZES = {"vit_s16": dict(hidden=384, depth=12, heads=6, mlp=1536, timm="vit_small_patch16_224"),
          "vit_b16": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch16_224"),
          "vit_l16": dict(hidden=1024, depth=24, heads=16, mlp=4096, timm="vit_large_patch16_224")}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_CASES = ["vit_s16:infer:fp32", "vit_s16:infer:bf16", "vit_b16:infer:fp32", "vit_b16:infer:bf16",
                  "vit_s16:train:fp32", "vit_s16:train:bf16"]
 
@@ -75,39 +74,25 @@ def build_timm(name: str, img: int, tmp: Path):
     return model, vitkit.load(tmp / f"timm_{name}.safetensors")
 
 
+class PeerLogits(torch.nn.Module):
+    """A peer's model called as vitkit's are: images in, logits out (HF takes `pixel_values=`, returns `.logits`)."""
+
+    config = SimpleNamespace(num_classes=1000)
+
+    def __init__(self, model: torch.nn.Module, kind: str) -> None:
+        super().__init__()
+        self.model, self.kind = model, kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=x).logits if self.kind == "hf" else self.model(x)
+
+
 def runner(model, kind: str, x: torch.Tensor, dtype: str, train: bool, compile_: bool = False):
-    """One call = one inference forward or one training step, in the peer's own calling convention."""
-    dev = x.device
-    amp = dtype != "fp32"
-    call = torch.compile(model, fullgraph=kind == "vitkit") if compile_ else model
-
-    def fwd():
-        out = call(pixel_values=x) if kind == "hf" else call(x)
-        return out.logits if kind == "hf" else out
-
-    if not train:
-        model.eval()
-
-        def infer():
-            with torch.inference_mode(), torch.autocast(dev.type, dtype=DTYPES[dtype], enabled=amp):
-                fwd()
-
-        return infer
-    model.train()
-    y = torch.randint(0, 1000, (x.shape[0],), device=dev)
-    fused = dev.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
-    scaler = torch.amp.GradScaler(dev.type, enabled=dtype == "fp16")
-
-    def step():
-        with torch.autocast(dev.type, dtype=DTYPES[dtype], enabled=amp):
-            loss = F.cross_entropy(fwd().float(), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    """One call = one inference forward or one training step: `vitkit.bench.make_step` for every implementation
+    (the same autocast, optimizer and scaler), vitkit compiled with a full graph, the peers without."""
+    if kind != "vitkit":
+        model = PeerLogits(model, kind)
+    return make_step(model, x, dtype, train, compile_, fullgraph=kind == "vitkit")
 
 
 def measure(fn, batch: int, seconds: float, device: torch.device) -> float:
@@ -163,10 +148,10 @@ def main() -> None:
             for peer in peers:
                 ref, ours = (build_hf if peer == "hf" else build_timm)(model_name, args.img_size, tmp)
                 ref, ours = ref.to(device), ours.to(device)
+                peer_logits = PeerLogits(ref, peer)
                 with torch.no_grad():
                     ref.eval(), ours.eval()
-                    a = ref(pixel_values=x[:2]).logits if peer == "hf" else ref(x[:2])
-                    diff = (a - ours(x[:2])).abs().max().item()
+                    diff = (peer_logits(x[:2]) - ours(x[:2])).abs().max().item()
                 impls = {"vitkit": ours, peer: ref}
                 if args.lowp_stream:
                     lp = copy.deepcopy(ours)
@@ -174,7 +159,6 @@ def main() -> None:
                     impls = {"vitkit": ours, "vitkit-lowp": lp, peer: ref}
                     with torch.no_grad():  # the price of the low-precision stream, next to autocast's own
                         lp.eval()
-                        peer_logits = (lambda v: ref(pixel_values=v).logits if peer == "hf" else ref(v))
                         exact = peer_logits(x[:8]).float()
                         with torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "fp32"):
                             amp_peer, amp_lp = peer_logits(x[:8]).float(), lp(x[:8]).float()

@@ -110,11 +110,13 @@ def time_fn(fn, device: torch.device, warmup: int, iters: int, min_seconds: floa
     return times
 
 
-def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compile_: bool, compile_mode: str = "default"):
-    """A closure running one inference forward, or one training step (forward, backward, fused/foreach AdamW)."""
+def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compile_: bool, compile_mode: str = "default",
+              fullgraph: bool = True):
+    """A closure running one inference forward, or one training step (forward, backward, fused/foreach AdamW).
+    `model` maps images to logits and has `config.num_classes`; `benchmarks/peers.py` times its peers with it too."""
     device = x.device
     amp = dtype != "fp32"
-    fwd = torch.compile(model, fullgraph=True, mode=compile_mode) if compile_ else model
+    fwd = torch.compile(model, fullgraph=fullgraph, mode=compile_mode) if compile_ else model
     if not train:
         model.eval()
 

@@ -194,7 +194,8 @@ def test_training_attention_paths_give_the_same_gradients(pos_embed):
         assert (g_fb[n] - g_ab[n]).abs().max() / scale < 0.1, n
 
 
-def test_auto_attention_picks_explicit_only_for_cpu_bf16_training():
+def test_auto_attention_picks_explicit_only_for_cpu_bf16(monkeypatch):
+    from vitkit.models.layers import attention
     from vitkit.models.layers.attention import Attention
 
     a = Attention(64, 4)
@@ -202,8 +203,13 @@ def test_auto_attention_picks_explicit_only_for_cpu_bf16_training():
     assert a._explicit_is_faster(q, 50)
     assert not a._explicit_is_faster(q, 1025)  # long sequences: the fused kernel wins again
     assert not a._explicit_is_faster(q.detach().float().requires_grad_(), 50)  # fp32: fused
-    with torch.no_grad():
-        assert not a._explicit_is_faster(q * 1, 50)  # inference (q computed without grad): fused
+    with torch.no_grad():  # inference (q computed without grad): explicit only on a CPU without AMX
+        monkeypatch.setattr(attention, "_CPU_HAS_AMX", True)
+        assert not a._explicit_is_faster(q * 1, 50)
+        monkeypatch.setattr(attention, "_CPU_HAS_AMX", False)
+        assert a._explicit_is_faster(q * 1, 50)
+        assert not a._explicit_is_faster(q * 1, 1025)
+        assert not a._explicit_is_faster(q.float() * 1, 50)
 
 
 def test_low_precision_token_stream():

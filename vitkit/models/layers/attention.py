@@ -1,13 +1,17 @@
 """Multi-head self-attention (Sec. 3.1, App. A) with an optional learned relative-position bias (App. D.4).
 
-The fused kernel `F.scaled_dot_product_attention` is the default path; the explicit softmax path
-runs only when the attention weights are asked for.
+The fused kernel `F.scaled_dot_product_attention` is the default path; the explicit softmax path runs when
+the attention weights are asked for, and on CPU in bf16 where it is measured to be faster.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+# AMX tiles make the fused kernel's bf16 forward the faster one for inference (see `_explicit_is_faster`)
+_CPU_HAS_AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 class RelativePositionBias(nn.Module):
@@ -100,15 +104,16 @@ class Attention(nn.Module):
     impl: str = "auto"
 
     def _explicit_is_faster(self, q: torch.Tensor, tokens: int) -> bool:
-        """On CPU in bf16, when gradients flow, plain matmul + softmax beats the fused kernel up to ~600
-        tokens: the fused kernel's bf16 backward is slow (ViT-S/16, 197 tokens: 28 ms vs 11 ms per layer;
-        49 tokens: 89 ms vs 13 ms). In fp32 the two are even and inference always takes the fused kernel.
-        Measured in benchmarks/NOTES.md, section 7."""
+        """On CPU in bf16, plain matmul + softmax beats the fused kernel up to ~600 tokens when gradients flow:
+        the fused kernel's bf16 backward is slow (ViT-S/16, 197 tokens: 28 ms vs 11 ms per layer; 49 tokens:
+        89 ms vs 13 ms). For inference it wins too on CPUs without AMX (AMD EPYC, S/16 batch 16: 8.5 vs 4.9 ms
+        per layer), not with AMX (Xeon: 2.7 vs 3.4 ms). In fp32 the fused kernel is as fast or faster.
+        Measured in benchmarks/NOTES.md, sections 7 and 12."""
         if self.impl != "auto":
             return self.impl == "explicit"
-        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not q.requires_grad:
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or tokens > 640:
             return False
-        return tokens <= 640
+        return q.requires_grad or not _CPU_HAS_AMX
 
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         """x: (B, T, D) -> (B, T, D); with `return_attention`, also the softmax weights (B, H, T, T)."""

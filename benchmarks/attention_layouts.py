@@ -2,9 +2,14 @@
 
     python benchmarks/attention_layouts.py layouts   # forward + backward of qkv -> attention -> proj, B 256, T 49, D 128
     python benchmarks/attention_layouts.py kernels   # fused SDPA vs MATH backend vs explicit, fp32/bf16, train/infer
+    python benchmarks/attention_layouts.py models    # whole ViT-S/16 and B/16 inference, batch 8: Attention.impl
+                                                     # sdpa vs explicit interleaved in one process (--dtype, --profile)
 """
 import argparse
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -72,10 +77,63 @@ def kernels() -> None:
                   f"inference {inf[0]:6.1f} / {inf[1]:6.1f}", flush=True)
 
 
+def once(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def models(dtype: str, rounds: int, profile: bool) -> None:
+    """Single-kernel timings on a small VM move with the allocator's state (NOTES.md, section 12): decide on whole models."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import vitkit
+    from vitkit.models.layers.attention import Attention
+
+    amp = dtype == "bf16"
+    for name in ("vit_s16", "vit_b16"):
+        model = vitkit.create_model(name).eval()
+        x = torch.randn(8, 3, 224, 224)
+
+        def forward():
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                model(x)
+
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            forward()
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    forward()
+            print(name, dtype, "(default attention path), 3 forwards of batch 8")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
+            continue
+        times: dict[str, list[float]] = {"sdpa": [], "explicit": []}
+        for impl in times:  # warm both paths (and the allocator) up
+            Attention.impl = impl
+            forward()
+        for r in range(rounds):
+            for impl in ("sdpa", "explicit") if r % 2 == 0 else ("explicit", "sdpa"):
+                Attention.impl = impl
+                times[impl].append(statistics.median(once(forward) for _ in range(3)))
+        Attention.impl = "auto"
+        sd, ex = statistics.median(times["sdpa"]), statistics.median(times["explicit"])
+        pairs = " ".join(f"{a / b:.3f}" for a, b in zip(times["sdpa"], times["explicit"]))
+        print(f"{name} {dtype} batch 8: sdpa {8e3 / sd:.2f} img/s, explicit {8e3 / ex:.2f} img/s, "
+              f"explicit / sdpa speed {sd / ex:.3f} (rounds: {pairs})", flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("part", choices=["layouts", "kernels"])
+    ap.add_argument("part", choices=["layouts", "kernels", "models"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="models: fp32, or bf16 autocast")
+    ap.add_argument("--rounds", type=int, default=5, help="models: interleaved rounds per path")
+    ap.add_argument("--profile", action="store_true", help="models: a torch.profiler table of the default path instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    layouts() if args.part == "layouts" else kernels()
+    if args.part == "models":
+        models(args.dtype, args.rounds, args.profile)
+    else:
+        layouts() if args.part == "layouts" else kernels()

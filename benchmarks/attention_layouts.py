@@ -87,17 +87,11 @@ def models(dtype: str, rounds: int, profile: bool) -> None:
     """Single-kernel timings on a small VM move with the allocator's state (NOTES.md, section 12): decide on whole models."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import vitkit
+    from vitkit.bench import make_step
     from vitkit.models.layers.attention import Attention
 
-    amp = dtype == "bf16"
     for name in ("vit_s16", "vit_b16"):
-        model = vitkit.create_model(name).eval()
-        x = torch.randn(8, 3, 224, 224)
-
-        def forward():
-            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                model(x)
-
+        forward = make_step(vitkit.create_model(name), torch.randn(8, 3, 224, 224), dtype, train=False, compile_=False)
         if profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -133,7 +127,4 @@ if __name__ == "__main__":
     ap.add_argument("--profile", action="store_true", help="models: a torch.profiler table of the default path instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if args.part == "models":
-        models(args.dtype, args.rounds, args.profile)
-    else:
-        layouts() if args.part == "layouts" else kernels()
+    {"layouts": layouts, "kernels": kernels, "models": lambda: models(args.dtype, args.rounds, args.profile)}[args.part]()

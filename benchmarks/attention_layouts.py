@@ -3,7 +3,8 @@
     python benchmarks/attention_layouts.py layouts   # forward + backward of qkv -> attention -> proj, B 256, T 49, D 128
     python benchmarks/attention_layouts.py kernels   # fused SDPA vs MATH backend vs explicit, fp32/bf16, train/infer
     python benchmarks/attention_layouts.py models    # whole ViT-S/16 and B/16 inference, batch 8: Attention.impl
-                                                     # sdpa vs explicit interleaved in one process (--dtype, --profile)
+                                                     # sdpa vs explicit interleaved in one process (--dtype, --profile);
+                                                     # --ab residual: Block's residual adds new vs in place
 """
 import argparse
 import statistics
@@ -83,15 +84,45 @@ def once(fn) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def models(dtype: str, rounds: int, profile: bool) -> None:
-    """Single-kernel timings on a small VM move with the allocator's state (NOTES.md, section 12): decide on whole models."""
+def _variants(ab: str):
+    """The two setups of a whole-model A/B: (name, install) pairs; install() patches the model code in place."""
+    from vitkit.models.layers.attention import Attention
+    from vitkit.models.vit import Block
+
+    if ab == "attention":
+        def impl(name: str):
+            return lambda: setattr(Attention, "impl", name)
+
+        return [("sdpa", impl("sdpa")), ("explicit", impl("explicit"))], impl("auto")
+    block_forward = Block.forward
+
+    def inplace_forward(self, x: torch.Tensor, return_attention: bool = False):
+        # residual adds in place: one (B, T, D) allocation and write fewer per add (inference only)
+        if return_attention:
+            return block_forward(self, x, True)
+        x += self.attn(self.norm1(x))
+        x += self.mlp(self.norm2(x))
+        return x
+
+    def forward_fn(fn):
+        return lambda: setattr(Block, "forward", fn)
+
+    return [("new", forward_fn(block_forward)), ("inplace", forward_fn(inplace_forward))], forward_fn(block_forward)
+
+
+def models(dtype: str, rounds: int, profile: bool, ab: str) -> None:
+    """Single-kernel timings on a small VM move with the allocator's state (NOTES.md, section 12): decide on whole models.
+
+    ab: "attention" (Attention.impl sdpa vs explicit) or "residual" (Block.forward's residual adds new vs in place)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import vitkit
     from vitkit.bench import make_step
-    from vitkit.models.layers.attention import Attention
 
+    variants, restore = _variants(ab)
+    (a, install_a), (b, install_b) = variants
     for name in ("vit_s16", "vit_b16"):
-        forward = make_step(vitkit.create_model(name), torch.randn(8, 3, 224, 224), dtype, train=False, compile_=False)
+        model, x = vitkit.create_model(name), torch.randn(8, 3, 224, 224)
+        forward = make_step(model, x, dtype, train=False, compile_=False)
         if profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -100,22 +131,26 @@ def models(dtype: str, rounds: int, profile: bool) -> None:
             with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
                     forward()
-            print(name, dtype, "(default attention path), 3 forwards of batch 8")
+            print(name, dtype, "(the default path), 3 forwards of batch 8")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
             continue
-        times: dict[str, list[float]] = {"sdpa": [], "explicit": []}
-        for impl in times:  # warm both paths (and the allocator) up
-            Attention.impl = impl
+        outputs = []
+        for install in (install_a, install_b):  # warm both paths (and the allocator) up; compare their outputs
+            install()
             forward()
+            with torch.inference_mode():
+                outputs.append(model(x).float())
+        diff = (outputs[0] - outputs[1]).abs().max().item()
+        times: dict[str, list[float]] = {a: [], b: []}
         for r in range(rounds):
-            for impl in ("sdpa", "explicit") if r % 2 == 0 else ("explicit", "sdpa"):
-                Attention.impl = impl
-                times[impl].append(statistics.median(once(forward) for _ in range(3)))
-        Attention.impl = "auto"
-        sd, ex = statistics.median(times["sdpa"]), statistics.median(times["explicit"])
-        pairs = " ".join(f"{a / b:.3f}" for a, b in zip(times["sdpa"], times["explicit"]))
-        print(f"{name} {dtype} batch 8: sdpa {8e3 / sd:.2f} img/s, explicit {8e3 / ex:.2f} img/s, "
-              f"explicit / sdpa speed {sd / ex:.3f} (rounds: {pairs})", flush=True)
+            for key, install in ((a, install_a), (b, install_b)) if r % 2 == 0 else ((b, install_b), (a, install_a)):
+                install()
+                times[key].append(statistics.median(once(forward) for _ in range(3)))
+        restore()
+        ta, tb = statistics.median(times[a]), statistics.median(times[b])
+        pairs = " ".join(f"{p / q:.3f}" for p, q in zip(times[a], times[b]))
+        print(f"{name} {dtype} batch 8: {a} {8e3 / ta:.2f} img/s, {b} {8e3 / tb:.2f} img/s, {b} / {a} speed "
+              f"{ta / tb:.3f} (rounds: {pairs}); max |logit difference| {diff:.2e}", flush=True)
 
 
 if __name__ == "__main__":
@@ -125,6 +160,8 @@ if __name__ == "__main__":
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="models: fp32, or bf16 autocast")
     ap.add_argument("--rounds", type=int, default=5, help="models: interleaved rounds per path")
     ap.add_argument("--profile", action="store_true", help="models: a torch.profiler table of the default path instead")
+    ap.add_argument("--ab", choices=["attention", "residual"], default="attention",
+                    help="models: A/B of Attention.impl (sdpa vs explicit) or of Block's residual adds (new vs in place)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    {"layouts": layouts, "kernels": kernels, "models": lambda: models(args.dtype, args.rounds, args.profile)}[args.part]()
+    {"layouts": layouts, "kernels": kernels, "models": lambda: models(args.dtype, args.rounds, args.profile, args.ab)}[args.part]()

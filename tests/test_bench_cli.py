@@ -42,3 +42,19 @@ def test_cli_bench_low_precision_stream(capsys):
     assert main(args + ["--lowp-stream"]) == 2  # fp32: there is no low-precision stream to keep
     assert "--lowp-stream needs --dtype bf16" in capsys.readouterr().err
     assert main(["bench", "bit_r50x1", "--img-size", "64", "--dtype", "bf16", "--lowp-stream"]) == 2  # a CNN has none
+
+
+def test_device_names_are_checked(capsys):
+    import torch
+
+    from vitkit.device import resolve_device
+
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+        resolve_device("gpu0")
+    with pytest.raises(ValueError, match="cuda:99"):
+        resolve_device("cuda:99")
+    if not torch.cuda.is_available():  # the CLI turns the error into one line and exit status 2
+        assert main(["bench", "vit_s32", "--img-size", "64", "--device", "cuda", "--min-seconds", "0.01"]) == 2
+        assert "sees no CUDA GPU" in capsys.readouterr().err

@@ -203,7 +203,7 @@ def bench(
     from pathlib import Path
 
     from . import create_model, load
-    from .training.trainer import resolve_device
+    from .device import resolve_device
 
     dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}

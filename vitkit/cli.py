@@ -159,7 +159,7 @@ def evaluate(
     from .data.datasets import csv_list, image_folder, load_dataset
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
 
-    from .training.trainer import resolve_device
+    from .device import resolve_device
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
@@ -215,7 +215,7 @@ def predict(
     """
     from .checkpoints import load
     from .inference import predict as _predict
-    from .training.trainer import resolve_device
+    from .device import resolve_device
 
     records = _predict(load(checkpoint).to(resolve_device(device)), images, top_k, tta=tta)
     if format == "json":

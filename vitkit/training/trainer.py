@@ -30,18 +30,13 @@ from ..checkpoints.api import _atomic_write, save
 from ..data.augment import BatchAugment
 from ..data.datasets import DataSpec, InMemoryDataset, iterate_batches, load_dataset
 from ..evaluation import check_tta, evaluate
+from ..device import resolve_device
 from .config import TrainConfig
 from .optim import build_optimizer, lr_factor, schedule_steps, set_lr
 
 
 class TrainingError(RuntimeError):
     """The run cannot go on (a non-finite loss, labels that do not fit the checkpoint, ...)."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def build_model_for(cfg: TrainConfig, spec: DataSpec) -> nn.Module:

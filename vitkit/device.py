@@ -1,0 +1,23 @@
+"""Which device to run on: one place for the CLI's `--device` and the training config's `run.device`."""
+from __future__ import annotations
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> a CUDA GPU if there is one, else the CPU; 'cpu', 'cuda', 'cuda:N' as given, checked.
+
+    Raises ValueError for a name torch does not know, or a GPU this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but this torch sees no CUDA GPU "
+                             f"(torch {torch.__version__}); use --device cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} asked for, but there are {torch.cuda.device_count()} CUDA GPU(s)")
+    return dev

@@ -293,6 +293,14 @@ def test_config_errors():
         vitkit.create_model("vit_b16", classifier="max")
     with pytest.raises(ValueError, match="pos_embed"):
         vitkit.create_model("vit_b16", pos_embed="rope")
+    hyb = dict(img_size=28, in_chans=1, patch_size=4, hybrid_layers=(4,))  # the Fashion-MNIST preset's backbone
+    assert vitkit.create_model("r26_vit_s32", hybrid_width=1.5, **hyb).config.hybrid_width == 1.5
+    with pytest.raises(ValueError, match="hybrid_width 1.25: must be a multiple of 0.5"):
+        vitkit.create_model("r26_vit_s32", hybrid_width=1.25, **hyb)
+    with pytest.raises(ValueError, match=r"not a multiple of its ResNet's stride 8 \(2 stage"):
+        vitkit.create_model("r26_vit_s32", **{**hyb, "hybrid_layers": (2, 2)})
+    with pytest.raises(ValueError, match="at least one block"):
+        vitkit.create_model("r26_vit_s32", **{**hyb, "hybrid_layers": (2, 0)})
 
 
 def test_official_initialisation():

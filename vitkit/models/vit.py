@@ -117,6 +117,14 @@ class ViTConfig:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         if self.hybrid_layers is not None:
             self.hybrid_layers = tuple(self.hybrid_layers)
+            if not self.hybrid_layers or min(self.hybrid_layers) < 1:
+                raise ValueError(f"hybrid_layers {self.hybrid_layers}: one or more stages of at least one block each")
+            if (64 * self.hybrid_width) % 32:  # the ResNet's GroupNorms have 32 groups; its narrowest is 64 * width
+                raise ValueError(f"hybrid_width {self.hybrid_width}: must be a multiple of 0.5 (GroupNorm's 32 groups)")
+            stride = 4 * 2 ** (len(self.hybrid_layers) - 1)
+            if any(p % stride for p in self.patch_size):
+                raise ValueError(f"patch_size {self.patch_size} (the hybrid's total stride) is not a multiple of its "
+                                 f"ResNet's stride {stride} ({len(self.hybrid_layers)} stage(s))")
         for s, p in zip(self.img_size, self.patch_size):
             if s % p:
                 raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")

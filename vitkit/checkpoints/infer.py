@@ -9,6 +9,7 @@ import torch
 from ..models import ResNetV2Config, ViTConfig
 from ..models.layers.patch_embed import to_2tuple
 from ..models.registry import VIT_SIZES
+from ..models.resnet import backbone_stride
 from .io import CheckpointError
 
 # Width -> heads in the standard sizes (Table 1); used when a format does not store the head count.
@@ -43,7 +44,7 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict) -> ViTConfig:
         cfg["hybrid_layers"] = tuple(_count(sd, rf"patch_embed\.backbone\.stages\.{s}\.blocks\.(\d+)\.") for s in range(stages))
         cfg["hybrid_width"] = stem.shape[0] / 64
         cfg["in_chans"] = stem.shape[1]
-        stride = 4 * 2 ** (stages - 1)
+        stride = backbone_stride(cfg["hybrid_layers"])
         patch = (k[0] * stride, k[1] * stride)
     else:
         cfg["in_chans"] = w.shape[1]

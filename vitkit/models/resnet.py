@@ -57,6 +57,11 @@ class _Stage(nn.Module):
         return self.blocks(x)
 
 
+def backbone_stride(layers: tuple[int, ...]) -> int:
+    """The hybrid ResNet's output stride: 4 from the stem, then 2 for each stage after the first."""
+    return 4 * 2 ** (len(layers) - 1)
+
+
 class ResNetBackbone(nn.Module):
     """The hybrid's ResNet: stem (7x7/2 conv, GroupNorm, ReLU, 3x3/2 max-pool), then bottleneck stages.
 
@@ -97,7 +102,7 @@ class ResNetBackbone(nn.Module):
             in_chs = out_chs
         self.stages = nn.Sequential(*stages)
         self.num_features = in_chs
-        self.stride = 4 * 2 ** (len(layers) - 1)
+        self.stride = backbone_stride(layers)
         for m in self.modules():
             if isinstance(m, StdConv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

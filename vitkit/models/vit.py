@@ -31,7 +31,7 @@ from .layers import (
 )
 from .layers.mlp import lecun_normal_
 from .layers.patch_embed import to_2tuple
-from .resnet import ResNetBackbone
+from .resnet import ResNetBackbone, backbone_stride
 
 CLASSIFIERS = ("token", "gap")
 POS_EMBEDS = {
@@ -121,7 +121,7 @@ class ViTConfig:
                 raise ValueError(f"hybrid_layers {self.hybrid_layers}: one or more stages of at least one block each")
             if (64 * self.hybrid_width) % 32:  # the ResNet's GroupNorms have 32 groups; its narrowest is 64 * width
                 raise ValueError(f"hybrid_width {self.hybrid_width}: must be a multiple of 0.5 (GroupNorm's 32 groups)")
-            stride = 4 * 2 ** (len(self.hybrid_layers) - 1)
+            stride = backbone_stride(self.hybrid_layers)
             if any(p % stride for p in self.patch_size):
                 raise ValueError(f"patch_size {self.patch_size} (the hybrid's total stride) is not a multiple of its "
                                  f"ResNet's stride {stride} ({len(self.hybrid_layers)} stage(s))")

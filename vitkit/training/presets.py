@@ -53,7 +53,7 @@ def fashion_mnist_long() -> TrainConfig:
     bottlenecks, one ViT layer at D 192) and recipe (AdamW 2e-3, linear decay, flips, random erasing, flip
     test-time augmentation) for 40 epochs, with 2-pixel shifts and EMA weights. Measured 93.15% (EMA weights;
     raw 93.32%) in 3020 s on the 2-core AMD EPYC, against 92.53% in 4110 s for the previous long preset (two
-    bottlenecks, 4 ViT layers at D 128); a 1.5x wider ResNet for 30 epochs in the same time measured 93.05%
+    bottlenecks, 4 ViT layers at D 128); a 1.5x wider ResNet for 30 epochs in 13% more time measured 93.05%
     (NOTES.md, section 15; README, Fashion-MNIST table)."""
     cfg = fashion_mnist()
     cfg.preset = "fashion-mnist-long"

@@ -4,7 +4,8 @@
     python benchmarks/attention_layouts.py kernels   # fused SDPA vs MATH backend vs explicit, fp32/bf16, train/infer
     python benchmarks/attention_layouts.py models    # whole ViT-S/16 and B/16 inference, batch 8: Attention.impl
                                                      # sdpa vs explicit interleaved in one process (--dtype, --profile);
-                                                     # --ab residual: Block's residual adds new vs in place
+                                                     # --ab residual: Block's residual adds new vs in place;
+                                                     # --ab pack: fp32 Linear layers plain vs MKL-packed weights
 """
 import argparse
 import statistics
@@ -85,15 +86,21 @@ def once(fn) -> float:
 
 
 def _variants(ab: str):
-    """The two setups of a whole-model A/B: (name, install) pairs; install() patches the model code in place."""
+    """The two setups of a whole-model A/B: (name, install) pairs; install(model) patches the model or its code in place."""
     from vitkit.models.layers.attention import Attention
+    from vitkit.models.layers.linear import Linear
     from vitkit.models.vit import Block
 
     if ab == "attention":
         def impl(name: str):
-            return lambda: setattr(Attention, "impl", name)
+            return lambda model: setattr(Attention, "impl", name)
 
         return [("sdpa", impl("sdpa")), ("explicit", impl("explicit"))], impl("auto")
+    if ab == "pack":
+        def packable(on: bool):  # switches the layers, keeping their packed copies (packed at the first call)
+            return lambda model: [setattr(m, "packable", on) for m in model.modules() if isinstance(m, Linear)]
+
+        return [("plain", packable(False)), ("packed", packable(True))], packable(True)
     block_forward = Block.forward
 
     def inplace_forward(self, x: torch.Tensor, return_attention: bool = False):
@@ -105,7 +112,7 @@ def _variants(ab: str):
         return x
 
     def forward_fn(fn):
-        return lambda: setattr(Block, "forward", fn)
+        return lambda model: setattr(Block, "forward", fn)
 
     return [("new", forward_fn(block_forward)), ("inplace", forward_fn(inplace_forward))], forward_fn(block_forward)
 
@@ -113,7 +120,8 @@ def _variants(ab: str):
 def models(dtype: str, rounds: int, profile: bool, ab: str) -> None:
     """Single-kernel timings on a small VM move with the allocator's state (NOTES.md, section 12): decide on whole models.
 
-    ab: "attention" (Attention.impl sdpa vs explicit) or "residual" (Block.forward's residual adds new vs in place)."""
+    ab: "attention" (Attention.impl sdpa vs explicit), "residual" (Block.forward's residual adds new vs in place) or
+    "pack" (fp32 Linear layers from their plain weights vs MKL-packed copies, `vitkit.models.layers.linear`)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import vitkit
     from vitkit.bench import make_step
@@ -136,7 +144,7 @@ def models(dtype: str, rounds: int, profile: bool, ab: str) -> None:
             continue
         outputs = []
         for install in (install_a, install_b):  # warm both paths (and the allocator) up; compare their outputs
-            install()
+            install(model)
             forward()
             with torch.inference_mode():
                 outputs.append(model(x).float())
@@ -144,9 +152,9 @@ def models(dtype: str, rounds: int, profile: bool, ab: str) -> None:
         times: dict[str, list[float]] = {a: [], b: []}
         for r in range(rounds):
             for key, install in ((a, install_a), (b, install_b)) if r % 2 == 0 else ((b, install_b), (a, install_a)):
-                install()
+                install(model)
                 times[key].append(statistics.median(once(forward) for _ in range(3)))
-        restore()
+        restore(model)
         ta, tb = statistics.median(times[a]), statistics.median(times[b])
         pairs = " ".join(f"{p / q:.3f}" for p, q in zip(times[a], times[b]))
         print(f"{name} {dtype} batch 8: {a} {8e3 / ta:.2f} img/s, {b} {8e3 / tb:.2f} img/s, {b} / {a} speed "
@@ -160,8 +168,9 @@ if __name__ == "__main__":
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="models: fp32, or bf16 autocast")
     ap.add_argument("--rounds", type=int, default=5, help="models: interleaved rounds per path")
     ap.add_argument("--profile", action="store_true", help="models: a torch.profiler table of the default path instead")
-    ap.add_argument("--ab", choices=["attention", "residual"], default="attention",
-                    help="models: A/B of Attention.impl (sdpa vs explicit) or of Block's residual adds (new vs in place)")
+    ap.add_argument("--ab", choices=["attention", "residual", "pack"], default="attention",
+                    help="models: A/B of Attention.impl (sdpa vs explicit), of Block's residual adds (new vs in place), "
+                         "or of fp32 Linear layers plain vs MKL-packed")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"layouts": layouts, "kernels": kernels, "models": lambda: models(args.dtype, args.rounds, args.profile, args.ab)}[args.part]()

@@ -13,7 +13,8 @@ rounds, each round timed by its median call).
 On a GPU every timed call ends with a device synchronisation; both sides of a pair train with the same
 optimizer (AdamW, fused on CUDA, foreach on CPU), so only the models differ. `--compile` times both sides
 under `torch.compile` (vitkit with `fullgraph=True`; the peers without, so graph breaks are allowed there).
-`--lowp-stream` also times vitkit with its bf16/fp16 token stream between blocks (`run.lowp_stream`), as
+In fp32 CPU inference vitkit runs its Linear layers from MKL-packed weights, as `vitkit bench`, `eval`
+and `predict` do (`--no-pack`: from the plain weights, as the peers). `--lowp-stream` also times vitkit with its bf16/fp16 token stream between blocks (`run.lowp_stream`), as
 an extra row, and prints how far its logits are from the fp32 model next to autocast's own error.
 
 Environment. HF transformers works with the CPU build of torch. timm needs torchvision, which loads only
@@ -87,12 +88,14 @@ class PeerLogits(torch.nn.Module):
         return self.model(pixel_values=x).logits if self.kind == "hf" else self.model(x)
 
 
-def runner(model, kind: str, x: torch.Tensor, dtype: str, train: bool, compile_: bool = False):
+def runner(model, kind: str, x: torch.Tensor, dtype: str, train: bool, compile_: bool = False, pack: bool = True):
     """One call = one inference forward or one training step: `vitkit.bench.make_step` for every implementation
-    (the same autocast, optimizer and scaler), vitkit compiled with a full graph, the peers without."""
+    (the same autocast, optimizer and scaler), vitkit compiled with a full graph, the peers without. In fp32
+    CPU inference vitkit runs its Linear layers from MKL-packed weights unless `pack` is off (a peer model has
+    no vitkit Linear, so make_step's packing changes nothing there)."""
     if kind != "vitkit":
         model = PeerLogits(model, kind)
-    return make_step(model, x, dtype, train, compile_, fullgraph=kind == "vitkit")
+    return make_step(model, x, dtype, train, compile_, fullgraph=kind == "vitkit", pack=pack)
 
 
 def measure(fn, batch: int, seconds: float, device: torch.device) -> float:
@@ -121,6 +124,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--compile", action="store_true", help="torch.compile both sides")
     ap.add_argument("--lowp-stream", action="store_true", help="also time vitkit with its low-precision token stream")
+    ap.add_argument("--no-pack", action="store_true",
+                    help="fp32 CPU inference: vitkit's Linear layers from plain weights, not MKL-packed copies")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -165,7 +170,8 @@ def main() -> None:
                         print(f"  relative error of the logits against {peer} in fp32: {peer} under {dtype} autocast "
                               f"{(amp_peer - exact).norm() / exact.norm():.1e}, vitkit-lowp "
                               f"{(amp_lp - exact).norm() / exact.norm():.1e}")
-                fns = {k: runner(m, "vitkit" if k.startswith("vitkit") else peer, x, dtype, train, args.compile)
+                fns = {k: runner(m, "vitkit" if k.startswith("vitkit") else peer, x, dtype, train, args.compile,
+                                 not args.no_pack)
                        for k, m in impls.items()}
                 speeds: dict[str, list[float]] = {k: [] for k in fns}
                 for fn in fns.values():  # warm-up: compilation, first-call allocations and kernel selection

@@ -264,3 +264,28 @@ def test_eval_every_a_fraction_of_an_epoch(tmp_path):
     steps = [r["step"] for r in lines if r.get("split") == "test"]
     half = round(0.5 * steps_per_epoch)
     assert steps == [half, 2 * half, 3 * half, 2 * steps_per_epoch], steps  # every half epoch, and the last step
+
+
+def test_held_out_validation_split(tmp_path):
+    from safetensors import safe_open
+
+    from vitkit.data.datasets import load_dataset, split_holdout
+
+    train_set = load_dataset("digits").train
+    tr, va = split_holdout(train_set, 0.1)
+    tr2, va2 = split_holdout(train_set, 0.1)
+    assert torch.equal(va.labels, va2.labels) and len(tr) + len(va) == len(train_set)  # the same images every time
+    counts = torch.bincount(va.labels, minlength=10)
+    assert counts.min() >= 1 and abs(len(va) - 0.1 * len(train_set)) <= 10  # per class, about 10%
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        split_holdout(train_set, 1.0)
+
+    cfg = tiny_cfg(tmp_path / "run", **{"schedule.epochs": 2, "run.eval_every": 1, "data.val_split": 0.1, "run.ema": 0.9})
+    res = train(cfg)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    evals = [(r["split"], r["step"]) for r in lines if "split" in r]
+    last = 2 * (len(tr) // 64)
+    assert evals == [("val", last // 2), ("val", last), ("test", last)], evals  # the test set once, at the end
+    assert res["best_split"] == "val" and 0 < res["val_acc1"] <= 1 and res["acc1"] == lines[-1]["acc1"]
+    with safe_open(str(tmp_path / "run" / "best.safetensors"), "pt") as f:
+        assert f.metadata()["split"] == "val"

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .models.layers.linear import pack_linears
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -111,14 +113,17 @@ def time_fn(fn, device: torch.device, warmup: int, iters: int, min_seconds: floa
 
 
 def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compile_: bool, compile_mode: str = "default",
-              fullgraph: bool = True):
+              fullgraph: bool = True, pack: bool = True):
     """A closure running one inference forward, or one training step (forward, backward, fused/foreach AdamW).
-    `model` maps images to logits and has `config.num_classes`; `benchmarks/peers.py` times its peers with it too."""
+    `model` maps images to logits and has `config.num_classes`; `benchmarks/peers.py` times its peers with it too.
+    pack: for fp32 inference on CPU, run vitkit's Linear layers from MKL-packed weights (`pack_linears`; a
+    peer's model has none of them, so this changes nothing there)."""
     device = x.device
     amp = dtype != "fp32"
     fwd = torch.compile(model, fullgraph=fullgraph, mode=compile_mode) if compile_ else model
     if not train:
         model.eval()
+        pack_linears(model, enable=pack and dtype == "fp32" and device.type == "cpu" and not compile_)
 
         def infer() -> None:
             with torch.inference_mode(), torch.autocast(device.type, dtype=DTYPES[dtype], enabled=amp):
@@ -144,14 +149,14 @@ def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compil
 
 def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, dtype: str = "fp32", train: bool = False,
                 compile_: bool = False, compile_mode: str = "default", device: str | torch.device = "cpu", warmup: int = 2, iters: int = 5,
-                min_seconds: float = 3.0, latency: bool = True, peak: float | None = None) -> BenchResult:
+                min_seconds: float = 3.0, latency: bool = True, peak: float | None = None, pack: bool = True) -> BenchResult:
     from .stats import count_flops
 
     device = torch.device(device)
     model = model.to(device)
     c = model.config
     x = torch.randn(batch_size, c.in_chans, *c.img_size, device=device)
-    step = make_step(model, x, dtype, train, compile_, compile_mode)
+    step = make_step(model, x, dtype, train, compile_, compile_mode, pack=pack)
     # before any other forward: on CPU, memory an earlier forward freed stays in the process and would hide the peak
     with PeakMemory(device) as mem:
         times = time_fn(step, device, warmup, iters, min_seconds)
@@ -159,7 +164,7 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
     ips = batch_size / statistics.median(times)
     lat = None
     if latency and not train:
-        one = make_step(model, x[:1], dtype, False, compile_, compile_mode)
+        one = make_step(model, x[:1], dtype, False, compile_, compile_mode, pack=pack)
         lat = statistics.median(time_fn(one, device, 2, 10, 1.0)) * 1e3
     work = flops * (3 if train else 1)  # backward ~ 2x forward
     peak = peak or matmul_peak(dtype, device)
@@ -180,6 +185,7 @@ def bench(
     device: str = "auto",
     num_classes: int = 1000,
     min_seconds: float = 3.0,
+    no_pack: bool = False,
     json_out: bool = False,
 ) -> dict:
     """Measure a model: images/s, latency at batch 1, peak memory, achieved FLOP/s and the fraction of this
@@ -197,6 +203,7 @@ def bench(
         device: auto | cpu | cuda.
         num_classes: head size for registry models.
         min_seconds: measure for at least this long.
+        no_pack: in fp32 CPU inference, call the Linear layers with their plain weights instead of MKL-packed copies.
         json_out: print JSON.
     """
     import json
@@ -213,7 +220,7 @@ def bench(
             raise ValueError("--lowp-stream needs --dtype bf16 or fp16 and a ViT (a CNN has no token stream)")
         net.lowp_stream = True
     res = bench_model(net, model, batch_size=batch_size, dtype=dtype, train=train, compile_=compile,
-                      compile_mode=compile_mode, device=dev, min_seconds=min_seconds)
+                      compile_mode=compile_mode, device=dev, min_seconds=min_seconds, pack=not no_pack)
     d = res.to_dict() | {"compile_mode": compile_mode if compile else None}
     if json_out:
         print(json.dumps(d, indent=1))

@@ -160,9 +160,11 @@ def evaluate(
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
 
     from .device import resolve_device
+    from .models.layers.linear import pack_linears
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
+    pack_linears(model)  # float32 on CPU: MKL-packed Linear weights (no effect elsewhere)
     c = model.config
     names = c.class_names
     if data.endswith(".csv") or test_dir:
@@ -216,8 +218,11 @@ def predict(
     from .checkpoints import load
     from .inference import predict as _predict
     from .device import resolve_device
+    from .models.layers.linear import pack_linears
 
-    records = _predict(load(checkpoint).to(resolve_device(device)), images, top_k, tta=tta)
+    model = load(checkpoint).to(resolve_device(device))
+    pack_linears(model)  # float32 on CPU: MKL-packed Linear weights (no effect elsewhere)
+    records = _predict(model, images, top_k, tta=tta)
     if format == "json":
         print(json.dumps(records, indent=1))
     elif format == "csv":

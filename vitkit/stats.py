@@ -1,6 +1,8 @@
 """Parameter and FLOP counts of a model, measured on the meta device (no memory, no compute)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -20,11 +22,18 @@ def _cpu_sdpa_backward_flops(grad_out, q, k, v, *args, out_shape=None, **kwargs)
     return sdpa_backward_flop_count(grad_out, q, k, v)
 
 
-# The counter knows the CUDA attention kernels only; without these the CPU's fused attention counts 0 FLOPs.
-CPU_ATTENTION_FLOPS = {
+def _mkl_linear_flops(x, packed_w, w, *args, out_shape=None, **kwargs) -> int:  # x (..., K), w (N, K)
+    return 2 * math.prod(x[:-1]) * x[-1] * w[0]
+
+
+# The counter knows the CUDA attention kernels only; without these the CPU's fused attention counts 0 FLOPs,
+# and so would a Linear running from an MKL-packed weight (`vitkit.models.layers.linear`).
+CPU_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
 }
+if hasattr(torch.ops.mkl, "_mkl_linear"):
+    CPU_FLOPS[torch.ops.mkl._mkl_linear] = _mkl_linear_flops
 
 
 def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int = 3, batch: int = 1) -> int:
@@ -34,7 +43,7 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
     Only matmuls, convolutions and attention are counted; norms, activations and softmax are not.
     """
     x = torch.empty(batch, in_chans, *img_size, device=next(model.parameters()).device)
-    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS) as counter, torch.no_grad():
+    with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter, torch.no_grad():
         model(x)
     return counter.get_total_flops() // batch
 

@@ -277,6 +277,31 @@ def check_classes(labels: torch.Tensor, classes: list[str], what: str) -> None:
         raise DatasetError(f"{what} has label {int(labels.max())} but only {len(classes)} classes")
 
 
+def split_holdout(ds: InMemoryDataset | FileDataset, fraction: float, seed: int = 0):
+    """(train, held-out) parts of a training set: `fraction` of each class (at least one image of every class
+    with two or more) chosen by a fixed shuffle, so every run and every resume holds out the same images."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"a held-out fraction must be between 0 and 1, got {fraction}")
+    labels = ds.labels.cpu() if isinstance(ds, InMemoryDataset) else torch.tensor([y for _, y in ds.samples])
+    g = torch.Generator().manual_seed(seed)
+    held = []
+    for c in torch.unique(labels).tolist():
+        idx = torch.nonzero(labels == c).flatten()
+        if len(idx) > 1:
+            idx = idx[torch.randperm(len(idx), generator=g)]
+            held.append(idx[: min(len(idx) - 1, max(1, round(fraction * len(idx))))])
+    mask = torch.zeros(len(labels), dtype=torch.bool)
+    mask[torch.cat(held)] = True
+    keep, out = torch.nonzero(~mask).flatten(), torch.nonzero(mask).flatten()
+    if isinstance(ds, InMemoryDataset):
+        k, o = keep.to(ds.labels.device), out.to(ds.labels.device)
+        return (InMemoryDataset(ds.images[k], ds.labels[k], ds.classes, ds.name),
+                InMemoryDataset(ds.images[o], ds.labels[o], ds.classes, ds.name + " (held out)"))
+    kw = dict(classes=ds.classes, img_size=ds.img_size, in_chans=ds.in_chans, strict=ds.strict)
+    return (FileDataset([ds.samples[i] for i in keep.tolist()], name=ds.name, **kw),
+            FileDataset([ds.samples[i] for i in out.tolist()], name=ds.name + " (held out)", **kw))
+
+
 # ---- batching ------------------------------------------------------------------------------------------
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:

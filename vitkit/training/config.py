@@ -24,6 +24,10 @@ class DataConfig:
     eval_batch_size: evaluation batch.
     num_workers: DataLoader workers for folder datasets.
     subset: use only this many training images (smoke runs).
+    test_subset: use only this many test images (smoke runs).
+    val_split: hold out this fraction of the training images (per class, a fixed shuffle) for the periodic
+        evaluations and the choice of best.safetensors; the test set is then evaluated once, at the end.
+        0: evaluate on the test set throughout, the convention of published Fashion-MNIST and CIFAR numbers.
     strict_images: fail on an undecodable image instead of skipping and counting it.
     """
 
@@ -35,6 +39,7 @@ class DataConfig:
     num_workers: int = 2
     subset: int | None = None
     test_subset: int | None = None
+    val_split: float = 0.0
     strict_images: bool = False
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..checkpoints.api import _atomic_write, save
 from ..data.augment import BatchAugment
-from ..data.datasets import DataSpec, InMemoryDataset, iterate_batches, load_dataset
+from ..data.datasets import DataSpec, InMemoryDataset, iterate_batches, load_dataset, split_holdout
 from ..evaluation import check_tta, evaluate
 from ..device import resolve_device
 from .config import TrainConfig
@@ -182,6 +182,10 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     if isinstance(spec.train, InMemoryDataset):
         spec.train = spec.train.subset(d.subset).to(device)
         spec.test = spec.test.subset(d.test_subset).to(device)
+    val, split = None, "test"  # what the periodic evaluations and best.safetensors use
+    if d.val_split:
+        spec.train, val = split_holdout(spec.train, d.val_split)
+        split = "val"
     model = build_model_for(cfg, spec).to(device)
     mc = model.config
     if r.lowp_stream:
@@ -308,7 +312,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
                     t_log, seen_log, loss_log, correct_log = now, 0, 0.0, 0.0
                 if step % eval_steps == 0 or step == limit:  # eval_every may be a fraction of an epoch
                     ep = step / steps_per_epoch
-                    best, evaluated = _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar)
+                    best, evaluated = _evaluate_and_keep_best(model, ema, spec.test if val is None else val, split, aug, cfg,
+                                                              device, out, step, ep, best, logger, bar)
                     last_eval = (step, evaluated)
                 if step % r.ckpt_every == 0 or step % steps_per_epoch == 0 or step == limit:
                     write_state()
@@ -319,39 +324,51 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
                     return result | {"step": step}
                 if step >= limit:
                     break
+        if val is not None:
+            test_eval = evaluate(ema if ema is not None else model, spec.test, aug.eval, batch_size=d.eval_batch_size,
+                                 device=device, precision=r.precision, tta=r.tta)
+            logger.log({"split": "test", "step": step, "epoch": step / steps_per_epoch, "acc1": test_eval.acc1,
+                        "acc5": test_eval.acc5, "loss": test_eval.loss})
     finally:
         logger.close()
         if old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
     final = ema if ema is not None else model
     save(final, out / "final.safetensors")
-    # the loop evaluated the final weights at its last step; evaluate again only if it did not
+    # the loop evaluated the final weights at its last step; evaluate again only if it did not, or if it held out
+    # part of the training set for that (the test set's one evaluation)
     final_eval = last_eval[1].get("ema" if ema is not None else "model") if last_eval[0] == step else None
-    if final_eval is None:
+    if val is not None:  # the loop evaluated on held-out training images; the test set is evaluated once, here
+        if final_eval is not None:
+            result["val_acc1"] = final_eval.acc1
+        final_eval = test_eval
+    elif final_eval is None:
         final_eval = evaluate(final, spec.test, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
-    result.update(step=step, acc1=final_eval.acc1, acc5=final_eval.acc5, best_acc1=max(best, final_eval.acc1),
+    result.update(step=step, acc1=final_eval.acc1, acc5=final_eval.acc5,
+                  best_acc1=best if val is not None else max(best, final_eval.acc1), best_split=split,
                   time_s=elapsed + time.perf_counter() - t_start, skipped_images=skipped_total)
     bar.message(f"done: {step} steps in {result['time_s']:.0f} s; test top-1 {final_eval.acc1:.4f}, top-5 {final_eval.acc5:.4f}")
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def _evaluate_and_keep_best(model, ema, spec, aug, cfg, device, out, step, ep, best, logger, bar) -> tuple[float, dict]:
+def _evaluate_and_keep_best(model, ema, data, split, aug, cfg, device, out, step, ep, best, logger, bar) -> tuple[float, dict]:
+    """Evaluate the weights (and the EMA's) on `data` (the `split` "test" or "val"); best.safetensors keeps the better."""
     r = cfg.run
-    res = evaluate(model, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
-    rec = {"split": "test", "step": step, "epoch": ep, "acc1": res.acc1, "acc5": res.acc5, "loss": res.loss}
+    res = evaluate(model, data, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
+    rec = {"split": split, "step": step, "epoch": ep, "acc1": res.acc1, "acc5": res.acc5, "loss": res.loss}
     cand, cand_acc = model, res.acc1
     results = {"model": res}
     if ema is not None:
-        res_e = evaluate(ema, spec.test, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
+        res_e = evaluate(ema, data, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
         rec.update(ema_acc1=res_e.acc1, ema_acc5=res_e.acc5)
         results["ema"] = res_e
         if res_e.acc1 > cand_acc:
             cand, cand_acc = ema, res_e.acc1
     logger.log(rec)
-    bar.message(f"epoch {ep:.2f}: test top-1 {res.acc1:.4f} top-5 {res.acc5:.4f}" +
+    bar.message(f"epoch {ep:.2f}: {split} top-1 {res.acc1:.4f} top-5 {res.acc5:.4f}" +
                 (f" (EMA {rec['ema_acc1']:.4f})" if ema is not None else ""))
     if cand_acc > best:
-        save(cand, out / "best.safetensors", metadata={"acc1": str(cand_acc), "step": str(step)})
+        save(cand, out / "best.safetensors", metadata={"acc1": str(cand_acc), "split": split, "step": str(step)})
         best = cand_acc
     return best, results

@@ -18,6 +18,10 @@ def test_bench_reports_consistent_fields(train):
     assert r.achieved_tflops == pytest.approx(work * r.img_per_s / 1e12)
     assert r.fraction_of_peak == pytest.approx(r.achieved_tflops / r.matmul_peak_tflops)
     assert (r.latency_ms_b1 is None) == train
+    from vitkit.models.layers.linear import packing_available
+
+    # fp32 CPU inference runs the 2 blocks' 4 Linear layers each from MKL-packed weights; training never does
+    assert r.packed_linears == (0 if train or not packing_available() else 8)
 
 
 def test_cli_bench_every_family_and_models_table(capsys):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models.layers.linear import pack_linears
+from .models.layers.linear import Linear, pack_linears
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,6 +92,7 @@ class BenchResult:
     achieved_tflops: float
     matmul_peak_tflops: float
     fraction_of_peak: float
+    packed_linears: int = 0  # Linear layers run from MKL-packed weights (fp32 CPU inference)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,7 +171,8 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
     peak = peak or matmul_peak(dtype, device)
     return BenchResult(name, "train" if train else "inference", c.img_size[0], batch_size, dtype, compile_, str(device),
                        torch.get_num_threads(), ips, lat, None if mem.peak is None else mem.peak / 2**20, flops / 1e9,
-                       work * ips / 1e12, peak / 1e12, work * ips / peak)
+                       work * ips / 1e12, peak / 1e12, work * ips / peak,
+                       sum(isinstance(m, Linear) and m.packable for m in model.modules()))
 
 
 def bench(
@@ -230,5 +232,5 @@ def bench(
         print(f"{model} {res.mode} {res.img_size}px batch {batch_size} {dtype}{f' compiled ({compile_mode})' if compile else ''} on {res.device} "
               f"({res.threads} threads): {res.img_per_s:.2f} img/s{lat}, peak memory {mem}, {res.gflops_per_img:.2f} GFLOP/img, "
               f"{res.achieved_tflops * 1e3:.1f} GFLOP/s = {res.fraction_of_peak:.0%} of the measured {dtype} matmul peak "
-              f"({res.matmul_peak_tflops * 1e3:.0f} GFLOP/s)")
+              f"({res.matmul_peak_tflops * 1e3:.0f} GFLOP/s)" + (f"; {res.packed_linears} Linear layers MKL-packed" if res.packed_linears else ""))
     return d

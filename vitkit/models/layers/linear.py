@@ -29,7 +29,7 @@ class Linear(nn.Linear):
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         if not self.packable or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
             return None
-        if torch.is_autocast_enabled("cpu"):
+        if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or x.numel() == 0:
             return None
         w = self.weight.detach()
         if w.dtype != torch.float32 or w.device.type != "cpu":

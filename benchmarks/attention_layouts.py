@@ -5,7 +5,8 @@
     python benchmarks/attention_layouts.py models    # whole ViT-S/16 and B/16 inference, batch 8: Attention.impl
                                                      # sdpa vs explicit interleaved in one process (--dtype, --profile);
                                                      # --ab residual: Block's residual adds new vs in place;
-                                                     # --ab pack: fp32 Linear layers plain vs MKL-packed weights
+                                                     # --ab pack: fp32 Linear layers plain vs MKL-packed weights;
+                                                     # --ab cls: the last block on every token vs the class token
 """
 import argparse
 import statistics
@@ -89,7 +90,7 @@ def _variants(ab: str):
     """The two setups of a whole-model A/B: (name, install) pairs; install(model) patches the model or its code in place."""
     from vitkit.models.layers.attention import Attention
     from vitkit.models.layers.linear import Linear
-    from vitkit.models.vit import Block
+    from vitkit.models.vit import Block, VisionTransformer
 
     if ab == "attention":
         def impl(name: str):
@@ -101,6 +102,11 @@ def _variants(ab: str):
             return lambda model: [setattr(m, "packable", on) for m in model.modules() if isinstance(m, Linear)]
 
         return [("plain", packable(False)), ("packed", packable(True))], packable(True)
+    if ab == "cls":
+        def cls_only(on: bool):
+            return lambda model: setattr(VisionTransformer, "last_block_cls_only", on)
+
+        return [("all-tokens", cls_only(False)), ("cls-only", cls_only(True))], cls_only(True)
     block_forward = Block.forward
 
     def inplace_forward(self, x: torch.Tensor, return_attention: bool = False):
@@ -121,7 +127,8 @@ def models(dtype: str, rounds: int, profile: bool, ab: str) -> None:
     """Single-kernel timings on a small VM move with the allocator's state (NOTES.md, section 12): decide on whole models.
 
     ab: "attention" (Attention.impl sdpa vs explicit), "residual" (Block.forward's residual adds new vs in place) or
-    "pack" (fp32 Linear layers from their plain weights vs MKL-packed copies, `vitkit.models.layers.linear`)."""
+    "pack" (fp32 Linear layers from their plain weights vs MKL-packed copies, `vitkit.models.layers.linear`) or
+    "cls" (the last block on every token vs on the class token alone, `VisionTransformer.last_block_cls_only`)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import vitkit
     from vitkit.bench import make_step
@@ -168,9 +175,9 @@ if __name__ == "__main__":
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="models: fp32, or bf16 autocast")
     ap.add_argument("--rounds", type=int, default=5, help="models: interleaved rounds per path")
     ap.add_argument("--profile", action="store_true", help="models: a torch.profiler table of the default path instead")
-    ap.add_argument("--ab", choices=["attention", "residual", "pack"], default="attention",
+    ap.add_argument("--ab", choices=["attention", "residual", "pack", "cls"], default="attention",
                     help="models: A/B of Attention.impl (sdpa vs explicit), of Block's residual adds (new vs in place), "
-                         "or of fp32 Linear layers plain vs MKL-packed")
+                         "of fp32 Linear layers plain vs MKL-packed, or of the last block on all tokens vs the class token")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     {"layouts": layouts, "kernels": kernels, "models": lambda: models(args.dtype, args.rounds, args.profile, args.ab)}[args.part]()

@@ -1,4 +1,6 @@
 """The model registry swept at tiny sizes, every option, parameter counts, the forward API and errors."""
+import copy
+
 import pytest
 import torch
 
@@ -65,6 +67,7 @@ def test_flops_count_the_cpu_fused_attention():
     # and exactly the attention's two matmuls (q k^T and attn v: 2 x 2 T^2 D per layer) above torch's bare count
     from torch.utils.flop_counter import FlopCounterMode
 
+    model.last_block_cls_only = False  # count_flops counts the full last block: so must the bare counter
     with FlopCounterMode(display=False) as bare, torch.no_grad():
         model(torch.empty(1, 3, 64, 64))
     T, D, L = 17, 192, 12
@@ -192,6 +195,62 @@ def test_training_attention_paths_give_the_same_gradients(pos_embed):
     for n in g_fb:
         scale = g_f[n].abs().max().clamp_min(1e-3)
         assert (g_fb[n] - g_ab[n]).abs().max() / scale < 0.1, n
+
+
+@pytest.mark.parametrize("pos_embed,impl", [("learned_1d", "sdpa"), ("relative", "sdpa"), ("relative", "explicit"), ("hybrid", "sdpa")])
+def test_last_block_runs_on_the_class_token_alone(pos_embed, impl):
+    # the head reads the class token only, so forward() runs the last block's queries, projection and MLP
+    # on it alone: the same logits and gradients as the full block, and (B, 1, D) into that MLP
+    from vitkit.models.layers.attention import Attention
+    from vitkit.stats import count_flops
+
+    torch.manual_seed(0)
+    if pos_embed == "hybrid":
+        m = vitkit.create_model("r26_vit_s32", img_size=32, patch_size=4, hybrid_layers=(1,), hybrid_width=0.5, depth=2,
+                                embed_dim=64, num_heads=4, mlp_dim=128, num_classes=10)
+        torch.nn.init.normal_(m.head.weight, std=0.02)
+    else:
+        m = _attention_model(pos_embed, depth=2)
+    x = torch.randn(3, 3, 32, 32)
+    seen = []
+    m.blocks[-1].mlp.fc1.register_forward_hook(lambda mod, inp, out: seen.append(tuple(inp[0].shape)))
+    old, Attention.impl = Attention.impl, impl
+    try:
+        m.eval()
+        with torch.no_grad():
+            short = m(x)
+            m.last_block_cls_only = False
+            full = m(x)
+        T = m.config.num_tokens
+        assert seen == [(3, 1, m.config.embed_dim), (3, T, m.config.embed_dim)]
+        torch.testing.assert_close(short, full, rtol=1e-5, atol=1e-5)
+        assert full.abs().max() > 1e-2
+        m.train()
+        grads = []
+        for cls_only in (True, False):
+            m.last_block_cls_only = cls_only
+            m.zero_grad(set_to_none=True)
+            m(x).logsumexp(-1).mean().backward()
+            grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+        for n, g in grads[1].items():  # to fp32 rounding, relative to each gradient's largest entry
+            assert (grads[0][n] - g).abs().max() <= 1e-5 * g.abs().max().clamp_min(1e-3), n
+    finally:
+        Attention.impl = old
+    # the FLOP count is the model's, every token through every block, whichever way forward runs
+    full_copy = copy.deepcopy(m)
+    del m.last_block_cls_only  # the class's default: on
+    assert count_flops(m, (32, 32)) == count_flops(full_copy, (32, 32))
+    assert "last_block_cls_only" not in vars(m) and m.last_block_cls_only and not full_copy.last_block_cls_only
+
+
+def test_gap_models_run_every_block_on_every_token():
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=2, classifier="gap", num_classes=10).eval()
+    seen = []
+    m.blocks[-1].mlp.fc1.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[1]))
+    with torch.no_grad():
+        m(torch.randn(2, 3, 32, 32))
+    assert m.last_block_cls_only and seen == [m.config.num_tokens]
 
 
 def test_auto_attention_picks_explicit_only_for_cpu_bf16(monkeypatch):

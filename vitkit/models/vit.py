@@ -160,7 +160,11 @@ class Block(nn.Module):
         self.mlp = Mlp(c.embed_dim, c.mlp_dim, act=c.act, drop=c.drop_rate)
         self.drop_path2 = DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False):
+    def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None):
+        """(B, T, D) -> (B, T, D); with `queries`, only the first `queries` tokens' outputs: (B, queries, D)."""
+        if queries is not None:  # every token is normed for the keys and values; only the queries go on
+            x = x[:, :queries] + self.drop_path1(self.attn(self.norm1(x), queries=queries))
+            return x + self.drop_path2(self.mlp(self.norm2(x)))
         if return_attention:
             y, attn = self.attn(self.norm1(x), return_attention=True)
             x = x + self.drop_path1(y)
@@ -192,6 +196,12 @@ class VisionTransformer(nn.Module):
     # H100, where `LayerNorm` then stays in bf16 too (section 11). Off by default; the weights,
     # their gradients and the optimizer stay fp32 either way. The trainer sets it from `run.lowp_stream`.
     lowp_stream: bool = False
+
+    # With the class token as the classifier the head reads one token, so `forward` runs the last block's
+    # queries, output projection and MLP on the class token alone (keys and values still from every token):
+    # the same logits and gradients, ~6.5% fewer FLOPs for a 12-layer model (S/16, B/16), ~3% for 24 layers.
+    # `forward_features` and `forward_intermediates` still return every token. False runs the full last block.
+    last_block_cls_only: bool = True
 
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
@@ -257,7 +267,13 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Image (B, C, H, W) -> logits (B, num_classes), or pooled features if num_classes == 0."""
-        return self.forward_head(self.forward_features(x))
+        if not (self.last_block_cls_only and self.config.classifier == "token" and len(self.blocks)):
+            return self.forward_head(self.forward_features(x))
+        x = self.embed(x)
+        for blk in self.blocks[:-1]:
+            x = blk(x)
+        x = self.blocks[-1](x, queries=1)  # (B, 1, D): the class token, all the head reads
+        return self.forward_head(self.norm(x))
 
     def forward_intermediates(
         self, x: torch.Tensor, layers: int | Sequence[int] | None = None, *, attention: bool = True

@@ -13,6 +13,9 @@ rounds, each round timed by its median call).
 On a GPU every timed call ends with a device synchronisation; both sides of a pair train with the same
 optimizer (AdamW, fused on CUDA, foreach on CPU), so only the models differ. `--compile` times both sides
 under `torch.compile` (vitkit with `fullgraph=True`; the peers without, so graph breaks are allowed there).
+Both sides' % of the matmul peak divide the same FLOPs, the model's (`vitkit.stats.count_flops`: every token
+through every block), although vitkit's forward runs the last block on the class token alone
+(`VisionTransformer.last_block_cls_only`), as the head reads nothing else.
 In fp32 CPU inference vitkit runs its Linear layers from MKL-packed weights, as `vitkit bench`, `eval`
 and `predict` do (`--no-pack`: from the plain weights, as the peers). `--lowp-stream` also times vitkit with its bf16/fp16 token stream between blocks (`run.lowp_stream`), as
 an extra row, and prints how far its logits are from the fp32 model next to autocast's own error.
@@ -187,10 +190,13 @@ def main() -> None:
                     row = {"case": case, "impl": k, "peer": peer, "device": name, "batch": batch, "compiled": args.compile,
                            "vitkit_img_s": med[k], "peer_img_s": med[peer], "ratio": med[k] / med[peer],
                            "vitkit_fraction_of_peak": flops * med[k] / peak[dtype],
-                           "peer_fraction_of_peak": flops * med[peer] / peak[dtype], "max_abs_output_diff": diff}
+                           "peer_fraction_of_peak": flops * med[peer] / peak[dtype], "max_abs_output_diff": diff,
+                           "round_ratios": [a / b for a, b in zip(speeds[k], speeds[peer])]}
+                    ahead = sum(r > 1 for r in row["round_ratios"])
                     rows.append(row)
                     print(f"{case:<18}{' compiled' if args.compile else ''} {k:<11} vs {peer:<4} batch {batch:>3}: "
-                          f"{med[k]:8.2f} vs {med[peer]:8.2f} img/s, ratio {row['ratio']:.3f}  ({k} "
+                          f"{med[k]:8.2f} vs {med[peer]:8.2f} img/s, ratio {row['ratio']:.3f}, ahead in {ahead}/"
+                          f"{args.rounds} rounds  ({k} "
                           f"{row['vitkit_fraction_of_peak']:.0%} / {peer} {row['peer_fraction_of_peak']:.0%} of the {dtype} "
                           f"matmul peak; outputs agree to {diff:.1e})", flush=True)
                 del ref, ours, impls, fns

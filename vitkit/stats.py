@@ -46,7 +46,7 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
     saving then shows as speed, not as fewer FLOPs.
     """
     x = torch.empty(batch, in_chans, *img_size, device=next(model.parameters()).device)
-    shortcut = "last_block_cls_only" in vars(model)
+    own_setting = "last_block_cls_only" in vars(model)  # set on this model, or inherited from its class
     saved = getattr(model, "last_block_cls_only", None)
     try:
         if saved is not None:
@@ -55,7 +55,7 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
             model(x)
     finally:
         if saved is not None:
-            if shortcut:
+            if own_setting:
                 model.last_block_cls_only = saved
             else:
                 del model.last_block_cls_only  # back to the class's setting

@@ -29,7 +29,7 @@ from torch import nn
 from ..checkpoints.api import _atomic_write, save
 from ..data.augment import BatchAugment
 from ..data.datasets import DataSpec, InMemoryDataset, iterate_batches, load_dataset, split_holdout
-from ..evaluation import check_tta, evaluate
+from ..evaluation import EvalResult, check_tta, evaluate
 from ..device import resolve_device
 from .config import TrainConfig
 from .optim import build_optimizer, lr_factor, schedule_steps, set_lr
@@ -201,6 +201,9 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     out_size = tuple(mc.img_size)
     # the augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
     aug = BatchAugment(cfg.aug, out_size, mc.mean, mc.std, len(spec.classes), spec.extra.get("replicate_channels"))
+
+    def evaluate_on(m: nn.Module, data) -> EvalResult:  # every evaluation of a run: its batch size, precision and TTA
+        return evaluate(m, data, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
     (out / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
 
     opt = build_optimizer(model, cfg.optim)
@@ -312,8 +315,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
                     t_log, seen_log, loss_log, correct_log = now, 0, 0.0, 0.0
                 if step % eval_steps == 0 or step == limit:  # eval_every may be a fraction of an epoch
                     ep = step / steps_per_epoch
-                    best, evaluated = _evaluate_and_keep_best(model, ema, spec.test if val is None else val, split, aug, cfg,
-                                                              device, out, step, ep, best, logger, bar)
+                    best, evaluated = _evaluate_and_keep_best(evaluate_on, model, ema, spec.test if val is None else val,
+                                                              split, out, step, ep, best, logger, bar)
                     last_eval = (step, evaluated)
                 if step % r.ckpt_every == 0 or step % steps_per_epoch == 0 or step == limit:
                     write_state()
@@ -325,8 +328,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
                 if step >= limit:
                     break
         if val is not None:
-            test_eval = evaluate(ema if ema is not None else model, spec.test, aug.eval, batch_size=d.eval_batch_size,
-                                 device=device, precision=r.precision, tta=r.tta)
+            test_eval = evaluate_on(ema if ema is not None else model, spec.test)
             logger.log({"split": "test", "step": step, "epoch": step / steps_per_epoch, "acc1": test_eval.acc1,
                         "acc5": test_eval.acc5, "loss": test_eval.loss})
     finally:
@@ -343,7 +345,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
             result["val_acc1"] = final_eval.acc1
         final_eval = test_eval
     elif final_eval is None:
-        final_eval = evaluate(final, spec.test, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
+        final_eval = evaluate_on(final, spec.test)
     result.update(step=step, acc1=final_eval.acc1, acc5=final_eval.acc5,
                   best_acc1=best if val is not None else max(best, final_eval.acc1), best_split=split,
                   time_s=elapsed + time.perf_counter() - t_start, skipped_images=skipped_total)
@@ -352,15 +354,14 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     return result
 
 
-def _evaluate_and_keep_best(model, ema, data, split, aug, cfg, device, out, step, ep, best, logger, bar) -> tuple[float, dict]:
+def _evaluate_and_keep_best(evaluate_on, model, ema, data, split, out, step, ep, best, logger, bar) -> tuple[float, dict]:
     """Evaluate the weights (and the EMA's) on `data` (the `split` "test" or "val"); best.safetensors keeps the better."""
-    r = cfg.run
-    res = evaluate(model, data, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
+    res = evaluate_on(model, data)
     rec = {"split": split, "step": step, "epoch": ep, "acc1": res.acc1, "acc5": res.acc5, "loss": res.loss}
     cand, cand_acc = model, res.acc1
     results = {"model": res}
     if ema is not None:
-        res_e = evaluate(ema, data, aug.eval, batch_size=cfg.data.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
+        res_e = evaluate_on(ema, data)
         rec.update(ema_acc1=res_e.acc1, ema_acc5=res_e.acc5)
         results["ema"] = res_e
         if res_e.acc1 > cand_acc:

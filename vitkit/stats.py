@@ -41,24 +41,13 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
 
     A multiply-add counts as 2 FLOPs (the counter's convention: a (M, K) x (K, N) matmul is 2MKN).
     Only matmuls, convolutions and attention are counted; norms, activations and softmax are not.
-    These are the model's FLOPs, as the paper and the peers count them: every token through every block,
-    also where vitkit's forward runs the last block on the class token alone (`last_block_cls_only`), whose
-    saving then shows as speed, not as fewer FLOPs.
+    These are the model's FLOPs, as the paper and the peers count them: every token through every block
+    (`forward_features`, then the head), also where vitkit's `forward` runs the last block on the class token
+    alone (`VisionTransformer.last_block_cls_only`), whose saving then shows as speed, not as fewer FLOPs.
     """
     x = torch.empty(batch, in_chans, *img_size, device=next(model.parameters()).device)
-    own_setting = "last_block_cls_only" in vars(model)  # set on this model, or inherited from its class
-    saved = getattr(model, "last_block_cls_only", None)
-    try:
-        if saved is not None:
-            model.last_block_cls_only = False
-        with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter, torch.no_grad():
-            model(x)
-    finally:
-        if saved is not None:
-            if own_setting:
-                model.last_block_cls_only = saved
-            else:
-                del model.last_block_cls_only  # back to the class's setting
+    with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter, torch.no_grad():
+        model.forward_head(model.forward_features(x))
     return counter.get_total_flops() // batch
 
 

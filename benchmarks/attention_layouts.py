@@ -104,7 +104,7 @@ def _variants(ab: str):
         return [("plain", packable(False)), ("packed", packable(True))], packable(True)
     if ab == "cls":
         def cls_only(on: bool):
-            return lambda model: setattr(VisionTransformer, "last_block_cls_only", on)
+            return lambda model: setattr(model, "last_block_cls_only", on)
 
         return [("all-tokens", cls_only(False)), ("cls-only", cls_only(True))], cls_only(True)
     block_forward = Block.forward
@@ -128,7 +128,7 @@ def models(dtype: str, rounds: int, profile: bool, ab: str) -> None:
 
     ab: "attention" (Attention.impl sdpa vs explicit), "residual" (Block.forward's residual adds new vs in place) or
     "pack" (fp32 Linear layers from their plain weights vs MKL-packed copies, `vitkit.models.layers.linear`) or
-    "cls" (the last block on every token vs on the class token alone, `VisionTransformer.last_block_cls_only`)."""
+    "cls" (the last block on every token vs on the class token alone, `model.last_block_cls_only`)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import vitkit
     from vitkit.bench import make_step

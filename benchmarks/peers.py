@@ -15,7 +15,7 @@ optimizer (AdamW, fused on CUDA, foreach on CPU), so only the models differ. `--
 under `torch.compile` (vitkit with `fullgraph=True`; the peers without, so graph breaks are allowed there).
 Both sides' % of the matmul peak divide the same FLOPs, the model's (`vitkit.stats.count_flops`: every token
 through every block), although vitkit's forward runs the last block on the class token alone
-(`VisionTransformer.last_block_cls_only`), as the head reads nothing else.
+(`model.last_block_cls_only`), as the head reads nothing else.
 In fp32 CPU inference vitkit runs its Linear layers from MKL-packed weights, as `vitkit bench`, `eval`
 and `predict` do (`--no-pack`: from the plain weights, as the peers). `--lowp-stream` also times vitkit with its bf16/fp16 token stream between blocks (`run.lowp_stream`), as
 an extra row, and prints how far its logits are from the fp32 model next to autocast's own error.

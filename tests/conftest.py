@@ -5,6 +5,7 @@ import pytest
 import torch
 
 FIXTURES = Path(os.environ.get("VITKIT_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+FIXTURES_HERE = Path(__file__).resolve().parent / "fixtures"  # made by tests/fixtures/make_timm_fixtures.py
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -213,7 +213,8 @@ def test_last_block_runs_on_the_class_token_alone(pos_embed, impl):
         m = _attention_model(pos_embed, depth=2)
     x = torch.randn(3, 3, 32, 32)
     seen = []
-    m.blocks[-1].mlp.fc1.register_forward_hook(lambda mod, inp, out: seen.append(tuple(inp[0].shape)))
+    fc1 = m.blocks[-1].mlp.fc1  # wrapped, not hooked: a hook turns the class-token path off (next test)
+    fc1.forward = lambda inp, _f=fc1.forward: (seen.append(tuple(inp.shape)), _f(inp))[1]
     old, Attention.impl = Attention.impl, impl
     try:
         m.eval()
@@ -241,6 +242,38 @@ def test_last_block_runs_on_the_class_token_alone(pos_embed, impl):
     full_copy = copy.deepcopy(m)
     m.last_block_cls_only = True
     assert count_flops(m, (32, 32)) == count_flops(full_copy, (32, 32))
+
+
+def test_hooks_and_fx_see_the_full_last_block():
+    """A forward hook on the last block (or inside it) and torch.fx tracing see every token, as without the
+    class-token shortcut; the logits are the same either way."""
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=2, num_classes=4).eval()
+    torch.nn.init.normal_(m.head.weight, std=0.1)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ref = m(x)
+        for module in (m.blocks[-1], m.blocks[-1].mlp, m.blocks[-1].attn.proj):
+            shapes = []
+            h = module.register_forward_hook(lambda mod, inp, out: shapes.append(tuple(out.shape)))
+            torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)
+            h.remove()
+            assert shapes == [(2, m.config.num_tokens, m.config.embed_dim)], (module, shapes)
+        pre = []
+        h = m.blocks[-1].register_forward_pre_hook(lambda mod, inp: pre.append(tuple(inp[0].shape)))
+        m(x)
+        h.remove()
+        assert pre == [(2, m.config.num_tokens, m.config.embed_dim)]
+        gm = torch.fx.symbolic_trace(m)
+        torch.testing.assert_close(gm(x), ref, rtol=1e-5, atol=1e-5)
+        # the last MLP's first Linear, as traced: its output holds every token
+        fc1 = next(n for n in gm.graph.nodes if n.op == "call_function" and any(
+            getattr(a, "target", None) == "blocks.1.mlp.fc1.weight" for a in n.args))
+        outputs = {}
+        interp = torch.fx.Interpreter(gm)
+        run_node = interp.run_node
+        interp.run_node = lambda n: outputs.setdefault(n.name, run_node(n))
+        interp.run(x)
+        assert outputs[fc1.name].shape == (2, m.config.num_tokens, m.config.mlp_dim)
 
 
 def test_gap_models_run_every_block_on_every_token():

@@ -43,7 +43,7 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
     Only matmuls, convolutions and attention are counted; norms, activations and softmax are not.
     These are the model's FLOPs, as the paper and the peers count them: every token through every block
     (`forward_features`, then the head), also where vitkit's `forward` runs the last block on the class token
-    alone (`VisionTransformer.last_block_cls_only`), whose saving then shows as speed, not as fewer FLOPs.
+    alone (`model.last_block_cls_only`), whose saving then shows as speed, not as fewer FLOPs.
     """
     x = torch.empty(batch, in_chans, *img_size, device=next(model.parameters()).device)
     with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter, torch.no_grad():

@@ -11,6 +11,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from ..models.vit import resolve_layers
+
 
 def require_vit(model: nn.Module) -> None:
     if not hasattr(model, "blocks") or not hasattr(model, "embed"):
@@ -20,8 +22,9 @@ def require_vit(model: nn.Module) -> None:
 def iter_attention(model: nn.Module, x: torch.Tensor, layers: Sequence[int] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (layer, softmax attention (B, H, T, T)) for the layers asked for, one at a time."""
     require_vit(model)
-    depth = len(model.blocks)
-    wanted = set(range(depth)) if layers is None else {i % depth for i in layers}
+    wanted = resolve_layers(layers, len(model.blocks))
+    if not wanted:
+        return
     h = model.embed(x)
     for i, blk in enumerate(model.blocks):
         if i in wanted:

@@ -14,7 +14,7 @@ from torch import nn
 from ..models import ResNetV2Config, ViTConfig, build_model
 from ..models.layers.patch_embed import to_2tuple
 from ..models.registry import config_with
-from . import hf, official, timm, torchvision
+from . import bit, hf, official, timm, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
 from .io import CheckpointError, read_hf_dir, read_npz, read_safetensors, read_torch, sniff
 
@@ -54,30 +54,49 @@ def _config_from_dict(d: dict) -> ViTConfig | ResNetV2Config:
         raise CheckpointError(f"the checkpoint's config does not fit this vitkit version: {e}") from e
 
 
-def read_checkpoint(path: str | Path, **hints) -> Checkpoint:
+def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> Checkpoint:
     """Read any supported checkpoint into vitkit names and infer its architecture.
 
     Args:
-        path: an official .npz, a timm/torchvision/vitkit state dict (.safetensors, .pth, .bin), or a HF folder.
-        **hints: config fields the format cannot encode (num_heads, img_size, ...); they also override.
+        path: an official or BiT .npz, a timm/torchvision/vitkit state dict (.safetensors, .pth, .bin), or a
+            Hugging Face or timm hub folder.
+        img_size_if_unknown: a resolution taken as the checkpoint's own only where nothing else can tell its grid
+            (see `infer_vit_config`); `vitkit.load` passes the resolution it is asked for.
+        **hints: config fields the format cannot encode (num_heads, the checkpoint's own img_size, ...); they
+            also override what the file states.
     """
     path = Path(path).expanduser()
     kind = sniff(path)
     facts: dict = {}
     meta: dict[str, str] = {}
     if kind == "dir":
-        raw, hf_config = read_hf_dir(path)
-        if not hf.is_hf(raw):
-            raise CheckpointError(f"{path}: a folder with config.json but no Hugging Face ViT weights")
-        sd, facts, unused = hf.to_vitkit(raw, hf_config)
-        fmt = "hf"
+        raw, hub_config = read_hf_dir(path)
+        if timm.is_timm_folder(hub_config):
+            keys = set(raw)
+            if timm.is_timm_vit(keys):
+                fmt, (sd, facts, unused) = "timm-vit", timm.vit_to_vitkit(raw)
+            elif timm.is_timm_resnetv2(keys):
+                fmt, (sd, facts, unused) = "timm-resnetv2", timm.resnetv2_to_vitkit(raw)
+            else:
+                raise CheckpointError(f"{path}: a timm folder ({hub_config['architecture']}) that is not a ViT or BiT "
+                                      f"vitkit recognises (first keys: {sorted(keys)[:6]})")
+            facts = {**facts, **timm.folder_facts(hub_config)}
+        elif hf.is_hf(raw):
+            sd, facts, unused = hf.to_vitkit(raw, hub_config)
+            fmt = "hf"
+        else:
+            raise CheckpointError(f"{path}: a folder with config.json but neither Hugging Face ViT nor timm weights")
     elif kind == "npz":
         raw = read_npz(path)
-        if not official.is_official(raw):
-            raise CheckpointError(f"{path}: an .npz without 'embedding/kernel': not an official ViT checkpoint "
-                                  f"(keys: {sorted(raw)[:6]} ...)")
-        sd, facts, unused = official.to_vitkit(raw)
-        fmt = "official-npz"
+        if official.is_official(raw):
+            sd, facts, unused = official.to_vitkit(raw)
+            fmt = "official-npz"
+        elif bit.is_bit_npz(raw):
+            sd, facts, unused = bit.to_vitkit(raw)
+            fmt = "bit-npz"
+        else:
+            raise CheckpointError(f"{path}: an .npz without 'embedding/kernel' or 'resnet/root_block/...': neither an "
+                                  f"official ViT nor a BiT checkpoint (keys: {sorted(raw)[:6]} ...)")
     else:
         raw, meta = read_safetensors(path) if kind == "safetensors" else (read_torch(path), {})
         if meta.get("format") == NATIVE_FORMAT:
@@ -85,7 +104,7 @@ def read_checkpoint(path: str | Path, **hints) -> Checkpoint:
             if hints:
                 config = config_with(config, **{k: v for k, v in hints.items() if k != "img_size"})
             return Checkpoint(path, "vitkit", config, raw, [])
-        if "vitkit_config" in meta:  # an export of ours in a peer's format: the config rides along
+        if "vitkit_config" in meta:  # files written by vitkit 0.1's timm export carried the config along
             facts = {k: v for k, v in json.loads(meta["vitkit_config"]).items() if k != "arch"}
         keys = set(raw)
         match = next(((fmt, convert) for fmt, detect, convert in STATE_DICT_FORMATS if detect(keys)), None)
@@ -96,14 +115,16 @@ def read_checkpoint(path: str | Path, **hints) -> Checkpoint:
             fmt = "vitkit-state-dict"  # vitkit's own names: a model.state_dict() saved by hand
         sd, f, unused = convert(raw)
         facts = {**f, **facts}
-    facts = {**facts, **hints}
-    if "stem.conv.weight" in sd and "patch_embed.proj.weight" not in sd:
-        config = infer_resnetv2_config(sd, facts)
-    elif "patch_embed.proj.weight" in sd:
-        config = infer_vit_config(sd, facts)
-    else:
-        raise CheckpointError(f"{path}: no patch embedding or stem found")
+    config = _infer_config(sd, {**facts, **hints}, img_size_if_unknown, what=str(path))
     return Checkpoint(path, fmt, config, sd, unused)
+
+
+def _infer_config(sd: dict[str, torch.Tensor], facts: dict, img_size_if_unknown=None, what: str = "the checkpoint"):
+    if "stem.conv.weight" in sd and "patch_embed.proj.weight" not in sd:
+        return infer_resnetv2_config(sd, facts)
+    if "patch_embed.proj.weight" in sd:
+        return infer_vit_config(sd, facts, img_size_if_unknown)
+    raise CheckpointError(f"{what}: no patch embedding or stem found")
 
 
 def load_state(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> dict[str, list[str]]:
@@ -142,16 +163,17 @@ def load(
         resample: position-embedding resampling when img_size changes: "bilinear" (the official
             method, scipy zoom order 1) or "bicubic" (timm's).
         device: where to put the model.
-        **overrides: config fields by keyword, as for `create_model`. img_size resamples the position
-            embedding; num_classes different from the checkpoint's gives a new zero-initialised head.
+        **overrides: config fields by keyword, as for `create_model`. img_size different from the checkpoint's
+            (any change of the patch grid's shape) resamples the position embedding; num_classes different from
+            the checkpoint's gives a new zero-initialised head.
     """
     from .catalog import resolve
 
     path = resolve(path_or_name)
-    img_size = overrides.get("img_size")
+    img_size = overrides.pop("img_size", None)
     num_classes = overrides.pop("num_classes", None)
     class_names = overrides.pop("class_names", None)
-    ckpt = read_checkpoint(path, **overrides)
+    ckpt = read_checkpoint(path, img_size_if_unknown=img_size, **overrides)
     model = build_model(ckpt.config)
     report = load_state(model, ckpt.state_dict, strict)
     report["unused"] = ckpt.unused
@@ -203,40 +225,89 @@ def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = N
     return path
 
 
+# Config fields that do not change what the model computes: preprocessing, names, regularisation in training.
+_NOT_COMPUTED = {"mean", "std", "interpolation", "crop_pct", "class_names", "drop_rate", "attn_drop_rate", "drop_path_rate"}
+TIMM_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+
+
+def _check_reads_back(config, sd: dict[str, torch.Tensor], facts: dict, target: str, advice: str = "") -> None:
+    """Refuse an export whose file, read as its format is read (the tensors plus what the file itself records),
+    describes a model other than `config`: a CheckpointError names every field the format cannot hold."""
+    try:
+        got = _infer_config(sd, facts)
+    except CheckpointError as e:
+        # a reader is asked for these by name (a clear error, never a silent guess): fill them in as it would
+        askable = {k: getattr(config, k) for k in ("num_heads", "img_size") if hasattr(config, k)}
+        try:
+            got = _infer_config(sd, {**facts, **askable})
+        except CheckpointError:
+            raise CheckpointError(f"{target} cannot hold this model: read back, the file does not tell its "
+                                  f"architecture ({e}){advice}") from e
+    ignore = _NOT_COMPUTED | ({"img_size"} if config.arch != "vit" else set())
+    want, have = config.to_dict(), got.to_dict()
+    diffs = [f"{k}: {want[k]!r} in the model, {have.get(k)!r} as {target} reads back"
+             for k in want if k not in ignore and want[k] != have.get(k)]
+    if diffs:
+        raise CheckpointError(f"{target} cannot hold this model; written, it would load as a different one:\n  "
+                              + "\n  ".join(diffs) + advice)
+
+
 def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
-    """Write a model in a peer's format.
+    """Write a model in a peer's format. The exported file describes exactly this model, or the export is refused
+    with a CheckpointError naming what the format cannot hold (exact GELU in the official format, a class token
+    beside average pooling in a timm state dict, ...).
 
     Args:
-        to: "vitkit" (.safetensors with config), "timm" (state dict .safetensors or .pth),
-            "hf" (a folder: config.json + model.safetensors), "npz" (the official format).
+        to: "vitkit" (.safetensors with config); "timm": a folder (config.json + model.safetensors, as timm's hub
+            holds models: `timm.create_model("local-dir:PATH", pretrained=True)` reads it) for a path without a
+            suffix, else a bare state dict (.safetensors or .pth) that timm's defaults must describe; "hf" (a
+            folder: config.json + model.safetensors); "npz" (the official format).
     """
     from safetensors.torch import save_file
 
     path, c, sd = Path(path), model.config, _tensors(model)
+    if to not in FORMATS:
+        raise ValueError(f"unknown export format {to!r}; choose one of {FORMATS}")
     if to == "vitkit":
         return save(model, path)
     if to == "timm":
-        out = timm.vit_from_vitkit(sd, c) if c.arch == "vit" else timm.resnetv2_from_vitkit(sd, c)
-        meta = {"format": "pt", "vitkit_config": json.dumps(c.to_dict())}
-        if path.suffix in (".pth", ".pt", ".bin"):
-            _atomic_write(path, lambda p: torch.save(out, p))
-        else:
-            _atomic_write(path, lambda p: save_file(out, str(p), metadata=meta))
+        vit = c.arch == "vit"
+        out = timm.vit_from_vitkit(sd, c) if vit else timm.resnetv2_from_vitkit(sd, c)
+        back, facts, _ = timm.vit_to_vitkit(out) if vit else timm.resnetv2_to_vitkit(out)
+        if path.suffix in TIMM_FILE_SUFFIXES:
+            _check_reads_back(c, back, facts, "a timm state dict",
+                              "\nA timm folder records these: export to a path without a suffix.")
+            if path.suffix == ".safetensors":
+                _atomic_write(path, lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+            else:
+                _atomic_write(path, lambda p: torch.save(out, p))
+            return path
+        hub_config = timm.folder_config(c)
+        _check_reads_back(c, back, {**facts, **timm.folder_facts(hub_config)}, "a timm folder")
+        path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+        _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))
         return path
     if c.arch != "vit":
         raise CheckpointError(f"a {c.arch} model exports to 'vitkit' or 'timm' only, not {to!r}")
     if to == "hf":
         out, hf_config = hf.from_vitkit(sd, c)
+        back, facts, _ = hf.to_vitkit(out, hf_config)
+        _check_reads_back(c, back, facts, "a Hugging Face ViT folder")
         path.mkdir(parents=True, exist_ok=True)
         _atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
-        (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+        _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hf_config, indent=2)))
         return path
-    if to == "npz":
-        out = official.from_vitkit(sd, c)
-        arrays = {k: v.numpy() for k, v in out.items()}
-        _atomic_write(path, lambda p: np.savez(open(p, "wb"), **arrays))
-        return path
-    raise ValueError(f"unknown export format {to!r}; choose one of {FORMATS}")
+    out = official.from_vitkit(sd, c)
+    back, facts, _ = official.to_vitkit(out)
+    _check_reads_back(c, back, facts, "the official .npz format")
+    arrays = {k: v.numpy() for k, v in out.items()}
+    def write_npz(p: Path) -> None:
+        with open(p, "wb") as f:
+            np.savez(f, **arrays)
+
+    _atomic_write(path, write_npz)
+    return path
 
 
 def convert(src: str | Path, dst: str | Path, to: str = "vitkit", **overrides) -> Path:

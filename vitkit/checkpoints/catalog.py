@@ -1,13 +1,20 @@
 """The public pretrained checkpoints by name, downloaded into a cache ($VITKIT_HOME, default ~/.cache/vitkit).
 
-Downloads resume from a partial file (HTTP Range), are verified against a SHA-256 where one is known,
-and fail offline with a message naming the URL to fetch by hand and the path to put it at.
+Downloads resume from a partial file (HTTP Range) and fail offline with a message naming the URL to fetch by
+hand and the path to put it at. Every download is verified when a checksum is known: one recorded in the catalog
+(`sha256=` of `register_checkpoint`, or an MD5 where that is all a publisher gives), else the one the server
+publishes with the file: Google Cloud Storage sends the object's MD5 (`x-goog-hash`), the Hugging Face hub the
+SHA-256 of every LFS file (`x-linked-etag` on its redirect). A download whose server states no hash is
+unverified, and `vitkit catalog` says so.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
+import re
 import shutil
+import urllib.parse
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -31,6 +38,18 @@ class CatalogEntry:
     def is_folder(self) -> bool:
         return len(self.files) > 1
 
+    @property
+    def verification(self) -> str:
+        """How a download of this entry is checked: a recorded SHA-256, the hash its server publishes, or not at all."""
+        kinds = set()
+        for fname, url in self.files.items():
+            if fname in self.sha256:
+                kinds.add("sha256 recorded in the catalog")
+            else:
+                kinds.add({"gcs": "md5 published by Google Cloud Storage",
+                           "hf": "sha256 / git blob id published by the Hugging Face hub"}.get(server_hash_kind(url) or "", "unverified"))
+        return "; ".join(sorted(kinds))
+
 
 CATALOG: dict[str, CatalogEntry] = {}
 
@@ -50,9 +69,8 @@ def _official(name: str, path: str, desc: str) -> None:
 
 
 def _hub(repo: str, desc: str, fmt: str) -> None:
-    files = {"model.safetensors": f"{HF_HUB}/{repo}/resolve/main/model.safetensors"}
-    if fmt == "hf":
-        files["config.json"] = f"{HF_HUB}/{repo}/resolve/main/config.json"
+    # timm and HF hub folders both carry a config.json: timm's holds the preprocessing and the class names
+    files = {f: f"{HF_HUB}/{repo}/resolve/main/{f}" for f in ("config.json", "model.safetensors")}
     register_checkpoint(repo, files, fmt, desc)
 
 
@@ -71,13 +89,20 @@ _AUGREG = {
     "B_32": "B_32-i21k-300ep-lr_0.001-aug_medium1-wd_0.03-do_0.0-sd_0.0--imagenet2012-steps_20k-lr_0.01-res_224",
     "L_16": "L_16-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do_0.1-sd_0.1--imagenet2012-steps_20k-lr_0.01-res_224",
     "R26_S_32": "R26_S_32-i21k-300ep-lr_0.001-aug_light0-wd_0.03-do_0.1-sd_0.1--imagenet2012-steps_20k-lr_0.03-res_224",
+    "R_Ti_16": "R_Ti_16-i21k-300ep-lr_0.001-aug_none-wd_0.03-do_0.0-sd_0.0--imagenet2012-steps_20k-lr_0.03-res_224",
 }
 for _m, _f in _AUGREG.items():
     _official(f"augreg-{_m}-i1k", f"augreg/{_f}.npz", f"AugReg {_m}, i21k -> ImageNet-1k, 224")
+# R+Ti/16: the ResNet stem alone before an 8x8 patch embedding (registry name r_vit_ti16), at 224 and 384.
+_RTI = "R_Ti_16-i21k-300ep-lr_0.001-aug_none-wd_0.03-do_0.0-sd_0.0"
+_official("augreg-R_Ti_16-i21k", f"augreg/{_RTI}.npz", "AugReg R+Ti/16, ImageNet-21k pre-training")
+_official("augreg-R_Ti_16-384-i1k", f"augreg/{_RTI}--imagenet2012-steps_20k-lr_0.03-res_384.npz",
+          "AugReg R+Ti/16, i21k -> ImageNet-1k, 384")
 # timm and Hugging Face hub copies.
 for _r in ("timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k", "timm/vit_small_patch16_224.augreg_in21k_ft_in1k",
            "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k", "timm/vit_large_patch16_224.augreg_in21k_ft_in1k",
-           "timm/vit_base_r50_s16_384.orig_in21k_ft_in1k", "timm/resnetv2_50x1_bit.goog_in21k_ft_in1k"):
+           "timm/vit_base_r50_s16_384.orig_in21k_ft_in1k", "timm/resnetv2_50x1_bit.goog_in21k_ft_in1k",
+           "timm/vit_tiny_r_s16_p8_224.augreg_in21k_ft_in1k", "timm/vit_tiny_r_s16_p8_384.augreg_in21k_ft_in1k"):
     _hub(_r, "timm hub weights", "timm")
 for _r in ("google/vit-base-patch16-224", "google/vit-base-patch16-384", "google/vit-large-patch16-224",
            "google/vit-base-patch16-224-in21k", "google/vit-huge-patch14-224-in21k"):
@@ -88,27 +113,81 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VITKIT_HOME", Path.home() / ".cache" / "vitkit")).expanduser()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+# Servers that publish a checksum with every file, and how: "gcs" (Google Cloud Storage: the object's MD5 in
+# `x-goog-hash`) or "hf" (the Hugging Face hub: an LFS file's SHA-256 in `x-linked-etag` on its redirect, a small
+# file's git blob SHA-1 as its `etag`). A mirror that behaves the same can be added here.
+HASH_PUBLISHERS = {"storage.googleapis.com": "gcs", "huggingface.co": "hf"}
+
+
+def server_hash_kind(url: str) -> str | None:
+    """"gcs" or "hf" when the server of `url` publishes a checksum with each file (HASH_PUBLISHERS), else None."""
+    return HASH_PUBLISHERS.get(urllib.parse.urlparse(url).hostname or "")
+
+
+def _published_hashes(url: str, headers) -> dict[str, str]:
+    """{"md5" | "sha256" | "git-sha1": hex} that the server of `url` states in these response headers."""
+    kind, out = server_hash_kind(url), {}
+    if kind == "gcs":
+        for part in (headers.get("x-goog-hash") or "").split(","):
+            algo, _, value = part.strip().partition("=")
+            if algo == "md5" and value:
+                out["md5"] = base64.b64decode(value).hex()
+    elif kind == "hf":
+        linked = (headers.get("x-linked-etag") or "").strip().removeprefix("W/").strip('"')
+        etag = (headers.get("etag") or "").strip().removeprefix("W/").strip('"')
+        if re.fullmatch(r"[0-9a-f]{64}", linked):
+            out["sha256"] = linked
+        elif re.fullmatch(r"[0-9a-f]{40}", etag):
+            out["git-sha1"] = etag
+    return out
+
+
+class _RecordRedirects(urllib.request.HTTPRedirectHandler):
+    """Keeps (URL, headers) of every redirect: the Hugging Face hub states an LFS file's SHA-256 on its redirect."""
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        self.seen.append((req.full_url, headers))
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _digest(path: Path, algo: str) -> str:
+    """The hex digest of a file: hashlib's algorithms, and "git-sha1", git's blob id (SHA-1 of a header + content)."""
+    if algo == "git-sha1":
+        h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
+    else:
+        h = hashlib.new(algo)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
 
 
-def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 30.0) -> Path:
-    """Fetch `url` to `dest`, resuming a partial `dest.part`; verify the SHA-256 if given."""
+def _sha256(path: Path) -> str:
+    return _digest(path, "sha256")
+
+
+def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 30.0, md5: str | None = None) -> Path:
+    """Fetch `url` to `dest`, resuming a partial `dest.part`, and verify it: against `sha256` or `md5` where given,
+    else against the hash the server publishes with the file (see the module's docstring). A mismatch removes
+    the download and raises a CheckpointError."""
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     have = part.stat().st_size if part.exists() else 0
     req = urllib.request.Request(url, headers={"User-Agent": "vitkit", **({"Range": f"bytes={have}-"} if have else {})})
+    published: dict[str, str] = {}
     try:
         if url.startswith("file://"):
             shutil.copyfile(urllib.request.url2pathname(url[len("file://"):]), part)
         else:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            redirects = _RecordRedirects()
+            with urllib.request.build_opener(redirects).open(req, timeout=timeout) as r:
+                for where, h in [*redirects.seen, (r.url, r.headers)]:
+                    published.update(_published_hashes(where, h))
                 resumed = have and r.status == 206
                 with open(part, "ab" if resumed else "wb") as f:
                     shutil.copyfileobj(r, f, 1 << 20)
@@ -117,11 +196,16 @@ def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 3
             f"could not download {url} ({getattr(e, 'reason', e)}). If this machine is offline, fetch that URL by "
             f"hand and put the file at {dest} (a partial download is kept at {part} and resumed next time)"
         ) from e
-    if sha256:
-        got = _sha256(part)
-        if got != sha256.lower():
+    expected = {"sha256": sha256, "md5": md5} if (sha256 or md5) else published
+    for algo, want in expected.items():
+        if not want:
+            continue
+        got = _digest(part, algo)
+        if got != want.lower():
             part.unlink()
-            raise CheckpointError(f"checksum mismatch for {url}: expected sha256 {sha256}, got {got}; the download was removed")
+            source = "recorded" if (sha256 or md5) else "published by the server"
+            raise CheckpointError(f"checksum mismatch for {url}: expected {algo} {want} ({source}), got {got}; "
+                                  f"the download was removed")
     os.replace(part, dest)
     return dest
 

@@ -64,9 +64,9 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
 
 def from_vitkit(sd: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Tensor], dict]:
     c = config
-    if c.classifier != "token" or c.pos_embed != "learned_1d" or c.representation_size or c.hybrid_layers or not c.qkv_bias:
-        raise CheckpointError("HF ViTForImageClassification holds a class-token ViT with learned 1-D position "
-                              "embedding, qkv bias and no pre-logits layer or hybrid; export to vitkit or npz instead")
+    if c.classifier != "token" or c.pos_embed != "learned_1d" or c.representation_size or c.hybrid_layers is not None:
+        raise CheckpointError("HF ViTForImageClassification holds a class-token ViT with a learned 1-D position "
+                              "embedding and no pre-logits layer or hybrid ResNet; export to vitkit or npz instead")
     out = {"vit.embeddings.cls_token": sd["cls_token"], "vit.embeddings.position_embeddings": sd["pos_embed.weight"]}
     for leaf in ("weight", "bias"):
         out[f"vit.embeddings.patch_embeddings.projection.{leaf}"] = sd[f"patch_embed.proj.{leaf}"]
@@ -77,6 +77,8 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Te
             p = f"vit.encoder.layer.{i}."
             for hf_name, ours in _BLOCK.items():
                 out[p + f"{hf_name}.{leaf}"] = sd[f"blocks.{i}.{ours}.{leaf}"]
+            if f"blocks.{i}.attn.qkv.{leaf}" not in sd:  # no qkv bias
+                continue
             for n, t in zip(("query", "key", "value"), sd[f"blocks.{i}.attn.qkv.{leaf}"].chunk(3)):
                 out[p + f"attention.attention.{n}.{leaf}"] = t
     names = c.class_names or [f"LABEL_{j}" for j in range(c.num_classes)]
@@ -85,10 +87,12 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Te
         "hidden_size": c.embed_dim, "num_hidden_layers": c.depth, "num_attention_heads": c.num_heads,
         "intermediate_size": c.mlp_dim, "hidden_act": "gelu" if c.act == "gelu" else "gelu_pytorch_tanh",
         "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "initializer_range": 0.02,
-        "layer_norm_eps": c.norm_eps, "image_size": c.img_size[0], "patch_size": c.patch_size[0],
-        "num_channels": c.in_chans, "qkv_bias": True, "encoder_stride": c.patch_size[0],
+        "layer_norm_eps": c.norm_eps, "image_size": _int_or_pair(c.img_size), "patch_size": _int_or_pair(c.patch_size),
+        "num_channels": c.in_chans, "qkv_bias": c.qkv_bias, "encoder_stride": c.patch_size[0],
         "id2label": {str(j): n for j, n in enumerate(names)}, "label2id": {n: j for j, n in enumerate(names)},
     }
-    if c.img_size[0] != c.img_size[1] or c.patch_size[0] != c.patch_size[1]:
-        raise CheckpointError("HF ViT configs hold square images and patches only")
     return out, hf_config
+
+
+def _int_or_pair(hw: tuple[int, int]) -> int | list[int]:
+    return hw[0] if hw[0] == hw[1] else list(hw)

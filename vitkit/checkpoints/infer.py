@@ -20,11 +20,14 @@ def _count(sd: dict, pattern: str) -> int:
     return len({m.group(1) for k in sd if (m := re.match(pattern, k))})
 
 
-def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict) -> ViTConfig:
+def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unknown=None) -> ViTConfig:
     """Width, depth, MLP size, patch size, grid (resolution), token vs gap, pre-logits, classes, hybrid stages.
 
     `hints` (format facts, then user overrides) supply what the tensors cannot: the number of heads
-    (default: the standard table), a non-square grid's shape, numerics (GELU flavour, LayerNorm eps).
+    (default: the standard table), numerics (GELU flavour, LayerNorm eps), and `img_size`, the checkpoint's own
+    resolution where the file records it. Without it a square grid is assumed when the position embedding's
+    length allows one; `img_size_if_unknown` (a resolution asked for by the caller) is taken as the checkpoint's
+    only when nothing else can tell the grid (a non-square token count, no absolute position embedding).
     """
     hints = dict(hints)
     w = sd["patch_embed.proj.weight"]
@@ -72,18 +75,30 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict) -> ViTConfig:
     else:
         cfg["pos_embed"] = hints.get("pos_embed", "none")
         n, grid = None, None
-    want = hints.pop("img_size", None)
-    if want is not None:
-        want_grid = (to_2tuple(want)[0] // patch[0], to_2tuple(want)[1] // patch[1])
-        if grid is None and (n is None or want_grid[0] * want_grid[1] == n):
-            grid = want_grid  # the checkpoint's own grid, non-square included
+
+    def grid_of(size) -> tuple[int, int]:
+        h, w = to_2tuple(size)
+        if h % patch[0] or w % patch[1]:
+            raise CheckpointError(f"img_size {(h, w)} is not divisible by the checkpoint's patch size {patch}")
+        return (h // patch[0], w // patch[1])
+
+    stated = hints.pop("img_size", None)
+    if grid is None and stated is not None:
+        grid = grid_of(stated)
+        if n is not None and grid[0] * grid[1] != n:
+            raise CheckpointError(f"img_size {to_2tuple(stated)} is a {grid[0]}x{grid[1]} grid, but the checkpoint's "
+                                  f"position embedding holds {n} patches")
+    if grid is None and n is not None and math.isqrt(n) ** 2 == n:
+        grid = (math.isqrt(n),) * 2
+    if grid is None and img_size_if_unknown is not None:
+        g = grid_of(img_size_if_unknown)
+        if n is None or g[0] * g[1] == n:
+            grid = g
     if grid is None:
         if n is None:
             raise CheckpointError("cannot tell the resolution of this checkpoint from its tensors: pass img_size=")
-        side = math.isqrt(n)
-        if side * side != n:
-            raise CheckpointError(f"the position embedding holds {n} patches, not a square grid: pass img_size=(H, W)")
-        grid = (side, side)
+        raise CheckpointError(f"the position embedding holds {n} patches, not a square grid: pass the checkpoint's "
+                              f"img_size=(H, W)")
     cfg["img_size"] = (grid[0] * patch[0], grid[1] * patch[1])
     heads = hints.pop("num_heads", None) or HEADS_BY_WIDTH.get(d)
     if heads is None:
@@ -107,4 +122,7 @@ def infer_resnetv2_config(sd: dict[str, torch.Tensor], hints: dict) -> ResNetV2C
                width_factor=max(1, stem.shape[0] // 64))
     hints = {k: v for k, v in hints.items() if k not in ("act", "norm_eps")}
     cfg.update(hints)
-    return ResNetV2Config(**cfg)
+    try:
+        return ResNetV2Config(**cfg)
+    except TypeError as e:
+        raise CheckpointError(f"unknown option for a resnetv2 (BiT) model: {e}") from e

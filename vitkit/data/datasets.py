@@ -25,7 +25,12 @@ from ..models.layers.patch_embed import to_2tuple
 from .image import ImageDecodeError, load_image
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
-FASHION_MNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com"
+# Zalando's own repository, over https; the MD5s are the ones the dataset publishes (its README, torchvision).
+FASHION_MNIST_URL = "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion"
+FASHION_MNIST_MD5 = {"train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88bf0d",
+                     "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
+                     "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
+                     "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310"}
 FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 FASHION_MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -33,6 +38,7 @@ FASHION_MNIST_FILES = {
 }
 CIFAR_URLS = {"cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
               "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"}
+CIFAR_MD5 = {"cifar10": "c58f30108f718f92721af3b95e74349a", "cifar100": "eb9058c3a382ffc7106e4002c42a8d85"}  # as published
 
 
 class DatasetError(ValueError):
@@ -122,7 +128,7 @@ def load_fashion_mnist(split: str = "train", data_dir: str | Path | None = None,
 
             dest = roots[-1] / f"{stem}.gz"
             try:
-                path = fetch(f"{FASHION_MNIST_URL}/{stem}.gz", dest)
+                path = fetch(f"{FASHION_MNIST_URL}/{stem}.gz", dest, md5=FASHION_MNIST_MD5[f"{stem}.gz"])
             except CheckpointError as e:
                 raise DatasetError(f"Fashion-MNIST not found locally ({', '.join(str(r) for r in roots[:-1])}; on Debian: "
                                    f"apt-get install dataset-fashion-mnist) and the download failed: {e}") from e
@@ -161,7 +167,7 @@ def load_cifar(name: str = "cifar10", split: str = "train", data_dir: str | Path
         from ..checkpoints.catalog import CheckpointError, download as fetch
 
         try:
-            archive = fetch(CIFAR_URLS[name], roots[-1] / fname)
+            archive = fetch(CIFAR_URLS[name], roots[-1] / fname, md5=CIFAR_MD5[name])
         except CheckpointError as e:
             raise DatasetError(f"{name} not found locally and the download failed: {e}") from e
     want = ["test"] if split == "test" else (["train"] if name == "cifar100" else [f"data_batch_{i}" for i in range(1, 6)])

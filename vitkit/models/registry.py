@@ -33,13 +33,18 @@ class ModelEntry:
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
-_ALIASES: dict[str, str] = {}
+_ALIASES: dict[str, tuple[str, dict]] = {}  # normalised alias -> (registered name, config overrides)
 
 
 def register(name: str, paper_name: str, arch: str, **kwargs) -> None:
     _REGISTRY[name] = ModelEntry(name, paper_name, arch, kwargs)
     for alias in (paper_name, paper_name.replace("ViT-", "ViT_"), paper_name.replace("/", "_")):
-        _ALIASES[_norm(alias)] = name
+        _ALIASES[_norm(alias)] = (name, {})
+
+
+def alias(other_name: str, name: str, **overrides) -> None:
+    """Another library's name for a registered model (timm's, say), with the settings that name implies."""
+    _ALIASES[_norm(other_name)] = (name, overrides)
 
 
 def _norm(name: str) -> str:
@@ -61,6 +66,18 @@ register("r50_vit_b32", "R50+ViT-B/32", "vit", **vit("B", 32, hybrid_layers=(3, 
 register("r50_vit_l16", "R50+ViT-L/16", "vit", **vit("L", 16, hybrid_layers=(3, 4, 9)))
 register("r50_vit_l32", "R50+ViT-L/32", "vit", **vit("L", 32, hybrid_layers=(3, 4, 6, 3)))
 register("r26_vit_s32", "R26+ViT-S/32", "vit", **vit("S", 32, hybrid_layers=(2, 2, 2, 2)))
+# AugReg's R+Ti/16: the ResNet stem alone (7x7/2 conv, GroupNorm, ReLU, 3x3/2 max-pool: stride 4), then an 8x8
+# patch embedding on its feature map: a total stride of 32 (the "/16" of the release's name notwithstanding).
+register("r_vit_ti16", "R+ViT-Ti/16", "vit", **vit("Ti", 32, hybrid_layers=()))
+# timm's names of the published hybrids (the official R50+ViT-B/16 and the AugReg releases).
+alias("vit_tiny_r_s16_p8_224", "r_vit_ti16")
+alias("vit_tiny_r_s16_p8_384", "r_vit_ti16", img_size=384)
+alias("vit_small_r26_s32_224", "r26_vit_s32")
+alias("vit_small_r26_s32_384", "r26_vit_s32", img_size=384)
+alias("vit_base_r50_s16_224", "r50_vit_b16")
+alias("vit_base_r50_s16_384", "r50_vit_b16", img_size=384)
+alias("vit_large_r50_s32_224", "r50_vit_l32")
+alias("vit_large_r50_s32_384", "r50_vit_l32", img_size=384)
 
 # The paper's CNN baseline: BiT ResNet-v2 (Sec. 4.1).
 register("bit_r50x1", "BiT-R50x1", "resnetv2", layers=(3, 4, 6, 3), width_factor=1)
@@ -74,21 +91,26 @@ def list_models(pattern: str | None = None) -> list[str]:
     return [n for n in _REGISTRY if not pattern or fnmatch.fnmatch(n, pattern)]
 
 
-def get_entry(name: str) -> ModelEntry:
-    """The registry entry for a short name ("vit_b16") or a paper name ("ViT-B/16", "R50+ViT-B/16")."""
+def _lookup(name: str) -> tuple[ModelEntry, dict]:
     if name in _REGISTRY:
-        return _REGISTRY[name]
-    key = _ALIASES.get(_norm(name))
-    if key is None:
+        return _REGISTRY[name], {}
+    hit = _ALIASES.get(_norm(name))
+    if hit is None:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(_REGISTRY)}")
-    return _REGISTRY[key]
+    return _REGISTRY[hit[0]], hit[1]
+
+
+def get_entry(name: str) -> ModelEntry:
+    """The registry entry for a short name ("vit_b16"), a paper name ("ViT-B/16", "R50+ViT-B/16") or timm's name
+    of a published hybrid ("vit_tiny_r_s16_p8_384": the entry, whose resolution the name fixes at build time)."""
+    return _lookup(name)[0]
 
 
 def build_config(name: str, **overrides) -> ViTConfig | ResNetV2Config:
-    entry = get_entry(name)
+    entry, implied = _lookup(name)
     cls = ViTConfig if entry.arch == "vit" else ResNetV2Config
     _check_fields(cls, overrides)
-    return cls(**{**entry.kwargs, **overrides})
+    return cls(**{**entry.kwargs, **implied, **overrides})
 
 
 def config_with(config: ViTConfig | ResNetV2Config, **overrides) -> ViTConfig | ResNetV2Config:

@@ -58,15 +58,18 @@ class _Stage(nn.Module):
 
 
 def backbone_stride(layers: tuple[int, ...]) -> int:
-    """The hybrid ResNet's output stride: 4 from the stem, then 2 for each stage after the first."""
-    return 4 * 2 ** (len(layers) - 1)
+    """The hybrid ResNet's output stride: 4 from the stem, then 2 for each stage after the first.
+
+    `layers=()` is the stem alone (AugReg's R+Ti/16, timm's `vit_tiny_r_s16_p8_*`): stride 4."""
+    return 4 * 2 ** max(len(layers) - 1, 0)
 
 
 class ResNetBackbone(nn.Module):
     """The hybrid's ResNet: stem (7x7/2 conv, GroupNorm, ReLU, 3x3/2 max-pool), then bottleneck stages.
 
     Args:
-        layers: blocks per stage; (3, 4, 9) is the paper's R50 with stage 4 folded into stage 3.
+        layers: blocks per stage; (3, 4, 9) is the paper's R50 with stage 4 folded into stage 3; () is the
+            stem alone.
         width_factor: stem width 64 * width_factor; stage i outputs 256 * width_factor * 2^i channels.
         padding: "same" (official JAX and timm hybrids) or "symmetric".
         ws_eps, ws_eps_mode: weight standardisation; the official code adds 1e-5 to the std.
@@ -154,7 +157,10 @@ class PreActBottleneck(nn.Module):
 
 @dataclass
 class ResNetV2Config:
-    """Configuration of the BiT ResNet-v2 classifier (the paper's CNN baseline)."""
+    """Configuration of the BiT ResNet-v2 classifier (the paper's CNN baseline).
+
+    mean, std, interpolation, crop_pct and img_size are the preprocessing the weights expect (the network
+    itself takes any size of at least 32 x 32)."""
 
     layers: tuple[int, ...] = (3, 4, 6, 3)
     width_factor: int = 1
@@ -169,6 +175,8 @@ class ResNetV2Config:
     gn_eps: float = 1e-5
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    interpolation: str = "bilinear"
+    crop_pct: float = 0.875
     class_names: list[str] | None = field(default=None, repr=False)
     arch: str = "resnetv2"
 

@@ -31,6 +31,7 @@ from .layers import (
 )
 from .layers.mlp import lecun_normal_
 from .layers.patch_embed import to_2tuple
+from .layers.tracing import is_fx_tracing
 from .resnet import ResNetBackbone, backbone_stride
 
 CLASSIFIERS = ("token", "gap")
@@ -63,7 +64,8 @@ class ViTConfig:
         qkv_bias: bias on the query/key/value projections.
         act: "gelu" (exact) or "gelu_tanh" (the official JAX code's approximation).
         norm_eps: LayerNorm epsilon (1e-6 official and timm, 1e-12 HF).
-        hybrid_layers: blocks per ResNet stage for a hybrid (e.g. (3, 4, 9)); None: a plain ViT.
+        hybrid_layers: blocks per ResNet stage for a hybrid (e.g. (3, 4, 9)); () the ResNet stem alone
+            (AugReg's R+Ti/16); None: a plain ViT.
         hybrid_width: the ResNet width factor; hybrid_ws_eps/_mode, hybrid_gn_eps: its numerics.
         mean, std, interpolation, crop_pct: the preprocessing the weights expect.
         class_names: names of the head's classes, if known.
@@ -117,8 +119,9 @@ class ViTConfig:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         if self.hybrid_layers is not None:
             self.hybrid_layers = tuple(self.hybrid_layers)
-            if not self.hybrid_layers or min(self.hybrid_layers) < 1:
-                raise ValueError(f"hybrid_layers {self.hybrid_layers}: one or more stages of at least one block each")
+            if any(n < 1 for n in self.hybrid_layers):
+                raise ValueError(f"hybrid_layers {self.hybrid_layers}: every stage needs at least one block "
+                                 f"(() is the ResNet stem alone)")
             if (64 * self.hybrid_width) % 32:  # the ResNet's GroupNorms have 32 groups; its narrowest is 64 * width
                 raise ValueError(f"hybrid_width {self.hybrid_width}: must be a multiple of 0.5 (GroupNorm's 32 groups)")
             stride = backbone_stride(self.hybrid_layers)
@@ -145,6 +148,22 @@ class ViTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def resolve_layers(layers: int | Sequence[int] | None, depth: int) -> set[int]:
+    """Block indices from `forward_intermediates`-style arguments: None for all, an int n for the last n, or a
+    sequence of indices (negative counts from the end). An index outside [-depth, depth) is a ValueError."""
+    if layers is None:
+        return set(range(depth))
+    if isinstance(layers, int):
+        if not 0 <= layers <= depth:
+            raise ValueError(f"asked for the last {layers} layers of a model of depth {depth}")
+        return set(range(depth - layers, depth))
+    bad = [i for i in layers if not -depth <= i < depth]
+    if bad:
+        raise ValueError(f"layer index {bad[0]} is out of range for a model of depth {depth} "
+                         f"(valid: {-depth} to {depth - 1})")
+    return {i % depth for i in layers}
 
 
 class Block(nn.Module):
@@ -189,20 +208,6 @@ class PreLogits(nn.Module):
 class VisionTransformer(nn.Module):
     """ViT, and with `hybrid_layers` set, the ResNet + ViT hybrid. Build it with `vitkit.create_model`."""
 
-    # Under autocast, the tokens between blocks stay fp32 (the position embedding promotes them): every norm,
-    # residual add and GELU then runs in fp32, with a cast in front of every Linear and back in the backward.
-    # True keeps the token stream in the autocast dtype instead (as pure-bf16 training does): measured 1.2x
-    # faster training on a CPU at small widths (benchmarks/NOTES.md, section 8), and 1.1-1.2x for B/16 and L/16 on an
-    # H100, where `LayerNorm` then stays in bf16 too (section 11). Off by default; the weights,
-    # their gradients and the optimizer stay fp32 either way. The trainer sets it from `run.lowp_stream`.
-    lowp_stream: bool = False
-
-    # With the class token as the classifier the head reads one token, so `forward` runs the last block's
-    # queries, output projection and MLP on the class token alone (keys and values still from every token):
-    # the same logits and gradients, ~6.5% fewer FLOPs for a 12-layer model (S/16, B/16), ~3% for 24 layers.
-    # `forward_features` and `forward_intermediates` still return every token. False runs the full last block.
-    last_block_cls_only: bool = True
-
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         c = self.config = config
@@ -224,6 +229,19 @@ class VisionTransformer(nn.Module):
         self.head_drop = nn.Dropout(c.drop_rate)
         self.num_features = c.representation_size or c.embed_dim
         self.head = self._new_head(c.num_classes)
+        # Two speed switches, per instance (timm decides `fused_attn` per instance in the same way):
+        # - lowp_stream: under autocast the tokens between blocks stay fp32 (the position embedding promotes
+        #   them), so every norm, residual add and GELU runs in fp32 with a cast in front of every Linear. True
+        #   keeps the stream in the autocast dtype, as pure-bf16 training does (1.2x faster training on a CPU at
+        #   small widths, 1.1-1.2x for B/16 on an H100; benchmarks/NOTES.md sections 8 and 11); weights,
+        #   gradients and the optimizer stay fp32. The trainer sets it from `run.lowp_stream`.
+        # - last_block_cls_only: with the class token as the classifier the head reads one token, so `forward`
+        #   runs the last block's queries, output projection and MLP on the class token alone (keys and values
+        #   still from every token): the same logits and gradients, ~6.5% fewer FLOPs for a 12-layer model.
+        #   `forward` falls back to the full last block whenever something could see the difference: a forward
+        #   hook or pre-hook on the last block or any module inside it, or torch.fx tracing (feature extraction).
+        self.lowp_stream = False
+        self.last_block_cls_only = True
 
     def _new_head(self, num_classes: int) -> nn.Module:
         if not num_classes:
@@ -265,9 +283,19 @@ class VisionTransformer(nn.Module):
             return x
         return self.head(self.head_drop(x))
 
+    def _cls_only_last_block(self) -> bool:
+        """Whether `forward` may run the last block on the class token alone (see `last_block_cls_only`)."""
+        if not (self.last_block_cls_only and self.config.classifier == "token" and len(self.blocks)):
+            return False
+        if is_fx_tracing():
+            return False
+        if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.blocks[-1].modules())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Image (B, C, H, W) -> logits (B, num_classes), or pooled features if num_classes == 0."""
-        if not (self.last_block_cls_only and self.config.classifier == "token" and len(self.blocks)):
+        if not self._cls_only_last_block():
             return self.forward_head(self.forward_features(x))
         x = self.embed(x)
         for blk in self.blocks[:-1]:
@@ -292,16 +320,7 @@ class VisionTransformer(nn.Module):
             "attention" {layer: (B, H, T, T)} (if asked), "features" (B, T, D) after the final norm,
             and "logits".
         """
-        depth = len(self.blocks)
-        if layers is None:
-            wanted = set(range(depth))
-        elif isinstance(layers, int):
-            wanted = set(range(depth - layers, depth))
-        else:
-            wanted = {i % depth for i in layers}
-        for i in wanted:
-            if not 0 <= i < depth:
-                raise ValueError(f"layer {i} out of range for a model of depth {depth}")
+        wanted = resolve_layers(layers, len(self.blocks))
         tokens, attn = {}, {}
         h = self.embed(x)
         for i, blk in enumerate(self.blocks):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import Linear
+from .tracing import is_fx_tracing
 
 
 # AMX tiles make the fused kernel's bf16 forward the faster one for inference (see `_explicit_is_faster`)
@@ -113,6 +114,8 @@ class Attention(nn.Module):
         Measured in benchmarks/NOTES.md, sections 7 and 12."""
         if self.impl != "auto":
             return self.impl == "explicit"
+        if is_fx_tracing():
+            return False
         if q.device.type != "cpu" or q.dtype != torch.bfloat16 or tokens > 640:
             return False
         return q.requires_grad or not _CPU_HAS_AMX
@@ -126,7 +129,8 @@ class Attention(nn.Module):
         B, T, D = x.shape
         # split, not view+permute+unbind: the backward is then one cat into a contiguous (B, T, 3D) gradient
         # instead of a stack and a permuted copy (measured 9% faster per attention layer, benchmarks/NOTES.md)
-        q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(D, dim=-1))  # each (B, H, T, hd)
+        q, k, v = self.qkv(x).split(D, dim=-1)  # each (B, T, D)
+        q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # each (B, H, T, hd)
         if queries is not None:  # the other tokens' q costs one D x D matmul of a block's twelve: kept, so that
             q = q[:, :, :queries]  # the projection stays one (packable) Linear; (B, H, Q, hd)
         Q = q.shape[2]

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .tracing import is_fx_tracing
+
 
 def packing_available() -> bool:
     """Whether this torch build has MKL's packed sgemm (x86 CPU builds do; ARM and some source builds not)."""
@@ -27,7 +29,7 @@ class Linear(nn.Linear):
     _packed: tuple[torch.Tensor, int, int, int] | None = None  # (packed weight, rows it was packed for, weight version, data_ptr)
 
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        if not self.packable or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        if not self.packable or is_fx_tracing() or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or x.numel() == 0:
             return None

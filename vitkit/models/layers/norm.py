@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .tracing import is_fx_tracing
+
 
 class LayerNorm(nn.LayerNorm):
     """`nn.LayerNorm`, except for a bf16/fp16 input under CUDA autocast (`lowp_stream`): CUDA autocast runs
@@ -14,6 +16,8 @@ class LayerNorm(nn.LayerNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_fx_tracing():
+            return super().forward(x)
         if x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and torch.is_autocast_enabled("cuda"):
             w = None if self.weight is None else self.weight.to(x.dtype)
             b = None if self.bias is None else self.bias.to(x.dtype)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mlp import lecun_normal_
+from .tracing import is_fx_tracing
 
 
 def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -60,13 +61,15 @@ class PatchEmbed(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.check_input(x)
+        tracing = is_fx_tracing()
+        if not tracing:
+            self.check_input(x)
         if self.backbone is not None:
             # channels-last: the oneDNN/cuDNN convs run without layout reorders, and the final
             # flatten + transpose to tokens is then free (benchmarks/NOTES.md, section 7)
             x = x.contiguous(memory_format=torch.channels_last)
             x = self.backbone(x)  # (B, C, H, W) -> (B, C', H/s, W/s)
-        elif x.device.type == "cpu":
+        elif not tracing and x.device.type == "cpu":
             return self._patches_matmul(x)
         x = self.proj(x)  # (B, D, gh, gw)
         return x.flatten(2).transpose(1, 2)  # (B, D, gh, gw) -> (B, N, D)

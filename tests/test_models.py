@@ -6,7 +6,7 @@ import torch
 
 import vitkit
 from vitkit.models import get_entry
-from vitkit.stats import count_params, model_stats
+from vitkit.stats import model_stats
 
 from conftest import tiny_kwargs
 
@@ -359,6 +359,21 @@ def test_forward_intermediates_only_the_layers_asked():
     assert set(m.forward_intermediates(torch.randn(1, 3, 32, 32), layers=2, attention=False)["tokens"]) == {2, 3}
 
 
+def test_out_of_range_layers_are_errors():
+    """layers=[5] of a 3-layer model used to return layer 2 (5 % 3): every index must name a layer."""
+    from vitkit.analysis import layer_head_maps, mean_attention_distance
+
+    m = vitkit.create_model("vit_ti16", img_size=32, depth=3, num_classes=3).eval()
+    x = torch.randn(1, 3, 32, 32)
+    for bad in ([5], [3], [-4], 4):
+        with pytest.raises(ValueError, match="out of range|last 4 layers"):
+            m.forward_intermediates(x, layers=bad)
+    with pytest.raises(ValueError, match="out of range"):
+        layer_head_maps(m, x, layers=[3])
+    assert set(m.forward_intermediates(x, layers=[-3, 2])["tokens"]) == {0, 2}
+    assert mean_attention_distance(m, [x]).shape == (3, 3)
+
+
 def test_rectangular_images_and_grayscale():
     m = vitkit.create_model("vit_s32", img_size=(64, 96), in_chans=1, depth=1, num_classes=2)
     assert m.config.num_tokens == 1 + 2 * 3
@@ -409,8 +424,3 @@ def test_set_img_size_resamples_the_position_embedding():
     m.set_img_size(48)
     assert m.pos_embed.weight.shape == (1, 1 + 9, 192)
     assert m(torch.randn(1, 3, 48, 48)).shape == (1, 3)
-
-
-def test_count_params_matches_manual():
-    m = vitkit.create_model("vit_ti16", img_size=32, depth=1, num_classes=3)
-    assert count_params(m) == sum(p.numel() for p in m.parameters())

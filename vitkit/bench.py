@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .models.layers.linear import Linear, pack_linears
+from .errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -219,7 +220,7 @@ def bench(
     net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
     if lowp_stream:
         if dtype == "fp32" or not hasattr(net, "lowp_stream"):
-            raise ValueError("--lowp-stream needs --dtype bf16 or fp16 and a ViT (a CNN has no token stream)")
+            raise UsageError("--lowp-stream needs --dtype bf16 or fp16 and a ViT (a CNN has no token stream)")
         net.lowp_stream = True
     res = bench_model(net, model, batch_size=batch_size, dtype=dtype, train=train, compile_=compile,
                       compile_mode=compile_mode, device=dev, min_seconds=min_seconds, pack=not no_pack)

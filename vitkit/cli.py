@@ -5,12 +5,14 @@ import argparse
 import csv
 import json
 import sys
+import traceback
 from pathlib import Path
 from typing import Literal
 
 from ._cli_util import add_function
 from .bench import bench
 from .demo import demo
+from .errors import UsageError, VitkitError
 
 
 def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool = False) -> list[dict]:
@@ -120,7 +122,7 @@ def train(
     pairs = {}
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} is not key=value")
+            raise UsageError(f"override {item!r} is not key=value")
         k, v = item.split("=", 1)
         pairs[k] = v
     apply_overrides(cfg, pairs)
@@ -155,8 +157,8 @@ def evaluate(
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
     """
     from .checkpoints import load
-    from .data.augment import AugConfig, BatchAugment
-    from .data.datasets import csv_list, image_folder, load_dataset
+    from .data.datasets import FileDataset, csv_list, folder_test_split, image_folder, load_dataset
+    from .data.image import EvalTransform
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
 
     from .device import resolve_device
@@ -167,23 +169,25 @@ def evaluate(
     pack_linears(model)  # float32 on CPU: MKL-packed Linear weights (no effect elsewhere)
     c = model.config
     names = c.class_names
-    if data.endswith(".csv") or test_dir:
-        test = csv_list(test_dir or data, classes=names, img_size=c.img_size, in_chans=c.in_chans) if (test_dir or data).endswith(".csv") \
-            else image_folder(test_dir or data, classes=names, img_size=c.img_size, in_chans=c.in_chans)
-        replicate = None
-    elif Path(data).is_dir():
-        root = Path(data)
-        sub = next((root / s for s in ("test", "val") if (root / s).is_dir()), root)
-        test, replicate = image_folder(sub, classes=names, img_size=c.img_size, in_chans=c.in_chans), None
+    replicate = None
+    src = test_dir or data
+    if src.endswith(".csv"):
+        test = csv_list(src, classes=names, in_chans=c.in_chans)
+    elif test_dir or Path(data).is_dir():
+        # an ImageFolder root: its evaluation split, as the trainer chose it (val/, else test/); or the folder itself
+        split = None if test_dir else folder_test_split(data)
+        test = image_folder(split or src, classes=names, in_chans=c.in_chans)
     else:
         spec = load_dataset(data, data_dir)
         test = spec.test
         replicate = 3 if spec.in_chans == 1 and c.in_chans == 3 else None
         if names and list(names) != list(test.classes):
-            raise ValueError(f"the checkpoint's classes {names} differ from {data}'s {test.classes}")
+            raise UsageError(f"the checkpoint's classes {names} differ from {data}'s {test.classes}")
     if c.num_classes != len(test.classes):
-        raise ValueError(f"the checkpoint has {c.num_classes} classes, the data {len(test.classes)}")
-    transform = BatchAugment(AugConfig(), c.img_size, c.mean, c.std, c.num_classes, replicate).eval
+        raise UsageError(f"the checkpoint has {c.num_classes} classes, the data {len(test.classes)}")
+    if isinstance(test, FileDataset):
+        test = test.configured(c)  # decoded with the checkpoint's own size, crop and interpolation
+    transform = EvalTransform.for_model(c, replicate_to=replicate, geometry=not isinstance(test, FileDataset))
     res = _evaluate(model, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta,
                       device=dev)
     out_dir = Path(out) if out else Path(checkpoint).parent
@@ -204,8 +208,9 @@ def predict(
     format: Literal["table", "json", "csv"] = "table",
     tta: Literal["none", "flip", "flip-shift"] = "none",
     device: str = "auto",
-) -> list[dict]:
-    """Classify image files with a checkpoint's own preprocessing and class names; unreadable files are reported.
+) -> int:
+    """Classify image files with a checkpoint's own preprocessing and class names. A file that cannot be read is
+    reported in the output and the others are still classified; the exit status is then 1.
 
     Args:
         images: image files.
@@ -241,7 +246,12 @@ def predict(
             print(r["image"])
             for label, p in r["top"]:
                 print(f"  {p:7.2%}  {label}")
-    return records
+    failed = [r["image"] for r in records if "error" in r]
+    if failed:
+        print(f"vitkit: {len(failed)} of {len(records)} image(s) could not be read: {', '.join(failed[:5])}"
+              f"{' ...' if len(failed) > 5 else ''}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def explain(
@@ -253,11 +263,11 @@ def explain(
     class_index: int | None = None,
 ) -> list[dict]:
     """Show what a ViT attends to: attention rollout overlaid on each image, gradient-weighted rollout for a
-    class, and per-layer, per-head maps. Writes PNGs and the raw maps (.npz).
+    class, and per-layer, per-head maps; for the BiT CNN, a Grad-CAM overlay. Writes PNGs and the raw maps (.npz).
 
     Args:
         images: image files.
-        checkpoint: any checkpoint vitkit loads (a ViT or hybrid).
+        checkpoint: any checkpoint vitkit loads.
         out: output folder.
         discard_ratio: the fraction of the lowest attentions dropped per layer before rollout (0: the paper's rollout).
         head_fusion: how the heads are combined: mean (the paper), max or min.
@@ -268,7 +278,8 @@ def explain(
 
     recs = explain_images(load(checkpoint), images, out, discard_ratio=discard_ratio, head_fusion=head_fusion, class_index=class_index)
     for r in recs:
-        print(f"{r['image']}: {r.get('class', '')} -> {r['png']}, {r['heads_png']}, {r['npz']}")
+        pngs = ", ".join(p for p in (r["png"], r["heads_png"]) if p)
+        print(f"{r['image']}: {r.get('class', '')} -> {pngs}, {r['npz']}")
     return recs
 
 
@@ -312,6 +323,7 @@ COMMANDS = {"models": models, "bench": bench, "explain": explain, "inspect": ins
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformers (arXiv 2010.11929) in PyTorch.")
+    parser.add_argument("--debug", action="store_true", help="print the full traceback of every error, expected ones too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, fn in COMMANDS.items():
         add_function(sub, name, fn)
@@ -329,11 +341,23 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(ns)
     fn = args.pop("_fn")
     args.pop("command")
+    debug = args.pop("debug")
     try:
         ret = fn(**args)
-    except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
+    except (VitkitError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        # an expected failure (bad input, a missing file, a config that cannot work): its message is the answer
+        if debug:
+            traceback.print_exc()
         print(f"vitkit: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("vitkit: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - anything else is a bug: keep its cause
+        traceback.print_exc()
+        print(f"vitkit: unexpected error ({type(e).__name__}: {e}); the traceback above shows where. "
+              f"Please report it with the command that caused it.", file=sys.stderr)
+        return 1
     return ret if isinstance(ret, int) else 0
 
 

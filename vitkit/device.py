@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from .errors import UsageError
 
 
 def resolve_device(name: str) -> torch.device:
@@ -13,11 +14,11 @@ def resolve_device(name: str) -> torch.device:
     try:
         dev = torch.device(name)
     except RuntimeError as e:
-        raise ValueError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from e
+        raise UsageError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from e
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} asked for, but this torch sees no CUDA GPU "
+            raise UsageError(f"device {name!r} asked for, but this torch sees no CUDA GPU "
                              f"(torch {torch.__version__}); use --device cpu or auto")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r} asked for, but there are {torch.cuda.device_count()} CUDA GPU(s)")
+            raise UsageError(f"device {name!r} asked for, but there are {torch.cuda.device_count()} CUDA GPU(s)")
     return dev

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from ..models.vit import resolve_layers
+from ..errors import UsageError
 
 
 def require_vit(model: nn.Module) -> None:
     if not hasattr(model, "blocks") or not hasattr(model, "embed"):
-        raise ValueError(f"{type(model).__name__} has no attention layers: this analysis needs a ViT or a hybrid")
+        raise UsageError(f"{type(model).__name__} has no attention layers: this analysis needs a ViT or a hybrid")
 
 
 def iter_attention(model: nn.Module, x: torch.Tensor, layers: Sequence[int] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
@@ -66,7 +67,7 @@ def rollout(attentions: Sequence[torch.Tensor], discard_ratio: float = 0.0, head
         a = a / a.sum(-1, keepdim=True)
         result = a if result is None else a @ result
     if result is None:
-        raise ValueError("rollout needs at least one layer of attention")
+        raise UsageError("rollout needs at least one layer of attention")
     return result
 
 
@@ -151,5 +152,18 @@ def mean_attention_distance(model: nn.Module, batches: Callable[[], Iterator[tor
                 total[i] += mean_attention_distance_from(a, dist, c.num_prefix_tokens).sum(0).cpu()
             n += len(x)
     if n == 0:
-        raise ValueError("no images to measure the attention distance on")
+        raise UsageError("no images to measure the attention distance on")
     return (total / n).float()
+
+
+def grad_cam(model: nn.Module, x: torch.Tensor, class_index: int | Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grad-CAM (Selvaraju et al. 2017) for a CNN without attention (the BiT baseline): the final feature map
+    weighted per channel by the mean gradient of the class logit, summed, negatives clipped, normalised to a
+    maximum of 1. Returns (maps (B, h, w), class indices (B,))."""
+    with torch.enable_grad():
+        feats = model.forward_features(x).detach().requires_grad_(True)  # (B, F, h, w)
+        logits = model.forward_head(feats)
+        idx = logits.argmax(-1) if class_index is None else torch.as_tensor(class_index, device=logits.device).expand(len(x))
+        (grad,) = torch.autograd.grad(logits.gather(1, idx.view(-1, 1)).sum(), feats)
+    cam = (grad.mean(dim=(2, 3), keepdim=True) * feats).sum(1).clamp(min=0).detach()  # (B, h, w)
+    return cam / cam.amax(dim=(1, 2), keepdim=True).clamp(min=1e-12), idx

@@ -8,52 +8,60 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data.image import ImageDecodeError, load_image, preprocess
+from ..data.image import EvalTransform, ImageDecodeError, decode_for
 from ..data.datasets import IMAGE_EXTS
 from . import plots
-from .attention import attention_rollout, grad_rollout, layer_head_maps, mean_attention_distance, require_vit
+from .attention import attention_rollout, grad_cam, grad_rollout, layer_head_maps, mean_attention_distance, require_vit
 from .embeddings import embedding_filters, filter_principal_components, position_similarity
+from ..errors import UsageError
 
 
 def _input(model: nn.Module, path: str | Path) -> tuple[torch.Tensor, np.ndarray]:
     """The model input (1, C, H, W) and the same crop as a displayable uint8 image."""
     c = model.config
-    img = load_image(path, c.in_chans)
-    x = preprocess(img, c.img_size, c.mean, c.std, crop_pct=c.crop_pct, interpolation=c.interpolation)
-    m = torch.tensor(c.mean)[: x.shape[0], None, None]
-    s = torch.tensor(c.std)[: x.shape[0], None, None]
-    shown = ((x * s + m).clamp(0, 1) * 255).round().byte()
-    shown = shown[0].numpy() if shown.shape[0] == 1 else shown.permute(1, 2, 0).numpy()
-    return x[None], shown
+    pixels = decode_for(path, c)  # uint8 (C, H, W): the checkpoint's resize and centre crop, as predict and eval
+    x = EvalTransform.for_model(c, geometry=False)(pixels[None])
+    shown = pixels[0].numpy() if pixels.shape[0] == 1 else pixels.permute(1, 2, 0).numpy()
+    return x, shown
 
 
 def explain_images(model: nn.Module, images: list[str | Path], out: str | Path, *, discard_ratio: float = 0.0,
                    head_fusion: str = "mean", class_index: int | None = None) -> list[dict]:
-    """For each image: rollout and gradient-weighted rollout overlays, the per-layer/per-head maps, and an .npz."""
-    require_vit(model)
+    """For each image: rollout and gradient-weighted rollout overlays, the per-layer/per-head maps, and an .npz.
+    A CNN (the BiT baseline) has no attention: it gets a Grad-CAM overlay instead."""
     model.eval()
+    vit = hasattr(model, "blocks")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = model.config.class_names or [str(i) for i in range(model.config.num_classes)]
     records = []
     for path in images:
         x, shown = _input(model, path)
-        roll = attention_rollout(model, x, discard_ratio, head_fusion)[0]
-        maps = {"attention rollout": roll.numpy()}
-        rec: dict = {"image": str(path)}
-        if model.config.num_classes:
-            with torch.enable_grad():
-                g, idx = grad_rollout(model, x, class_index, discard_ratio)
-            cls = int(idx[0])
-            maps[f"grad rollout: {names[cls]}"] = g[0].numpy()
-            rec["class"] = names[cls]
-        heads = {k: v[0].numpy() for k, v in layer_head_maps(model, x).items()}
         stem = Path(path).stem
+        rec: dict = {"image": str(path), "heads_png": None}
+        arrays: dict = {}
+        if vit:
+            roll = attention_rollout(model, x, discard_ratio, head_fusion)[0]
+            maps = {"attention rollout": roll.numpy()}
+            arrays["rollout"] = roll.numpy()
+            if model.config.num_classes:
+                with torch.enable_grad():
+                    g, idx = grad_rollout(model, x, class_index, discard_ratio)
+                maps[f"grad rollout: {names[int(idx[0])]}"] = arrays["grad_rollout"] = g[0].numpy()
+            heads = {k: v[0].numpy() for k, v in layer_head_maps(model, x).items()}
+            arrays["layer_head"] = np.stack([heads[k] for k in sorted(heads)])
+            rec["heads_png"] = str(plots.save_layer_head_grid(heads, out / f"{stem}_heads.png",
+                                                              title=f"{Path(path).name}: attention per layer and head"))
+        else:
+            if not model.config.num_classes:
+                raise UsageError("Grad-CAM needs a classifier head (this CNN has num_classes=0)")
+            g, idx = grad_cam(model, x, class_index)
+            maps = {f"Grad-CAM: {names[int(idx[0])]}": g[0].numpy()}
+            arrays["grad_cam"] = g[0].numpy()
+        if model.config.num_classes:
+            rec["class"] = names[int(idx[0])]
+            arrays["class_index"] = np.array(int(idx[0]))
         rec["png"] = str(plots.save_explanation(shown, maps, out / f"{stem}_rollout.png", title=Path(path).name))
-        rec["heads_png"] = str(plots.save_layer_head_grid(heads, out / f"{stem}_heads.png", title=f"{Path(path).name}: attention per layer and head"))
-        arrays = {"rollout": roll.numpy(), "layer_head": np.stack([heads[k] for k in sorted(heads)])}
-        if "class" in rec:
-            arrays["grad_rollout"], arrays["class_index"] = g[0].numpy(), np.array(cls)
         np.savez(out / f"{stem}.npz", **arrays)
         rec["npz"] = str(out / f"{stem}.npz")
         records.append(rec)
@@ -76,16 +84,15 @@ def _batches_from(model: nn.Module, data: str, num_images: int, data_dir: str | 
         if skipped:
             print(f"vitkit: skipped {len(skipped)} unreadable image(s): {', '.join(skipped[:5])}")
         if not good:
-            raise ValueError(f"no readable images under {root}")
+            raise UsageError(f"no readable images under {root}")
         for i in range(0, len(good), batch_size):
             yield torch.cat(good[i : i + batch_size])
         return
-    from ..data.augment import AugConfig, BatchAugment
     from ..data.datasets import load_dataset
 
     spec = load_dataset(data, data_dir)
     replicate = 3 if spec.in_chans == 1 and c.in_chans == 3 else None
-    tf = BatchAugment(AugConfig(), c.img_size, c.mean, c.std, c.num_classes or 1, replicate).eval
+    tf = EvalTransform.for_model(c, replicate_to=replicate)
     imgs = spec.test.subset(num_images).images
     for i in range(0, len(imgs), batch_size):
         yield tf(imgs[i : i + batch_size])

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from ..errors import UsageError
 
 
 def embedding_filters(model: nn.Module) -> torch.Tensor:
     """(D, C, P, P) filters that see the pixels: the patch embedding's conv, or for a hybrid the ResNet stem's."""
     if not hasattr(model, "patch_embed"):
-        raise ValueError(f"{type(model).__name__} has no patch embedding: this analysis needs a ViT or a hybrid")
+        raise UsageError(f"{type(model).__name__} has no patch embedding: this analysis needs a ViT or a hybrid")
     bb = model.patch_embed.backbone
     w = bb.stem.conv.standardized_weight() if bb is not None else model.patch_embed.proj.weight
     return w.detach().float().cpu()
@@ -30,7 +31,7 @@ def position_embedding_grid(model: nn.Module) -> torch.Tensor:
     """(gh * gw, D): the position embedding of each patch (class token excluded)."""
     pe = getattr(model, "pos_embed", None)
     if pe is None or not hasattr(pe, "grid"):
-        raise ValueError("this model has no absolute position embedding (pos_embed 'none' or 'relative')")
+        raise UsageError("this model has no absolute position embedding (pos_embed 'none' or 'relative')")
     return pe.grid().detach().float().cpu()
 
 

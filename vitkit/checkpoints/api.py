@@ -17,6 +17,7 @@ from ..models.registry import config_with
 from . import bit, hf, official, timm, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
 from .io import CheckpointError, read_hf_dir, read_npz, read_safetensors, read_torch, sniff
+from ..errors import UsageError
 
 FORMATS = ("vitkit", "timm", "hf", "npz")
 NATIVE_FORMAT = "vitkit"
@@ -267,7 +268,7 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
 
     path, c, sd = Path(path), model.config, _tensors(model)
     if to not in FORMATS:
-        raise ValueError(f"unknown export format {to!r}; choose one of {FORMATS}")
+        raise UsageError(f"unknown export format {to!r}; choose one of {FORMATS}")
     if to == "vitkit":
         return save(model, path)
     if to == "timm":

@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import VitkitError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(VitkitError, ValueError):
     """A checkpoint that is missing, truncated, of an unknown format or that does not fit the model."""
 
 

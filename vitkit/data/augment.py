@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from ..errors import UsageError
 
 
 @dataclass
@@ -124,7 +125,7 @@ class BatchAugment:
             n, m = cfg.randaugment.split(",")
             self.ra_n, self.ra_m = int(n), float(m)
         if cfg.crop not in ("pad", "rrc", "none"):
-            raise ValueError(f"crop must be 'pad', 'rrc' or 'none', got {cfg.crop!r}")
+            raise UsageError(f"crop must be 'pad', 'rrc' or 'none', got {cfg.crop!r}")
 
     @property
     def mixing(self) -> bool:
@@ -138,13 +139,6 @@ class BatchAugment:
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean.to(x.device)) / self.std.to(x.device)
-
-    def eval(self, x: torch.Tensor) -> torch.Tensor:
-        """No augmentation: scale, resize to the model's size if needed, normalise."""
-        x = self._to_float(x)
-        if tuple(x.shape[-2:]) != self.out_size:
-            x = F.interpolate(x, size=self.out_size, mode="bilinear", align_corners=False, antialias=True)
-        return self.normalize(x)
 
     def _affine(self, b: int, h: int, w: int, g: torch.Generator, dev) -> tuple[torch.Tensor, bool]:
         """Per-sample 3x3 matrices mapping output to input normalised coordinates; and whether any is fractional."""

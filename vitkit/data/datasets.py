@@ -7,6 +7,7 @@ on the training device (see `augment.py`).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import io
 import os
@@ -22,7 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..models.layers.patch_embed import to_2tuple
-from .image import ImageDecodeError, load_image
+from .image import ImageDecodeError, load_image, resize_crop, to_uint8_tensor
+from ..errors import UsageError, VitkitError
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 # Zalando's own repository, over https; the MD5s are the ones the dataset publishes (its README, torchvision).
@@ -41,7 +43,7 @@ CIFAR_URLS = {"cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.g
 CIFAR_MD5 = {"cifar10": "c58f30108f718f92721af3b95e74349a", "cifar100": "eb9058c3a382ffc7106e4002c42a8d85"}  # as published
 
 
-class DatasetError(ValueError):
+class DatasetError(VitkitError, ValueError):
     """A dataset that cannot be found or used as asked."""
 
 
@@ -192,9 +194,11 @@ def load_cifar(name: str = "cifar10", split: str = "train", data_dir: str | Path
 
 @dataclass
 class FileDataset(Dataset):
-    """(path, label) pairs decoded in DataLoader workers to uint8 (C, H, W) at a fixed size.
+    """(path, label) pairs decoded in DataLoader workers to uint8 (C, H, W) at the model's size, with the model's
+    evaluation geometry (`vitkit.data.image.resize_crop`: shorter side to img_size / crop_pct, centre crop).
 
-    A file that cannot be decoded gives None and is counted by the collate function, unless `strict`.
+    A file that cannot be decoded (or declares more than `image.MAX_IMAGE_PIXELS`) gives None and is counted by
+    the collate function, unless `strict`. `configured(model_config)` sets the size and geometry from a model.
     """
 
     samples: list[tuple[str, int]]
@@ -203,6 +207,8 @@ class FileDataset(Dataset):
     in_chans: int = 3
     strict: bool = False
     name: str = ""
+    crop_pct: float = 1.0
+    interpolation: str = "bilinear"
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -215,10 +221,12 @@ class FileDataset(Dataset):
             if self.strict:
                 raise ImageDecodeError(f"{path}: {e}") from e
             return None
-        img = img.resize((self.img_size[1], self.img_size[0]), 2)  # PIL bilinear to the model's size
-        arr = np.asarray(img, dtype=np.uint8)
-        t = torch.from_numpy(arr.copy())
-        return (t[None] if t.ndim == 2 else t.permute(2, 0, 1)), label  # (H, W, C) -> (C, H, W)
+        return to_uint8_tensor(resize_crop(img, tuple(self.img_size), self.crop_pct, self.interpolation)), label
+
+    def configured(self, config) -> "FileDataset":
+        """This list of files, decoded as `config` (a model's) asks: its img_size, crop_pct and interpolation."""
+        return dataclasses.replace(self, img_size=tuple(config.img_size), crop_pct=getattr(config, "crop_pct", 1.0),
+                                   interpolation=getattr(config, "interpolation", "bilinear"))
 
     @property
     def labels(self) -> torch.Tensor:
@@ -287,7 +295,7 @@ def split_holdout(ds: InMemoryDataset | FileDataset, fraction: float, seed: int 
     """(train, held-out) parts of a training set: `fraction` of each class (at least one image of every class
     with two or more) chosen by a fixed shuffle, so every run and every resume holds out the same images."""
     if not 0.0 < fraction < 1.0:
-        raise ValueError(f"a held-out fraction must be between 0 and 1, got {fraction}")
+        raise UsageError(f"a held-out fraction must be between 0 and 1, got {fraction}")
     labels = ds.labels.cpu() if isinstance(ds, InMemoryDataset) else torch.tensor([y for _, y in ds.samples])
     g = torch.Generator().manual_seed(seed)
     held = []
@@ -303,9 +311,8 @@ def split_holdout(ds: InMemoryDataset | FileDataset, fraction: float, seed: int 
         k, o = keep.to(ds.labels.device), out.to(ds.labels.device)
         return (InMemoryDataset(ds.images[k], ds.labels[k], ds.classes, ds.name),
                 InMemoryDataset(ds.images[o], ds.labels[o], ds.classes, ds.name + " (held out)"))
-    kw = dict(classes=ds.classes, img_size=ds.img_size, in_chans=ds.in_chans, strict=ds.strict)
-    return (FileDataset([ds.samples[i] for i in keep.tolist()], name=ds.name, **kw),
-            FileDataset([ds.samples[i] for i in out.tolist()], name=ds.name + " (held out)", **kw))
+    return (dataclasses.replace(ds, samples=[ds.samples[i] for i in keep.tolist()]),
+            dataclasses.replace(ds, samples=[ds.samples[i] for i in out.tolist()], name=ds.name + " (held out)"))
 
 
 # ---- batching ------------------------------------------------------------------------------------------
@@ -382,6 +389,11 @@ def load_digits(split: str = "train", n_train: int = 1500) -> InMemoryDataset:
     return InMemoryDataset(x[idx], y[idx], list(DIGITS_CLASSES), "digits")
 
 
+def folder_test_split(root: str | Path) -> Path | None:
+    """The evaluation split of an ImageFolder root: val/, else test/ (the trainer and `vitkit eval` both use it)."""
+    return next((Path(root) / s for s in ("val", "test") if (Path(root) / s).is_dir()), None)
+
+
 def load_dataset(
     name: str,
     data_dir: str | None = None,
@@ -410,7 +422,7 @@ def load_dataset(
             test = csv_list(test_dir, classes=train.classes, **kw)
         elif root.is_dir():
             tr = root / "train" if (root / "train").is_dir() else root
-            te = Path(test_dir) if test_dir else next((root / s for s in ("val", "test") if (root / s).is_dir()), None)
+            te = Path(test_dir) if test_dir else folder_test_split(root)
             if te is None:
                 raise DatasetError(f"{root}: no val/ or test/ folder next to train/ (or pass test_dir=)")
             train = image_folder(tr, **kw)

@@ -1,23 +1,43 @@
-"""Decoding one image and the evaluation preprocessing a checkpoint asks for (resize, centre crop, normalise)."""
+"""Decoding images, and the one evaluation preprocessing of a checkpoint (resize, centre crop, normalise).
+
+A checkpoint's config names its preprocessing: img_size, crop_pct, interpolation, mean, std. Evaluation during
+training, `vitkit eval`, `predict`, `explain` and the service all apply it the same way, as timm's eval
+transform does: resize the shorter side to floor(size / crop_pct) (a non-square img_size: both sides to
+floor(side / crop_pct)), crop the centre to img_size, scale to [0, 1], normalise. `eval_geometry` is that
+geometry, once; `resize_crop` applies it to a decoded PIL image (files), `EvalTransform` to a batch of
+same-sized uint8 images (the in-memory datasets).
+"""
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
+from ..errors import UsageError, VitkitError
 
 _PIL_INTERP = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": Image.NEAREST}
 
+# Images with more pixels than this are refused before they are decoded (a decompression bomb: a tiny PNG that
+# declares 20000 x 20000 would take 1.2 GB as RGB). 64 Mpx: an 8192 x 8192 image, or a 48 Mpx photo, passes.
+MAX_IMAGE_PIXELS = int(os.environ.get("VITKIT_MAX_IMAGE_PIXELS", 64 * 1024 * 1024))
 
-class ImageDecodeError(ValueError):
-    """An image file that is missing, truncated or not an image."""
+
+class ImageDecodeError(VitkitError, ValueError):
+    """An image file that is missing, truncated, not an image, or too large to decode safely."""
 
 
-def load_image(source: str | Path | np.ndarray | Image.Image, in_chans: int = 3) -> Image.Image:
-    """Open an image file (or wrap an array) as a PIL image in RGB (in_chans 3) or L (in_chans 1)."""
+def load_image(source: str | Path | np.ndarray | Image.Image, in_chans: int = 3, max_pixels: int | None = None) -> Image.Image:
+    """Open an image file (or wrap an array) as a PIL image in RGB (in_chans 3) or L (in_chans 1).
+
+    A file that declares more than `max_pixels` (default MAX_IMAGE_PIXELS) is refused from its header,
+    before any pixel is decoded."""
+    limit = MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
     if isinstance(source, Image.Image):
         img = source
     elif isinstance(source, np.ndarray):
@@ -27,39 +47,113 @@ def load_image(source: str | Path | np.ndarray | Image.Image, in_chans: int = 3)
         img = Image.fromarray(arr)
     else:
         try:
-            with Image.open(source) as f:
-                f.load()  # decode now, so a truncated file fails here
-                img = f.copy()
-        except FileNotFoundError:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(source) as f:
+                    w, h = f.size
+                    if w * h > limit:
+                        raise ImageDecodeError(f"{source}: {w} x {h} = {w * h:,} pixels, over the limit of {limit:,}: "
+                                               f"refused as a possible decompression bomb (VITKIT_MAX_IMAGE_PIXELS)")
+                    f.load()  # decode now, so a truncated file fails here
+                    img = f.copy()
+        except (FileNotFoundError, IsADirectoryError, ImageDecodeError):
             raise
-        except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # PIL's own, larger limits
+            raise ImageDecodeError(f"{source}: {e}; over the limit of {limit:,} pixels: refused as a possible "
+                                   f"decompression bomb (VITKIT_MAX_IMAGE_PIXELS)") from e
+        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
             raise ImageDecodeError(f"cannot decode image {source}: {e}") from e
     return img.convert("L" if in_chans == 1 else "RGB")
 
 
-def preprocess(
-    img: Image.Image,
-    img_size: tuple[int, int],
-    mean: Sequence[float],
-    std: Sequence[float],
-    *,
-    crop_pct: float = 1.0,
-    interpolation: str = "bilinear",
-) -> torch.Tensor:
-    """Resize so the crop covers `crop_pct` of the shorter side, centre-crop to img_size, scale to [0, 1], normalise.
+def eval_geometry(in_hw: tuple[int, int], img_size: tuple[int, int], crop_pct: float = 1.0
+                  ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The evaluation resize and crop of an image of size in_hw: ((resized h, w), (crop top, left)).
 
-    Returns a (C, H, W) float32 tensor.
-    """
+    As timm's eval transform (crop mode 'center'): a square img_size S resizes the shorter side to floor(S / crop_pct)
+    and the longer in proportion, truncated (torchvision's Resize); a non-square (h, w) scales the image, keeping
+    its aspect, until it covers (floor(h / crop_pct), floor(w / crop_pct)), rounded (timm's ResizeKeepRatio). The
+    crop offsets are round((resized - size) / 2), as torchvision's CenterCrop."""
+    ih, iw = in_hw
     h, w = img_size
-    scale_h, scale_w = math.floor(h / crop_pct), math.floor(w / crop_pct)
-    iw, ih = img.size
-    s = max(scale_h / ih, scale_w / iw)  # resize the shorter side to cover the crop
-    nw, nh = max(w, round(iw * s)), max(h, round(ih * s))
-    img = img.resize((nw, nh), _PIL_INTERP.get(interpolation, Image.BILINEAR))
-    left, top = (nw - w) // 2, (nh - h) // 2
-    img = img.crop((left, top, left + w, top + h))
-    x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)
-    x = x[None] if x.ndim == 2 else x.permute(2, 0, 1)  # (H, W, C) -> (C, H, W)
-    m = torch.tensor(mean, dtype=torch.float32)[: x.shape[0], None, None]
-    sd = torch.tensor(std, dtype=torch.float32)[: x.shape[0], None, None]
-    return (x - m) / sd
+    th, tw = math.floor(h / crop_pct), math.floor(w / crop_pct)
+    if th == tw:
+        if iw <= ih:
+            rh, rw = int(th * ih / iw), th
+        else:
+            rh, rw = th, int(th * iw / ih)
+    else:
+        ratio = min(ih / th, iw / tw)
+        rh, rw = round(ih / ratio), round(iw / ratio)
+    if rh < h or rw < w:
+        raise UsageError(f"crop_pct {crop_pct} resizes {in_hw} to {(rh, rw)}, smaller than the crop {img_size}")
+    return (rh, rw), (int(round((rh - h) / 2.0)), int(round((rw - w) / 2.0)))
+
+
+def resize_crop(img: Image.Image, img_size: tuple[int, int], crop_pct: float = 1.0, interpolation: str = "bilinear") -> Image.Image:
+    """The evaluation geometry (`eval_geometry`) applied to a PIL image: an img_size PIL image."""
+    (rh, rw), (top, left) = eval_geometry((img.height, img.width), tuple(img_size), crop_pct)
+    if (rh, rw) != (img.height, img.width):
+        img = img.resize((rw, rh), _PIL_INTERP.get(interpolation, Image.BILINEAR))
+    return img.crop((left, top, left + img_size[1], top + img_size[0]))
+
+
+def to_uint8_tensor(img: Image.Image) -> torch.Tensor:
+    """PIL image -> uint8 (C, H, W)."""
+    t = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())
+    return t[None] if t.ndim == 2 else t.permute(2, 0, 1)  # (H, W, C) -> (C, H, W)
+
+
+def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """Float images in [0, 1] (..., C, H, W) -> (x - mean) / std per channel."""
+    c = x.shape[-3]
+    m = torch.tensor(mean, dtype=torch.float32, device=x.device)[:c, None, None]
+    s = torch.tensor(std, dtype=torch.float32, device=x.device)[:c, None, None]
+    return (x - m) / s
+
+
+def preprocess(img: Image.Image, img_size: tuple[int, int], mean: Sequence[float], std: Sequence[float], *,
+               crop_pct: float = 1.0, interpolation: str = "bilinear") -> torch.Tensor:
+    """One decoded image -> the model's input (C, H, W) float32: `resize_crop`, then scale and normalise."""
+    x = to_uint8_tensor(resize_crop(img, tuple(img_size), crop_pct, interpolation)).float() / 255
+    return normalize(x, mean, std)
+
+
+def decode_for(path: str | Path, config) -> torch.Tensor:
+    """An image file decoded and resized/cropped as `config` (a model's) asks: uint8 (C, H, W) at its img_size."""
+    img = load_image(path, config.in_chans)
+    return to_uint8_tensor(resize_crop(img, tuple(config.img_size), config.crop_pct, config.interpolation))
+
+
+class EvalTransform:
+    """A batch of uint8 images (B, C, H, W) -> the model's input: the evaluation geometry (unless the images were
+    already decoded at the model's size by `resize_crop`: geometry=False), scaling and normalisation.
+
+    Args:
+        replicate_to: repeat a single grey channel this many times (grey data into an RGB checkpoint).
+    """
+
+    def __init__(self, img_size: tuple[int, int], mean: Sequence[float], std: Sequence[float], *, crop_pct: float = 1.0,
+                 interpolation: str = "bilinear", replicate_to: int | None = None, geometry: bool = True) -> None:
+        self.img_size, self.mean, self.std = tuple(img_size), tuple(mean), tuple(std)
+        self.crop_pct, self.interpolation, self.replicate_to, self.geometry = crop_pct, interpolation, replicate_to, geometry
+
+    @classmethod
+    def for_model(cls, config, *, replicate_to: int | None = None, geometry: bool = True) -> "EvalTransform":
+        return cls(config.img_size, config.mean, config.std, crop_pct=getattr(config, "crop_pct", 1.0),
+                   interpolation=getattr(config, "interpolation", "bilinear"), replicate_to=replicate_to, geometry=geometry)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float() / 255
+        if self.replicate_to and x.shape[1] == 1:
+            x = x.expand(-1, self.replicate_to, -1, -1)
+        if self.geometry:
+            (rh, rw), (top, left) = eval_geometry(tuple(x.shape[-2:]), self.img_size, self.crop_pct)
+            if (rh, rw) != tuple(x.shape[-2:]):
+                mode = self.interpolation if self.interpolation in ("bilinear", "bicubic") else "nearest"
+                kw = dict(align_corners=False, antialias=True) if mode != "nearest" else {}
+                x = F.interpolate(x, size=(rh, rw), mode=mode, **kw).clamp(0, 1)
+            x = x[..., top:top + self.img_size[0], left:left + self.img_size[1]]
+        elif tuple(x.shape[-2:]) != self.img_size:
+            raise UsageError(f"images of size {tuple(x.shape[-2:])} were expected at the model's size {self.img_size}")
+        return normalize(x, self.mean, self.std)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.datasets import iterate_batches
+from ..errors import UsageError
 
 
 @dataclass
@@ -36,7 +37,7 @@ TTA_MODES = ("none", "flip", "flip-shift")
 def check_tta(mode: str, what: str = "test-time augmentation") -> str:
     """`mode` if it is one of TTA_MODES, else a ValueError naming `what` (e.g. the config key)."""
     if mode not in TTA_MODES:
-        raise ValueError(f"unknown {what} {mode!r}; choose one of {', '.join(TTA_MODES)}")
+        raise UsageError(f"unknown {what} {mode!r}; choose one of {', '.join(TTA_MODES)}")
     return mode
 
 
@@ -92,7 +93,7 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
         n += len(y)
     model.train(was_training)
     if n == 0:
-        raise ValueError("no image of the evaluation set could be read")
+        raise UsageError("no image of the evaluation set could be read")
     per_class = (conf.diag().float() / conf.sum(1).clamp(min=1).float()).tolist()
     return EvalResult(conf.diag().sum().item() / n, top5 / n, loss_sum / n, n, skipped, per_class, conf.numpy(), list(data.classes))
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..data.image import ImageDecodeError, load_image, preprocess
+from ..data.image import EvalTransform, ImageDecodeError, decode_for
 from ..evaluation.metrics import check_tta, tta_log_probs
 
 
@@ -18,6 +18,7 @@ def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_si
     """
     check_tta(tta)  # before any image is read
     c = model.config
+    transform = EvalTransform.for_model(c, geometry=False)  # decode_for already resized and cropped
     names = c.class_names or [str(i) for i in range(c.num_classes)]
     device = next(model.parameters()).device
     records: list[dict] = []
@@ -37,11 +38,10 @@ def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_si
     for path in images:
         records.append({"image": str(path)})
         try:
-            img = load_image(path, c.in_chans)
+            pending.append((len(records) - 1, transform(decode_for(path, c)[None])[0]))  # the checkpoint's eval transform
         except (ImageDecodeError, FileNotFoundError, IsADirectoryError) as e:
             records[-1]["error"] = str(e)
             continue
-        pending.append((len(records) - 1, preprocess(img, c.img_size, c.mean, c.std, crop_pct=c.crop_pct, interpolation=c.interpolation)))
         if len(pending) == batch_size:
             flush()
     flush()

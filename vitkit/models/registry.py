@@ -10,6 +10,7 @@ from torch import nn
 
 from .resnet import ResNetV2, ResNetV2Config
 from .vit import ViTConfig, VisionTransformer
+from ..errors import UsageError
 
 # Table 1: width D, depth L, MLP size, heads.
 VIT_SIZES: dict[str, dict[str, int]] = {
@@ -96,7 +97,7 @@ def _lookup(name: str) -> tuple[ModelEntry, dict]:
         return _REGISTRY[name], {}
     hit = _ALIASES.get(_norm(name))
     if hit is None:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(_REGISTRY)}")
+        raise UsageError(f"unknown model {name!r}; known: {', '.join(_REGISTRY)}")
     return _REGISTRY[hit[0]], hit[1]
 
 
@@ -131,7 +132,7 @@ def _check_fields(cls: type, overrides: dict) -> None:
     unknown = set(overrides) - fields
     if unknown:
         arch = "vit" if cls is ViTConfig else "resnetv2"
-        raise ValueError(f"unknown option(s) {sorted(unknown)} for a {arch} model; valid: {sorted(fields)}")
+        raise UsageError(f"unknown option(s) {sorted(unknown)} for a {arch} model; valid: {sorted(fields)}")
 
 
 def build_model(config: ViTConfig | ResNetV2Config) -> nn.Module:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .layers import DropPath, StdConv2d, pad_same
+from ..errors import UsageError
 
 
 def _gn(chans: int, eps: float) -> nn.GroupNorm:
@@ -192,7 +193,7 @@ class ResNetV2Config:
         if self.stem_width is None:
             self.stem_width = 64 * self.width_factor
         if len(self.channels) != len(self.layers):
-            raise ValueError(f"channels {self.channels} and layers {self.layers} differ in length")
+            raise UsageError(f"channels {self.channels} and layers {self.layers} differ in length")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -235,9 +236,9 @@ class ResNetV2(nn.Module):
     def check_input(self, x: torch.Tensor) -> None:
         expected = (self.config.in_chans, *self.config.img_size)
         if x.ndim != 4 or x.shape[1] != expected[0]:
-            raise ValueError(f"expected input of shape (B, {expected[0]}, H, W) (default H, W = {expected[1:]}), got {tuple(x.shape)}")
+            raise UsageError(f"expected input of shape (B, {expected[0]}, H, W) (default H, W = {expected[1:]}), got {tuple(x.shape)}")
         if min(x.shape[-2:]) < 32:
-            raise ValueError(f"ResNetV2 needs images of at least 32x32, got {tuple(x.shape)}")
+            raise UsageError(f"ResNetV2 needs images of at least 32x32, got {tuple(x.shape)}")
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, F, H/32, W/32), after the final norm and ReLU."""

@@ -33,6 +33,7 @@ from .layers.mlp import lecun_normal_
 from .layers.patch_embed import to_2tuple
 from .layers.tracing import is_fx_tracing
 from .resnet import ResNetBackbone, backbone_stride
+from ..errors import UsageError
 
 CLASSIFIERS = ("token", "gap")
 POS_EMBEDS = {
@@ -106,33 +107,33 @@ class ViTConfig:
         self.mean, self.std = tuple(self.mean), tuple(self.std)
         self.img_size, self.patch_size = to_2tuple(self.img_size), to_2tuple(self.patch_size)
         if self.classifier not in CLASSIFIERS:
-            raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {self.classifier!r}")
+            raise UsageError(f"classifier must be one of {CLASSIFIERS}, got {self.classifier!r}")
         if self.pos_embed not in POS_EMBEDS:
-            raise ValueError(f"pos_embed must be one of {tuple(POS_EMBEDS)}, got {self.pos_embed!r}")
+            raise UsageError(f"pos_embed must be one of {tuple(POS_EMBEDS)}, got {self.pos_embed!r}")
         if self.class_token is None:
             self.class_token = self.classifier == "token"
         if self.classifier == "token" and not self.class_token:
-            raise ValueError("classifier='token' needs class_token=True")
+            raise UsageError("classifier='token' needs class_token=True")
         if self.fc_norm and self.classifier != "gap":
-            raise ValueError("fc_norm applies to classifier='gap' only")
+            raise UsageError("fc_norm applies to classifier='gap' only")
         if self.embed_dim % self.num_heads:
-            raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+            raise UsageError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         if self.hybrid_layers is not None:
             self.hybrid_layers = tuple(self.hybrid_layers)
             if any(n < 1 for n in self.hybrid_layers):
-                raise ValueError(f"hybrid_layers {self.hybrid_layers}: every stage needs at least one block "
+                raise UsageError(f"hybrid_layers {self.hybrid_layers}: every stage needs at least one block "
                                  f"(() is the ResNet stem alone)")
             if (64 * self.hybrid_width) % 32:  # the ResNet's GroupNorms have 32 groups; its narrowest is 64 * width
-                raise ValueError(f"hybrid_width {self.hybrid_width}: must be a multiple of 0.5 (GroupNorm's 32 groups)")
+                raise UsageError(f"hybrid_width {self.hybrid_width}: must be a multiple of 0.5 (GroupNorm's 32 groups)")
             stride = backbone_stride(self.hybrid_layers)
             if any(p % stride for p in self.patch_size):
-                raise ValueError(f"patch_size {self.patch_size} (the hybrid's total stride) is not a multiple of its "
+                raise UsageError(f"patch_size {self.patch_size} (the hybrid's total stride) is not a multiple of its "
                                  f"ResNet's stride {stride} ({len(self.hybrid_layers)} stage(s))")
         for s, p in zip(self.img_size, self.patch_size):
             if s % p:
-                raise ValueError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")
+                raise UsageError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")
         if self.class_names is not None and self.num_classes and len(self.class_names) != self.num_classes:
-            raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+            raise UsageError(f"{len(self.class_names)} class names for {self.num_classes} classes")
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -157,11 +158,11 @@ def resolve_layers(layers: int | Sequence[int] | None, depth: int) -> set[int]:
         return set(range(depth))
     if isinstance(layers, int):
         if not 0 <= layers <= depth:
-            raise ValueError(f"asked for the last {layers} layers of a model of depth {depth}")
+            raise UsageError(f"asked for the last {layers} layers of a model of depth {depth}")
         return set(range(depth - layers, depth))
     bad = [i for i in layers if not -depth <= i < depth]
     if bad:
-        raise ValueError(f"layer index {bad[0]} is out of range for a model of depth {depth} "
+        raise UsageError(f"layer index {bad[0]} is out of range for a model of depth {depth} "
                          f"(valid: {-depth} to {depth - 1})")
     return {i % depth for i in layers}
 
@@ -353,7 +354,7 @@ class VisionTransformer(nn.Module):
         new = to_2tuple(img_size)
         for s, p in zip(new, c.patch_size):
             if s % p:
-                raise ValueError(f"img_size {new} is not divisible by patch_size {c.patch_size}")
+                raise UsageError(f"img_size {new} is not divisible by patch_size {c.patch_size}")
         c.img_size = new
         self.patch_embed.img_size = new
         self.patch_embed.grid_size = c.grid_size

@@ -12,6 +12,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from ..data.augment import AugConfig
+from ..errors import UsageError
 
 
 @dataclass
@@ -193,19 +194,26 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
             cfg.preset = str(value)
             continue
         if len(parts) >= 3 and parts[0] == "model" and parts[1] == "overrides":
-            cfg.model.overrides[".".join(parts[2:])] = _coerce(value, Any)
+            try:
+                cfg.model.overrides[".".join(parts[2:])] = _coerce(value, Any)
+            except yaml.YAMLError as e:
+                raise UsageError(f"{key}={value!r}: not valid YAML ({e})") from e
             continue
         if len(parts) != 2 or not hasattr(cfg, parts[0]) or not dataclasses.is_dataclass(getattr(cfg, parts[0])):
-            raise ValueError(f"unknown config key {key!r}; use section.field, e.g. optim.lr (sections: data, aug, model, optim, schedule, run)")
+            raise UsageError(f"unknown config key {key!r}; use section.field, e.g. optim.lr (sections: data, aug, model, optim, schedule, run)")
         section = getattr(cfg, parts[0])
         hints = get_type_hints(type(section))
         if parts[1] not in hints:
-            raise ValueError(f"unknown config key {key!r}; {parts[0]} has {sorted(hints)}")
+            raise UsageError(f"unknown config key {key!r}; {parts[0]} has {sorted(hints)}")
         if parts[1] == "overrides" and isinstance(value, (dict, str)):
             value = yaml.safe_load(value) if isinstance(value, str) else value
             cfg.model.overrides.update(value or {})
             continue
-        setattr(section, parts[1], _coerce(value, hints[parts[1]]))
+        try:
+            setattr(section, parts[1], _coerce(value, hints[parts[1]]))
+        except (ValueError, TypeError, yaml.YAMLError) as e:
+            tp = getattr(hints[parts[1]], "__name__", str(hints[parts[1]]))
+            raise UsageError(f"{key}={value!r}: not a valid {tp} ({e})") from e
     return cfg
 
 
@@ -214,5 +222,5 @@ def load_config_file(path: str | Path) -> dict:
     text = Path(path).read_text()
     d = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     if not isinstance(d, dict):
-        raise ValueError(f"{path} does not hold a mapping")
+        raise UsageError(f"{path} does not hold a mapping")
     return d

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .config import OptimConfig, ScheduleConfig
+from ..errors import UsageError
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
@@ -52,7 +53,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), **impl)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, **impl)
-    raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {cfg.name!r}")
+    raise UsageError(f"optimizer must be 'adamw' or 'sgd', got {cfg.name!r}")
 
 
 def lr_factor(step: int, total: int, warmup: int, decay: str, min_ratio: float) -> float:
@@ -67,7 +68,7 @@ def lr_factor(step: int, total: int, warmup: int, decay: str, min_ratio: float) 
     elif decay == "linear":
         f = 1 - t
     else:
-        raise ValueError(f"decay must be 'cosine', 'linear' or 'constant', got {decay!r}")
+        raise UsageError(f"decay must be 'cosine', 'linear' or 'constant', got {decay!r}")
     return min_ratio + (1 - min_ratio) * f
 
 

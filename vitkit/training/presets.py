@@ -5,6 +5,7 @@ from typing import Callable
 
 from ..data.augment import AugConfig
 from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig
+from ..errors import UsageError
 
 PRESETS: dict[str, Callable[[], TrainConfig]] = {}
 
@@ -99,7 +100,7 @@ def cifar10_finetune() -> TrainConfig:
 def get_preset(name: str, smoke: bool = False) -> TrainConfig:
     """A preset by name; smoke: a few hundred images, a couple of epochs, a tiny model: seconds on a CPU."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+        raise UsageError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     cfg = PRESETS[name]()
     if smoke:
         cfg.data.subset, cfg.data.test_subset, cfg.data.batch_size = 512, 256, 64

@@ -28,14 +28,16 @@ from torch import nn
 
 from ..checkpoints.api import _atomic_write, save
 from ..data.augment import BatchAugment
-from ..data.datasets import DataSpec, InMemoryDataset, iterate_batches, load_dataset, split_holdout
+from ..data.datasets import DataSpec, FileDataset, InMemoryDataset, iterate_batches, load_dataset, split_holdout
+from ..data.image import EvalTransform
 from ..evaluation import EvalResult, check_tta, evaluate
 from ..device import resolve_device
 from .config import TrainConfig
 from .optim import build_optimizer, lr_factor, schedule_steps, set_lr
+from ..errors import UsageError, VitkitError
 
 
-class TrainingError(RuntimeError):
+class TrainingError(VitkitError, RuntimeError):
     """The run cannot go on (a non-finite loss, labels that do not fit the checkpoint, ...)."""
 
 
@@ -170,12 +172,12 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
         torch.use_deterministic_algorithms(True, warn_only=True)
     device = resolve_device(r.device)
     if r.precision == "fp16" and device.type != "cuda":
-        raise ValueError("fp16 needs a GPU (it relies on a grad scaler); use bf16 on CPU")
+        raise UsageError("fp16 needs a GPU (it relies on a grad scaler); use bf16 on CPU")
     torch.manual_seed(r.seed)
 
     d = cfg.data
     if check_tta(r.tta, "run.tta") != "none" and not cfg.aug.hflip:
-        raise ValueError(f"run.tta={r.tta} averages over mirrored images, for models trained with flips: "
+        raise UsageError(f"run.tta={r.tta} averages over mirrored images, for models trained with flips: "
                          "set aug.hflip=true or run.tta=none")
     spec = load_dataset(d.dataset, d.data_dir, img_size=cfg.model.overrides.get("img_size"), strict_images=d.strict_images,
                         test_dir=d.test_dir, in_chans=cfg.model.overrides.get("in_chans"))
@@ -190,20 +192,23 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     mc = model.config
     if r.lowp_stream:
         if r.precision not in ("bf16", "fp16"):
-            raise ValueError(f"run.lowp_stream needs run.precision bf16 or fp16 (got {r.precision}): set run.lowp_stream=false")
+            raise UsageError(f"run.lowp_stream needs run.precision bf16 or fp16 (got {r.precision}): set run.lowp_stream=false")
         if hasattr(model, "lowp_stream"):  # a ViT; a CNN (BiT) has no token stream, so the option changes nothing there
             model.lowp_stream = True
     if len(spec.train) < d.batch_size * r.accumulate:
-        raise ValueError(f"{len(spec.train)} training images are fewer than one batch of {d.batch_size * r.accumulate}")
+        raise UsageError(f"{len(spec.train)} training images are fewer than one batch of {d.batch_size * r.accumulate}")
     if cfg.model.linear_probe:
         for n_, p in model.named_parameters():
             p.requires_grad = n_.startswith(("head.", "fc_norm."))
-    out_size = tuple(mc.img_size)
+    # files are decoded at the model's size with its evaluation geometry (a 384-px checkpoint reads at 384)
+    spec.train, spec.test, val = (ds.configured(mc) if isinstance(ds, FileDataset) else ds for ds in (spec.train, spec.test, val))
+    replicate = spec.extra.get("replicate_channels")
     # the augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
-    aug = BatchAugment(cfg.aug, out_size, mc.mean, mc.std, len(spec.classes), spec.extra.get("replicate_channels"))
+    aug = BatchAugment(cfg.aug, tuple(mc.img_size), mc.mean, mc.std, len(spec.classes), replicate)
 
     def evaluate_on(m: nn.Module, data) -> EvalResult:  # every evaluation of a run: its batch size, precision and TTA
-        return evaluate(m, data, aug.eval, batch_size=d.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
+        transform = EvalTransform.for_model(mc, replicate_to=replicate, geometry=not isinstance(data, FileDataset))
+        return evaluate(m, data, transform, batch_size=d.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
     (out / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
 
     opt = build_optimizer(model, cfg.optim)

@@ -11,6 +11,7 @@ from torch import nn
 
 from .linear import Linear
 from .tracing import is_fx_tracing
+from ...errors import UsageError
 
 
 # AMX tiles make the fused kernel's bf16 forward the faster one for inference (see `_explicit_is_faster`)
@@ -81,7 +82,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         if dim % num_heads:
-            raise ValueError(f"width {dim} is not divisible by num_heads {num_heads}")
+            raise UsageError(f"width {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5

@@ -7,13 +7,14 @@ import torch
 from torch import nn
 
 from .linear import Linear
+from ...errors import UsageError
 
 
 class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int, *, act: str = "gelu", drop: float = 0.0) -> None:
         super().__init__()
         if act not in ("gelu", "gelu_tanh"):
-            raise ValueError(f"act must be 'gelu' or 'gelu_tanh', got {act!r}")
+            raise UsageError(f"act must be 'gelu' or 'gelu_tanh', got {act!r}")
         self.fc1 = Linear(dim, hidden)
         # The official JAX code uses flax nn.gelu, i.e. the tanh approximation; timm and HF use exact GELU.
         self.act = nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")

@@ -7,6 +7,7 @@ from torch import nn
 
 from .mlp import lecun_normal_
 from .tracing import is_fx_tracing
+from ...errors import UsageError
 
 
 def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -14,7 +15,7 @@ def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
         return (x, x)
     t = tuple(int(v) for v in x)
     if len(t) != 2:
-        raise ValueError(f"expected an int or a pair, got {x!r}")
+        raise UsageError(f"expected an int or a pair, got {x!r}")
     return t  # type: ignore[return-value]
 
 
@@ -37,7 +38,7 @@ class PatchEmbed(nn.Module):
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
         for s, p in zip(img_size, patch_size):
             if s % p:
-                raise ValueError(f"image size {img_size} is not divisible by the patch size {patch_size}")
+                raise UsageError(f"image size {img_size} is not divisible by the patch size {patch_size}")
         self.grid_size = (img_size[0] // patch_size[0], img_size[1] // patch_size[1])
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.backbone = backbone
@@ -46,7 +47,7 @@ class PatchEmbed(nn.Module):
         else:
             stride = backbone.stride
             if patch_size[0] % stride or patch_size[1] % stride:
-                raise ValueError(f"hybrid patch size {patch_size} must be a multiple of the backbone stride {stride}")
+                raise UsageError(f"hybrid patch size {patch_size} must be a multiple of the backbone stride {stride}")
             conv_in, kernel = backbone.num_features, (patch_size[0] // stride, patch_size[1] // stride)
         self.proj = nn.Conv2d(conv_in, embed_dim, kernel_size=kernel, stride=kernel)
         lecun_normal_(self.proj.weight)
@@ -55,7 +56,7 @@ class PatchEmbed(nn.Module):
     def check_input(self, x: torch.Tensor) -> None:
         expected = (self.in_chans, *self.img_size)
         if x.ndim != 4 or tuple(x.shape[1:]) != expected:
-            raise ValueError(
+            raise UsageError(
                 f"expected input of shape (B, {expected[0]}, {expected[1]}, {expected[2]}) "
                 f"(B, channels, height, width), got {tuple(x.shape)}"
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from ...errors import UsageError
 
 RESAMPLE_METHODS = ("bilinear", "bicubic")
 
@@ -24,7 +25,7 @@ def resample_pos_embed_grid(
             (bicubic, corners not aligned, antialiased when shrinking).
     """
     if method not in RESAMPLE_METHODS:
-        raise ValueError(f"resampling method must be one of {RESAMPLE_METHODS}, got {method!r}")
+        raise UsageError(f"resampling method must be one of {RESAMPLE_METHODS}, got {method!r}")
     gh, gw, d = grid.shape
     if (gh, gw) == tuple(new_size):
         return grid
@@ -39,7 +40,7 @@ def resample_pos_embed_grid(
 def sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:
     """Fixed 2-D sin-cos embedding (as big_vision's posemb_sincos_2d): (gh * gw, D), D divisible by 4."""
     if dim % 4:
-        raise ValueError(f"sincos_2d position embedding needs a width divisible by 4, got {dim}")
+        raise UsageError(f"sincos_2d position embedding needs a width divisible by 4, got {dim}")
     gh, gw = grid_size
     y, x = torch.meshgrid(torch.arange(gh, dtype=torch.float64), torch.arange(gw, dtype=torch.float64), indexing="ij")
     omega = torch.arange(dim // 4, dtype=torch.float64) / max(dim // 4 - 1, 1)
@@ -82,7 +83,7 @@ class LearnedPosEmbed2d(nn.Module):
     def __init__(self, grid_size: tuple[int, int], dim: int, num_prefix_tokens: int) -> None:
         super().__init__()
         if dim % 2:
-            raise ValueError(f"learned_2d position embedding needs an even width, got {dim}")
+            raise UsageError(f"learned_2d position embedding needs an even width, got {dim}")
         self.grid_size, self.num_prefix_tokens = tuple(grid_size), num_prefix_tokens
         self.row = nn.Parameter(torch.empty(grid_size[0], dim // 2))
         self.col = nn.Parameter(torch.empty(grid_size[1], dim // 2))

@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from ...errors import UsageError
 
 
 def pad_same(x: torch.Tensor, kernel: int, stride: int, value: float = 0.0) -> torch.Tensor:
@@ -40,9 +41,9 @@ class StdConv2d(nn.Conv2d):
         eps_mode: str = "var",
     ) -> None:
         if padding not in ("same", "symmetric"):
-            raise ValueError(f"padding must be 'same' or 'symmetric', got {padding!r}")
+            raise UsageError(f"padding must be 'same' or 'symmetric', got {padding!r}")
         if eps_mode not in ("var", "std"):
-            raise ValueError(f"eps_mode must be 'var' or 'std', got {eps_mode!r}")
+            raise UsageError(f"eps_mode must be 'var' or 'std', got {eps_mode!r}")
         sym = kernel_size // 2 if padding == "symmetric" else 0
         super().__init__(in_chans, out_chans, kernel_size, stride=stride, padding=sym, bias=False)
         self.same = padding == "same"

@@ -1,6 +1,8 @@
 """Pretrained-checkpoint downloads against a local HTTP server on 127.0.0.1: cache, resume, checksums, offline errors."""
+import base64
 import hashlib
 import http.server
+import json
 import socket
 import threading
 from pathlib import Path
@@ -16,20 +18,35 @@ from conftest import FIXTURES
 
 
 class RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """Serves files from the test's folder, honouring `Range: bytes=N-`; counts requests."""
+    """Serves files from the test's folder, honouring `Range: bytes=N-`; counts requests. Like the servers vitkit
+    trusts for checksums: `/resolve/NAME` redirects to `/NAME` stating the file's SHA-256 (as the Hugging Face hub
+    does, `x-linked-etag`), and every file comes with its MD5 in `x-goog-hash` (as Google Cloud Storage does);
+    `published` replaces what they state (a wrong checksum)."""
 
     requests: list = []
+    published: dict = {}
 
     def log_message(self, *args):
         pass
 
     def do_GET(self):
-        path = Path(self.translate_path(self.path))
         type(self).requests.append((self.path, self.headers.get("Range")))
+        if self.path.startswith("/resolve/"):
+            target = Path(self.translate_path(self.path[len("/resolve"):]))
+            self.send_response(302)
+            self.send_header("Location", self.path[len("/resolve"):])
+            if target.is_file():
+                digest = self.published.get("sha256") or hashlib.sha256(target.read_bytes()).hexdigest()
+                self.send_header("X-Linked-Etag", f'"{digest}"')
+            self.end_headers()
+            return
+        path = Path(self.translate_path(self.path))
         if not path.is_file():
             self.send_error(404)
             return
         data = path.read_bytes()
+        md5 = self.published.get("md5") or hashlib.md5(data).hexdigest()
+        self.headers_out = {"x-goog-hash": "crc32c=AAAAAA==,md5=" + base64.b64encode(bytes.fromhex(md5)).decode()}
         rng = self.headers.get("Range")
         if rng and rng.startswith("bytes="):
             start = int(rng[6:].split("-")[0])
@@ -38,6 +55,8 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
             data = data[start:]
         else:
             self.send_response(200)
+        for k, v in self.headers_out.items():
+            self.send_header(k, v)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -47,7 +66,7 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
 def server(tmp_path):
     root = tmp_path / "www"
     root.mkdir()
-    RangeHandler.requests = []
+    RangeHandler.requests, RangeHandler.published = [], {}
     handler = lambda *a, **k: RangeHandler(*a, directory=str(root), **k)  # noqa: E731
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -133,3 +152,37 @@ def test_file_urls_and_unknown_names(tmp_path):
     assert m.config.classifier == "gap"
     with pytest.raises(FileNotFoundError, match="not in the catalog"):
         vitkit.load("no-such-model-anywhere")
+
+
+@pytest.mark.parametrize("kind", ["gcs", "hf"])
+def test_downloads_are_checked_against_the_hash_the_server_publishes(server, home, monkeypatch, kind):
+    """No checksum in the catalog: the server's own is used (GCS's MD5, the hub's SHA-256 on its redirect)."""
+    from vitkit.checkpoints import catalog
+
+    root, url = server
+    monkeypatch.setitem(catalog.HASH_PUBLISHERS, "127.0.0.1", kind)
+    data = (FIXTURES / "jax_vit_gap/model.npz").read_bytes()
+    (root / "w.npz").write_bytes(data)
+    src = f"{url}/resolve/w.npz" if kind == "hf" else f"{url}/w.npz"
+    register_checkpoint("test-published", src, "official-npz")
+    assert "published by" in CATALOG["test-published"].verification
+    assert resolve("test-published").read_bytes() == data
+    RangeHandler.published = {"sha256": "0" * 64} if kind == "hf" else {"md5": "0" * 32}
+    register_checkpoint("test-published-bad", src, "official-npz")
+    algo = "sha256" if kind == "hf" else "md5"
+    with pytest.raises(CheckpointError, match=f"checksum mismatch .* expected {algo} 0+ \\(published by the server\\)"):
+        resolve("test-published-bad")
+    assert not (home / "test-published-bad" / "w.npz").exists()
+
+
+def test_catalog_listing_says_how_each_entry_is_verified(capsys):
+    from vitkit.cli import main
+
+    assert main(["catalog", "--json-out"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["ViT-B_16-i21k"]["verification"] == "md5 published by Google Cloud Storage"
+    assert "Hugging Face hub" in rows["google/vit-base-patch16-224"]["verification"]
+    assert {"augreg-R_Ti_16-384-i1k", "timm/vit_tiny_r_s16_p8_384.augreg_in21k_ft_in1k"} <= set(rows)
+    register_checkpoint("test-plain", "http://example.invalid/w.npz", "official-npz")
+    assert main(["catalog", "--pattern", "test-*"]) == 0
+    assert "1 unverified: test-plain" in capsys.readouterr().out

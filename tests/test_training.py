@@ -289,3 +289,44 @@ def test_held_out_validation_split(tmp_path):
     assert res["best_split"] == "val" and 0 < res["val_acc1"] <= 1 and res["acc1"] == lines[-1]["acc1"]
     with safe_open(str(tmp_path / "run" / "best.safetensors"), "pt") as f:
         assert f.metadata()["split"] == "val"
+
+
+def test_resume_refuses_a_changed_config_and_logs_every_step_once(tmp_path):
+    """A run resumed with another batch size or schedule would mix two runs: refused with the differences listed,
+    unless forced. Settings that do not change a step (evaluation, logging) may change. Records logged after the
+    checkpoint (by a run killed later) are dropped before the resumed run logs those steps again."""
+    out = tmp_path / "run"
+    train(tiny_cfg(out, **{"schedule.epochs": 2, "run.ckpt_every": 10}), max_steps=15)
+    metrics = out / "metrics.jsonl"
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "split" not in x][-1] == 15
+    with open(metrics, "a") as f:  # as if killed at step 17, after the checkpoint of step 15, mid-write
+        f.write(json.dumps({"step": 16, "loss": 1.0}) + "\n" + json.dumps({"step": 17, "loss": 1.0}) + "\n" + '{"step": 18, "lo')
+    with pytest.raises(TrainingError) as e:
+        train(tiny_cfg(out, **{"schedule.epochs": 3, "data.batch_size": 32, "run.ckpt_every": 10}))
+    msg = str(e.value)
+    assert "data.batch_size: 64 -> 32" in msg and "schedule.epochs: 2.0 -> 3.0" in msg and "--force" in msg
+    assert "run.ckpt_every" not in msg
+    res = train(tiny_cfg(out, **{"schedule.epochs": 2, "run.ckpt_every": 10, "run.eval_every": 0.5}))  # only eval changed
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "split" not in json.loads(x)]
+    assert steps == list(range(1, res["step"] + 1))  # every step once, in order
+    forced = train(tiny_cfg(out, **{"schedule.epochs": 3, "run.ckpt_every": 10}), force=True)
+    assert forced["step"] > res["step"]
+    fresh = train(tiny_cfg(out, **{"schedule.epochs": 1}), resume=False)
+    previous = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert len(previous) == 1 and (previous[0] / "last.ckpt").exists() and (previous[0] / "metrics.jsonl").exists()
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "split" not in x][0] == 1
+    assert fresh["step"] < res["step"]
+
+
+def test_a_non_finite_gradient_stops_the_run_with_or_without_clipping(tmp_path):
+    from vitkit.training.trainer import check_gradients
+
+    m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, depth=1, num_classes=3)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    check_gradients(m, None, False, 0, tmp_path / "last.ckpt")  # finite: nothing happens
+    m.blocks[0].mlp.fc1.weight.grad[0, 0] = float("inf")
+    for clip in (None, 1.0):
+        with pytest.raises(TrainingError, match=r"gradient norm became (inf|nan) .*blocks\.0\.mlp\.fc1\.weight"):
+            check_gradients(m, clip, False, 7, tmp_path / "last.ckpt")
+    check_gradients(m, None, True, 7, tmp_path / "last.ckpt")  # fp16's grad scaler skips such a step itself

@@ -51,15 +51,19 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
         num_heads: for formats that do not store it (timm, torchvision) and a non-standard width.
         json_out: print JSON.
     """
-    from .checkpoints import inspect_checkpoint, resolve
+    from .checkpoints import CATALOG, inspect_checkpoint, resolve
 
     hints = {"num_heads": num_heads} if num_heads else {}
     r = inspect_checkpoint(resolve(checkpoint), **hints)
+    if checkpoint in CATALOG:
+        r["catalog_verification"] = CATALOG[checkpoint].verification
     if json_out:
         print(json.dumps(r, indent=1, default=str))
         return r
     c = r["config"]
     print(f"{r['path']}\n  format: {r['format']}\n  params: {r['params']:,} ({r['params'] / 1e6:.2f} M)")
+    if "catalog_verification" in r:
+        print(f"  download verified by: {r['catalog_verification']}")
     keys = ["img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_dim", "classifier", "pos_embed",
             "representation_size", "hybrid_layers", "hybrid_width", "act", "norm_eps", "num_classes"]
     if c["arch"] == "resnetv2":
@@ -70,6 +74,34 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
     if r["missing"]:
         print(f"  missing keys: {', '.join(r['missing'])}")
     return r
+
+
+def catalog(pattern: str | None = None, json_out: bool = False) -> list[dict]:
+    """List the pretrained checkpoints vitkit can download by name, with how each download is verified.
+
+    A download is checked against a SHA-256 recorded in the catalog, or else against the hash its server publishes
+    with the file (Google Cloud Storage: MD5; the Hugging Face hub: SHA-256 of the weights, git blob id of small
+    files); an entry whose server states none is listed as unverified.
+
+    Args:
+        pattern: only names matching this glob, e.g. "augreg-*".
+        json_out: print JSON.
+    """
+    import fnmatch
+
+    from .checkpoints import CATALOG
+
+    rows = [{"name": e.name, "format": e.format, "verification": e.verification, "description": e.description,
+             "files": e.files} for e in CATALOG.values() if not pattern or fnmatch.fnmatch(e.name, pattern)]
+    if json_out:
+        print(json.dumps(rows, indent=1))
+        return rows
+    width = max((len(r["name"]) for r in rows), default=4)
+    for r in rows:
+        print(f"{r['name']:<{width}}  {r['format']:<12}  {r['verification']}")
+    unverified = [r["name"] for r in rows if "unverified" in r["verification"]]
+    print(f"\n{len(rows)} entries; {len(unverified)} unverified" + (f": {', '.join(unverified)}" if unverified else ""))
+    return rows
 
 
 def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None) -> None:
@@ -94,6 +126,7 @@ def train(
     config: str | None = None,
     smoke: bool = False,
     resume: bool = True,
+    force: bool = False,
     max_steps: int | None = None,
 ) -> int:
     """Train or fine-tune a model from a preset, a YAML/JSON config and key=value overrides.
@@ -107,7 +140,10 @@ def train(
         overrides: section.field=value pairs (sections: data, aug, model, optim, schedule, run).
         config: a YAML or JSON file applied over the preset, before the overrides.
         smoke: a seconds-long version of the preset (tiny model, a few hundred images).
-        resume: continue from run.out_dir/last.ckpt if it exists.
+        resume: continue from run.out_dir/last.ckpt if it exists; --no-resume starts fresh (the previous run's files
+            move to run.out_dir/previous-<time>/).
+        force: resume even if the config changed in a way that changes what a step means (batch size, schedule,
+            data, model, optimizer); without it such a resume is refused with the list of differences.
         max_steps: stop after this many optimizer steps (the schedule is unchanged).
     """
     from .training import apply_overrides, get_preset, load_config_file, train as _train
@@ -126,7 +162,7 @@ def train(
         k, v = item.split("=", 1)
         pairs[k] = v
     apply_overrides(cfg, pairs)
-    result = _train(cfg, resume=resume, max_steps=max_steps)
+    result = _train(cfg, resume=resume, max_steps=max_steps, force=force)
     print(json.dumps(result, indent=1))
     return 143 if result.get("interrupted") else 0
 
@@ -318,7 +354,7 @@ def inspect(
     return res
 
 
-COMMANDS = {"models": models, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
+COMMANDS = {"models": models, "catalog": catalog, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """`vitkit demo`: the main job on the embedded default: train on Fashion-MNIST, evaluate, predict."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 
@@ -27,6 +28,7 @@ def demo(epochs: float = 2.0, out: str = "runs/demo", images: int = 4) -> dict:
     cfg.schedule.warmup_epochs = min(cfg.schedule.warmup_epochs, epochs / 4)
     cfg.run.out_dir = out
     print(f"== training the fashion-mnist preset for {epochs} epochs into {out}")
+    shutil.rmtree(out, ignore_errors=True)  # the demo's own scratch folder: each demo starts from nothing
     result = train(cfg, resume=False)
     ckpt = str(Path(out) / "best.safetensors")
     print(f"\n== evaluating {ckpt}")

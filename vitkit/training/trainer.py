@@ -95,23 +95,28 @@ class Progress:
 
 
 class _Logger:
-    def __init__(self, out: Path) -> None:
+    """metrics.jsonl and TensorBoard. A resumed run first drops what was logged after its checkpoint's step (the
+    steps it is about to run again), and a record cut short by a kill, so every step is logged once."""
+
+    def __init__(self, out: Path, resumed_at: int | None = None) -> None:
         path = out / "metrics.jsonl"
-        # a run killed mid-write leaves a partial last line: end it, so the resumed run's records start clean
-        if path.exists() and path.stat().st_size:
-            with open(path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                dangling = f.read(1) != b"\n"
-        else:
-            dangling = False
+        if resumed_at is not None and path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the line being written when the run was killed
+                if rec.get("step", 0) <= resumed_at:
+                    kept.append(line)
+            _atomic_write(path, lambda p: p.write_text("".join(f"{x}\n" for x in kept)))
         self.file = open(path, "a")
-        if dangling:
-            self.file.write("\n")
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out / "tb"))
+            # purge_step: TensorBoard drops the events at and after it, as metrics.jsonl above
+            self.tb = SummaryWriter(str(out / "tb"), purge_step=None if resumed_at is None else resumed_at + 1)
         except Exception:  # noqa: BLE001 - tensorboard is optional
             self.tb = None
 
@@ -155,17 +160,80 @@ def _ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
         torch._foreach_lerp_(e, m, 1 - decay)
 
 
-def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None) -> dict:
+# Settings that do not change what a training step computes: a run may resume with them changed.
+RESUME_SAFE = {"preset", "data.data_dir", "data.num_workers", "data.eval_batch_size", "run.out_dir", "run.device",
+               "run.threads", "run.progress", "run.log_every", "run.ckpt_every", "run.eval_every", "run.tta", "run.compile"}
+RUN_FILES = ("last.ckpt", "best.safetensors", "final.safetensors", "metrics.jsonl", "result.json", "config.yaml", "tb")
+
+
+def config_differences(before: dict, now: dict) -> list[str]:
+    """'key: before -> now' for every setting that differs and changes what a step means (not RESUME_SAFE)."""
+    from .config import _flatten
+
+    def flat(d: dict) -> dict:
+        f = _flatten(json.loads(json.dumps(d)))  # tuples and lists alike
+        f.update({f"model.overrides.{k}": v for k, v in (f.pop("model.overrides", None) or {}).items()})
+        return f
+
+    a, b = flat(before), flat(now)
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b))
+            if k not in RESUME_SAFE and a.get(k) != b.get(k)]
+
+
+def _set_aside(out: Path) -> Path | None:
+    """Move a previous run's files into out/previous-<time>/ (a fresh start loses nothing); the folder, or None."""
+    present = [out / f for f in RUN_FILES if (out / f).exists()]
+    if not present:
+        return None
+    dest = out / time.strftime("previous-%Y%m%d-%H%M%S")
+    dest.mkdir()
+    for p in present:
+        os.replace(p, dest / p.name)
+    return dest
+
+
+def check_gradients(model: nn.Module, clip: float | None, scaled: bool, step: int, ckpt_path: Path) -> None:
+    """Clip the global gradient norm if asked, and stop the run on a non-finite one, clipping or not (with a
+    grad scaler, fp16, a non-finite norm is the scaler's business: it skips that step)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    elif scaled:
+        return
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if not scaled and not torch.isfinite(norm):
+        bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        raise TrainingError(f"the gradient norm became {norm.item()} at step {step} (first in {bad[:3]}); the run stopped "
+                            f"before the update. The last good checkpoint is intact: "
+                            f"{ckpt_path if ckpt_path.exists() else 'none written yet'}")
+
+
+def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None, force: bool = False) -> dict:
     """Train (or fine-tune) as configured; returns the final metrics.
 
     Args:
         cfg: the run's configuration (see `vitkit.training.presets`).
         resume: continue from `out_dir/last.ckpt` if it exists (exactly: same weights as an uninterrupted run).
+            False starts fresh, moving a previous run's files into `out_dir/previous-<time>/`.
         max_steps: stop after this many optimizer steps in total (for tests); the schedule is unchanged.
+        force: resume even though the config changed in a way that changes what a step means (batch size,
+            schedule, data, model, optimizer, ...); by default that refuses, listing the differences.
     """
     r = cfg.run
     out = Path(r.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "last.ckpt"
+    state = None
+    if resume and ckpt_path.exists():
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        diffs = config_differences(json.loads(state["config"]), cfg.to_dict()) if "config" in state else []
+        if diffs and not force:
+            raise TrainingError(f"{out} holds a run whose config differs in what a step means; resuming it would mix two "
+                                f"runs:\n  " + "\n  ".join(diffs) + "\nUse another run.out_dir, start fresh with --no-resume "
+                                f"(the old files move to {out}/previous-<time>/), or resume anyway with --force.")
+    else:  # a fresh start: whatever an earlier run left here moves aside, so its records do not mix with these
+        _set_aside(out)
     if r.threads:
         torch.set_num_threads(r.threads)
     if r.deterministic:
@@ -225,9 +293,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     eval_steps = max(1, round(r.eval_every * steps_per_epoch))  # and at the last step
     step, best, elapsed = 0, -1.0, 0.0
-    ckpt_path = out / "last.ckpt"
-    if resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+    if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         if ema is not None and state.get("ema") is not None:
@@ -257,7 +323,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
         except ValueError:  # not the main thread
             old_handler = None
 
-    logger = _Logger(out)
+    logger = _Logger(out, resumed_at=step if state is not None else None)
     bar = Progress(total, r.progress)
     g = torch.Generator(device=device)
     model.train()
@@ -299,10 +365,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
                     seen_log += len(y)
                 if cfg.optim.clip_grad:
                     scaler.unscale_(opt)
-                    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-                    if not scaler.is_enabled() and not torch.isfinite(gnorm):
-                        raise TrainingError(f"the gradient norm became {gnorm.item()} at step {step}; the run stopped before "
-                                            f"the update. The last good checkpoint is intact: {ckpt_path}")
+                check_gradients(model, cfg.optim.clip_grad, scaler.is_enabled(), step, ckpt_path)
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)

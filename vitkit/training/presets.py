@@ -17,22 +17,14 @@ def preset(fn: Callable[[], TrainConfig]) -> Callable[[], TrainConfig]:
 
 @preset
 def fashion_mnist() -> TrainConfig:
-    """Fashion-MNIST from scratch on a 2-core CPU in about 15 minutes (measured 92.01% in 805 s on a 2-core AMD EPYC; README).
+    """Fashion-MNIST from scratch on a 2-core CPU in about 15 minutes: 92.01% in 805 s on a 2-core AMD EPYC (README).
 
-    The model is the paper's hybrid (Sec. 3.1) sized for 28x28 images: a ResNet stem and four bottlenecks
-    (width 1.0, cheap at 7x7) turn the image into a 7x7 grid of 49 tokens for one ViT layer (D 192, 6 heads,
-    MLP 384) with global average pooling. Fig. 5 of the paper: at small compute budgets hybrids beat plain ViTs;
-    measured here, a hybrid is 5.8 points ahead of a patch-4 ViT after one epoch at the same throughput, and at
-    D 128 a bottleneck at 7x7 costs less than a ViT layer, whose LayerNorms, GELU and softmax are memory-bound:
-    trading ViT layers for bottlenecks (2+4 -> 3+3 -> 4+2) kept or raised the accuracy at 12-16% more speed
-    per step, and one ViT layer at D 192 in place of two at D 128 is +0.35 points at 10 epochs at the same
-    speed (NOTES.md, sections 13 and 14).
-    bf16 autocast with the explicit attention path and the token stream kept in bf16 (`run.lowp_stream`)
-    trains 1.9x faster than fp32 on a CI-class CPU without AMX, 1.5x with AMX (NOTES.md, sections 7-9), so
-    10 epochs fit; flips and random erasing (neutral at 10 epochs, kept for longer runs); no crops (they cost
-    the most early). AdamW at 2e-3 (better than 4e-3 and 1e-3 at 9 epochs), short warmup, linear decay to
-    zero (+0.4 points over cosine at 9 epochs). Evaluated with flip test-time augmentation (`run.tta`,
-    +0.4-0.6 points). NOTES.md, sections 6, 10, 13 and 14.
+    The model is the paper's hybrid (Sec. 3.1) sized for 28x28 images: a ResNet stem and four bottlenecks turn
+    the image into a 7x7 grid of 49 tokens for one ViT layer (D 192, 6 heads, MLP 384) with global average
+    pooling; at small compute budgets hybrids beat plain ViTs (Fig. 5), and here a bottleneck at 7x7 costs less
+    than a ViT layer. bf16 autocast with the token stream kept in bf16 (`run.lowp_stream`), flips and random
+    erasing, AdamW 2e-3, a short warmup and linear decay to zero, 10 epochs, evaluated with flip test-time
+    augmentation (`run.tta`). How each choice was measured: benchmarks/NOTES.md, sections 6-10, 13 and 14.
     """
     return TrainConfig(
         preset="fashion-mnist",
@@ -50,12 +42,10 @@ def fashion_mnist() -> TrainConfig:
 
 @preset
 def fashion_mnist_long() -> TrainConfig:
-    """Fashion-MNIST from scratch in about 100 minutes on a 2-core CPU: the 15-minute preset's hybrid (four
-    bottlenecks, one ViT layer at D 192) and recipe (AdamW 2e-3, linear decay, flips, random erasing) for 72
-    epochs, with 2-pixel shifts, EMA weights, and test-time augmentation over flips and one-pixel shifts
-    (10 views). Measured 94.12% (EMA weights, `vitkit eval final.safetensors --tta flip-shift`; 93.80% with
-    flip TTA alone) in 5979 s of training on the 2-core AMD EPYC; 40 epochs gave 93.70% (93.15% with flips)
-    in 3020 s (benchmarks/NOTES.md, sections 15 and 16; README, Fashion-MNIST table)."""
+    """Fashion-MNIST from scratch in about 100 minutes on a 2-core CPU: the 15-minute preset's model and recipe
+    for 72 epochs, with 2-pixel shifts, EMA weights, and test-time augmentation over flips and one-pixel shifts
+    (10 views): 94.12% (`vitkit eval final.safetensors --tta flip-shift`) in 5979 s on a 2-core AMD EPYC
+    (benchmarks/NOTES.md, sections 15 and 16)."""
     cfg = fashion_mnist()
     cfg.preset = "fashion-mnist-long"
     cfg.model.overrides.update(drop_path_rate=0.05)

@@ -90,7 +90,7 @@ def _variants(ab: str):
     """The two setups of a whole-model A/B: (name, install) pairs; install(model) patches the model or its code in place."""
     from vitkit.models.layers.attention import Attention
     from vitkit.models.layers.linear import Linear
-    from vitkit.models.vit import Block, VisionTransformer
+    from vitkit.models.vit import Block
 
     if ab == "attention":
         def impl(name: str):

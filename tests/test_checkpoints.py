@@ -1,7 +1,6 @@
 """Loading and writing every checkpoint format; parity with the official JAX code, timm and HF."""
 import json
 import re
-import zipfile
 
 import numpy as np
 import pytest

@@ -1,5 +1,4 @@
 """The command line's errors: expected failures on one line, bugs with their traceback, bad overrides by name."""
-import pytest
 
 import vitkit.cli as cli
 

@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 
 import vitkit
-from vitkit.data.datasets import FileDataset, image_folder, iterate_batches
-from vitkit.data.image import EvalTransform, ImageDecodeError, decode_for, load_image, preprocess, to_uint8_tensor
+from vitkit.data.datasets import image_folder, iterate_batches
+from vitkit.data.image import EvalTransform, ImageDecodeError, load_image, preprocess, to_uint8_tensor
 from vitkit.models.layers.patch_embed import to_2tuple
 
 from conftest import FIXTURES, FIXTURES_HERE

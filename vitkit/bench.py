@@ -2,7 +2,6 @@
 matmul peak, for inference or a training step. Performance is measured here, never asserted in tests."""
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass

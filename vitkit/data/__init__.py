@@ -1,2 +1,4 @@
-"""Data: image decoding and evaluation preprocessing (datasets and augmentation come with training)."""
-from .image import ImageDecodeError, load_image, preprocess
+"""Data: image decoding and the one evaluation preprocessing of a checkpoint (datasets and augmentation come with training)."""
+from .image import EvalTransform, ImageDecodeError, decode_for, load_image, preprocess
+
+__all__ = ["EvalTransform", "ImageDecodeError", "decode_for", "load_image", "preprocess"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import random
 import signal

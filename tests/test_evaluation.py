@@ -65,4 +65,4 @@ def test_trainer_rejects_a_bad_tta_before_training(tmp_path):
     apply_overrides(cfg, {"run.tta": "flip", "aug.hflip": False})  # mirrored views for a model trained without flips
     with pytest.raises(ValueError, match="set aug.hflip=true or run.tta=none"):
         train(cfg)
-    assert not (tmp_path / "run" / "last.ckpt").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import vitkit
 from vitkit.data.datasets import DatasetError, load_digits
-from vitkit.training import TrainingError, apply_overrides, get_preset, train
+from vitkit.training import TrainingError, apply_overrides, checkpoint, get_preset, train
 
 from conftest import FIXTURES
 
@@ -44,7 +44,8 @@ def test_digits_training_learns(tmp_path):
     res = train(tiny_cfg(tmp_path / "run", **{"schedule.epochs": 8}))
     assert res["acc1"] > 0.9, res  # 10 classes: chance is 0.1
     out = tmp_path / "run"
-    assert {"config.yaml", "last.ckpt", "best.safetensors", "final.safetensors", "metrics.jsonl", "result.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.yaml", "checkpoints", "best.safetensors", "final.safetensors", "metrics.jsonl", "result.json"} <= {p.name for p in out.iterdir()}
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{res['step']:08d}"]  # the newest only
     assert any((out / "tb").iterdir())
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("split") == "test" for r in lines) and all("img_per_s" in r for r in lines if "split" not in r)
@@ -88,8 +89,7 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, sig):
     run.send_signal(sig)
     code = run.wait(60)
     assert code == (-9 if sig == signal.SIGKILL else 143), run.stderr.read().decode()[-1000:]
-    state = torch.load(tmp_path / "cut" / "last.ckpt", weights_only=True)
-    assert 0 < state["step"] < 230  # stopped in the middle (230 steps in all)
+    assert 0 < checkpoint.read_meta(checkpoint.latest(tmp_path / "cut"))["step"] < 230  # stopped in the middle
     resumed = _cli(tmp_path / "cut")
     assert resumed.wait(300) == 0, resumed.stderr.read().decode()[-2000:]
     lines = [x for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -99,9 +99,19 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, sig):
     a, b = load_file(tmp_path / "ref" / "final.safetensors"), load_file(tmp_path / "cut" / "final.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
-    sa = torch.load(tmp_path / "ref" / "last.ckpt", weights_only=True)
-    sb = torch.load(tmp_path / "cut" / "last.ckpt", weights_only=True)
-    assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"])
+    sa, sb = _checkpoint_weights(tmp_path / "ref"), _checkpoint_weights(tmp_path / "cut")
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _checkpoint_weights(run_dir: Path, key: str = "model") -> dict:
+    """The weights of a run's newest sharded checkpoint, read into a plain model."""
+    from vitkit.models import build_model
+    from vitkit.models.registry import ViTConfig
+
+    ck = checkpoint.latest(run_dir)
+    model = build_model(ViTConfig(**{k: v for k, v in checkpoint.read_meta(ck)["model_config"].items() if k != "arch"}))
+    checkpoint.load_model_weights(ck, model, key)
+    return model.state_dict()
 
 
 def _write_png_folder(root: Path, n_per_class: int = 12, corrupt: bool = True) -> None:
@@ -177,8 +187,7 @@ def test_nan_loss_stops_with_the_last_good_checkpoint_intact(tmp_path):
     with pytest.raises(TrainingError, match="became") as e:
         train(cfg)
     assert "last good checkpoint is intact" in str(e.value)
-    state = torch.load(tmp_path / "nan" / "last.ckpt", weights_only=True)
-    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert all(torch.isfinite(v).all() for v in _checkpoint_weights(tmp_path / "nan").values())
 
 
 def test_bad_datasets_give_clear_errors(tmp_path):
@@ -312,7 +321,7 @@ def test_resume_refuses_a_changed_config_and_logs_every_step_once(tmp_path):
     assert forced["step"] > res["step"]
     fresh = train(tiny_cfg(out, **{"schedule.epochs": 1}), resume=False)
     previous = [p for p in out.iterdir() if p.name.startswith("previous-")]
-    assert len(previous) == 1 and (previous[0] / "last.ckpt").exists() and (previous[0] / "metrics.jsonl").exists()
+    assert len(previous) == 1 and (previous[0] / "checkpoints").exists() and (previous[0] / "metrics.jsonl").exists()
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "split" not in x][0] == 1
     assert fresh["step"] < res["step"]
 
@@ -323,9 +332,9 @@ def test_a_non_finite_gradient_stops_the_run_with_or_without_clipping(tmp_path):
     m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, depth=1, num_classes=3)
     for p in m.parameters():
         p.grad = torch.zeros_like(p)
-    check_gradients(m, None, False, 0, tmp_path / "last.ckpt")  # finite: nothing happens
+    check_gradients(m, None, False, 0, "none")  # finite: nothing happens
     m.blocks[0].mlp.fc1.weight.grad[0, 0] = float("inf")
     for clip in (None, 1.0):
         with pytest.raises(TrainingError, match=r"gradient norm became (inf|nan) .*blocks\.0\.mlp\.fc1\.weight"):
-            check_gradients(m, clip, False, 7, tmp_path / "last.ckpt")
-    check_gradients(m, None, True, 7, tmp_path / "last.ckpt")  # fp16's grad scaler skips such a step itself
+            check_gradients(m, clip, False, 7, "none")
+    check_gradients(m, None, True, 7, "none")  # fp16's grad scaler skips such a step itself

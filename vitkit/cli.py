@@ -140,7 +140,7 @@ def train(
         overrides: section.field=value pairs (sections: data, aug, model, optim, schedule, run).
         config: a YAML or JSON file applied over the preset, before the overrides.
         smoke: a seconds-long version of the preset (tiny model, a few hundred images).
-        resume: continue from run.out_dir/last.ckpt if it exists; --no-resume starts fresh (the previous run's files
+        resume: continue from run.out_dir/checkpoints/ if it holds one; --no-resume starts fresh (the previous run's files
             move to run.out_dir/previous-<time>/).
         force: resume even if the config changed in a way that changes what a step means (batch size, schedule,
             data, model, optimizer); without it such a resume is refused with the list of differences.

@@ -213,15 +213,21 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
-def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = None,
+         state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Save in vitkit's format: one .safetensors whose metadata holds the config (architecture,
-    preprocessing: mean, std, resolution, interpolation; class names), so loading needs nothing else."""
+    preprocessing: mean, std, resolution, interpolation; class names), so loading needs nothing else.
+
+    Args:
+        state_dict: the tensors to write instead of `model.state_dict()` (a sharded model's, gathered)."""
     from safetensors.torch import save_file
 
     path = Path(path)
     meta = {"format": NATIVE_FORMAT, "version": NATIVE_VERSION, "config": json.dumps(model.config.to_dict())}
     meta.update(metadata or {})
-    tensors = _tensors(model)
+    sd = model.state_dict() if state_dict is None else state_dict
+    tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous().clone()
+               for k, v in sd.items()}
     _atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
     return path
 

@@ -332,23 +332,49 @@ def iterate_batches(
     drop_last: bool = True,
     num_workers: int = 0,
     device: torch.device | str = "cpu",
+    rank: int = 0,
+    world: int = 1,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
     """(uint8 images on device, labels, samples skipped) per step, in a fixed order per (seed, epoch).
 
-    `start_step` skips the batches already seen, for an exact resume inside an epoch.
+    `batch_size` is the global batch: with `world` processes, rank `rank` gets its contiguous slice of every
+    global batch (batch_size / world samples), so the sample order is a function of (seed, epoch) alone, whatever
+    the number of processes. `start_step` skips the global batches already seen, for an exact resume inside an
+    epoch. DataLoader workers (folder datasets) split the batches among themselves: every sample is read once.
     """
-    n = len(data)
+    if batch_size % world:
+        raise UsageError(f"the global batch {batch_size} does not split over {world} processes")
+    n, per_rank = len(data), batch_size // world
     order = epoch_permutation(n, seed, epoch) if shuffle else torch.arange(n)
     steps = n // batch_size if drop_last else -(-n // batch_size)
     order = order[start_step * batch_size : steps * batch_size if drop_last else n]
+    batches = [order[i : i + batch_size][rank * per_rank : (rank + 1) * per_rank] for i in range(0, len(order), batch_size)]
+    yield from _load_batches(data, batches, num_workers, device)
+
+
+def eval_index_batches(n: int, batch_size: int, rank: int = 0, world: int = 1, lockstep: bool = False
+                       ) -> list[tuple[torch.Tensor, bool]]:
+    """Evaluation batches of sample indices for one rank, each with whether it counts: rank r takes the contiguous
+    range [r * n // world, (r + 1) * n // world), so every sample is counted exactly once, whatever n. With
+    `lockstep` every rank runs as many batches as the busiest one (FSDP2 ranks must all run each forward): the
+    extra ones hold sample 0 and do not count."""
+    lo, hi = rank * n // world, (rank + 1) * n // world
+    batches = [(torch.arange(i, min(i + batch_size, hi)), True) for i in range(lo, hi, batch_size)]
+    if lockstep:
+        most = -(-(-(-n // world)) // batch_size)  # ceil(ceil(n / world) / batch_size)
+        batches += [(torch.zeros(1, dtype=torch.long), False)] * (most - len(batches))
+    return batches
+
+
+def _load_batches(data, batches: list[torch.Tensor], num_workers: int, device) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """Index batches -> (uint8 images, labels, samples skipped) on `device`."""
     if isinstance(data, InMemoryDataset):
-        for i in range(0, len(order), batch_size):
-            idx = order[i : i + batch_size].to(data.images.device)
+        for idx in batches:
+            idx = idx.to(data.images.device)
             yield data.images[idx].to(device, non_blocking=True), data.labels[idx].to(device, non_blocking=True), 0
         return
-    batches = [order[i : i + batch_size].tolist() for i in range(0, len(order), batch_size)]
-    loader = DataLoader(data, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_skip_bad,
-                        persistent_workers=False, pin_memory=torch.device(device).type == "cuda")
+    loader = DataLoader(data, batch_sampler=[b.tolist() for b in batches], num_workers=num_workers,
+                        collate_fn=collate_skip_bad, persistent_workers=False, pin_memory=torch.device(device).type == "cuda")
     for x, y, skipped in loader:
         yield x.to(device, non_blocking=True), y.to(device, non_blocking=True), skipped
 

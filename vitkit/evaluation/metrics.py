@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.datasets import iterate_batches
 from ..errors import UsageError
 
 
@@ -68,32 +67,48 @@ def tta_log_probs(model: nn.Module, x: torch.Tensor, mode: str = "none") -> torc
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, device: str | torch.device = "cpu",
-             precision: str = "fp32", num_workers: int = 0, tta: str = "none") -> EvalResult:
+             precision: str = "fp32", num_workers: int = 0, tta: str = "none", dist=None, lockstep: bool = False) -> EvalResult:
     """Accuracy of `model` on `data` (an in-memory or file dataset); `transform` maps uint8 batches to model inputs.
 
     tta: test-time augmentation (`tta_views`): the prediction is the mean of the views' probabilities.
+    dist: a `vitkit.distributed.Dist`: each rank evaluates its own contiguous part and the counts are summed, so
+        every sample counts exactly once; every rank gets the whole result. lockstep: every rank runs the same
+        number of forward passes (a model sharded with FSDP2).
     """
+    from ..data.datasets import _load_batches, eval_index_batches
+
     check_tta(tta)  # before any work
     was_training = model.training
     model.eval()
     k = len(data.classes)
-    conf = torch.zeros(k, k, dtype=torch.long)
-    top5 = loss_sum = n = skipped = 0
+    conf = torch.zeros(k, k, dtype=torch.float64)
+    top5 = loss_sum = n = skipped = 0.0
     dev = torch.device(device)
-    for x, y, s in iterate_batches(data, batch_size, shuffle=False, drop_last=False, num_workers=num_workers, device=dev):
-        skipped += s
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
+    plan = eval_index_batches(len(data), batch_size, rank, world, lockstep)
+    for (x, y, s), (_, counts) in zip(_load_batches(data, [b for b, _ in plan], num_workers, dev), plan):
         if len(y) == 0:
+            skipped += s if counts else 0
             continue
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             logits = tta_log_probs(model, transform(x), tta)  # log-probabilities: top-k and the loss as from logits
-        loss_sum += F.nll_loss(logits, y, reduction="sum").item()
+        if not counts:
+            continue
+        skipped += s
+        loss_sum += F.nll_loss(logits.double(), y, reduction="sum").item()
         pred = logits.argmax(1)
-        conf += torch.bincount((y * k + pred).cpu(), minlength=k * k).view(k, k)
+        conf += torch.bincount((y * k + pred).cpu(), minlength=k * k).view(k, k).double()
         top5 += (logits.topk(min(5, k), 1).indices == y[:, None]).any(1).sum().item()
         n += len(y)
+    if dist is not None and dist.enabled:
+        totals = dist.sum([top5, loss_sum, n, skipped, *conf.flatten().tolist()])
+        top5, loss_sum, n, skipped = totals[:4]
+        conf = torch.tensor(totals[4:], dtype=torch.float64).view(k, k)
     model.train(was_training)
     if n == 0:
         raise UsageError("no image of the evaluation set could be read")
+    conf = conf.round().long()
+    n, skipped = int(round(n)), int(round(skipped))
     per_class = (conf.diag().float() / conf.sum(1).clamp(min=1).float()).tolist()
     return EvalResult(conf.diag().sum().item() / n, top5 / n, loss_sum / n, n, skipped, per_class, conf.numpy(), list(data.classes))
 

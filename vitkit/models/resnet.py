@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .layers import DropPath, StdConv2d, pad_same
@@ -222,6 +223,7 @@ class ResNetV2(nn.Module):
                 in_chs, k = out_chs, k + 1
             stages.append(_Stage(blocks))
         self.stages = nn.Sequential(*stages)
+        self.grad_checkpointing = False  # `set_grad_checkpointing`: recompute each block's activations in the backward
         self.num_features = in_chs
         self.norm = _gn(in_chs, c.gn_eps)
         self.head_drop = nn.Dropout(c.drop_rate)
@@ -245,7 +247,12 @@ class ResNetV2(nn.Module):
         self.check_input(x)
         x = self.stem.conv(x)  # (B, w, H/2, W/2)
         x = F.max_pool2d(F.pad(x, (1, 1, 1, 1)), 3, 2)  # (B, w, H/4, W/4)
-        x = self.stages(x)
+        if self.grad_checkpointing and self.training and torch.is_grad_enabled():
+            for stage in self.stages:
+                for blk in stage.blocks:
+                    x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+        else:
+            x = self.stages(x)
         return F.relu(self.norm(x))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -256,6 +263,10 @@ class ResNetV2(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each residual block's activations in the backward instead of storing them (training memory)."""
+        self.grad_checkpointing = enable
 
     def reset_classifier(self, num_classes: int, class_names: list[str] | None = None) -> None:
         """A new zero-initialised head, as for fine-tuning."""

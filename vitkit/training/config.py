@@ -21,7 +21,8 @@ class DataConfig:
     dataset: "fashion-mnist", "cifar10", "cifar100", an ImageFolder root, or a train .csv.
     data_dir: where to look for the named datasets (also $VITKIT_DATA).
     test_dir: a test folder or CSV, when not inside the dataset root.
-    batch_size: training batch (per optimizer step: times run.accumulate).
+    batch_size: the global training batch of a micro-step, split over the processes of a distributed run (per
+        optimizer step: times run.accumulate).
     eval_batch_size: evaluation batch.
     num_workers: DataLoader workers for folder datasets.
     subset: use only this many training images (smoke runs).
@@ -105,7 +106,11 @@ class RunConfig:
     lowp_stream: with bf16/fp16, keep the tokens between blocks in that dtype too, not fp32: no casts around
         every Linear (faster, most on CPUs); weights, gradients and optimizer stay fp32. ViTs only; no effect on a CNN.
     compile: torch.compile the model.
-    accumulate: gradient accumulation steps.
+    strategy: with several processes (torchrun, `vitkit train --nproc N`): "ddp" (DistributedDataParallel) or
+        "fsdp" (FSDP2: parameters, gradients and optimizer state sharded per block); "auto" is ddp under torchrun
+        and none in one process.
+    activation_checkpointing: recompute each block's activations in the backward instead of storing them.
+    accumulate: gradient accumulation steps (no gradient all-reduce on the accumulating ones).
     ema: EMA decay of the weights (e.g. 0.9998); None: off.
     threads: CPU threads (None: torch's default).
     deterministic: deterministic algorithms (bitwise resume on CPU).
@@ -122,6 +127,8 @@ class RunConfig:
     precision: str = "fp32"
     lowp_stream: bool = False
     compile: bool = False
+    strategy: str = "auto"
+    activation_checkpointing: bool = False
     accumulate: int = 1
     ema: float | None = None
     threads: int | None = None

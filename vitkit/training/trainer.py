@@ -1,39 +1,45 @@
-"""The training loop: fine-tuning or training from scratch, with exact resume, EMA, mixed precision and logs.
+"""The training loop: fine-tuning or training from scratch, in one process or many, with exact resume.
 
 A run directory holds:
   config.yaml            the resolved config
-  last.ckpt              everything to resume (model, optimizer, EMA, step, RNG states), written atomically
+  checkpoints/step-N/    everything to resume (model, optimizer, EMA, step), sharded (see `checkpoint.py`)
   best.safetensors       the best weights so far (vitkit format: loads with vitkit.load, alone)
   final.safetensors      the weights at the end
   metrics.jsonl          one JSON line per log step and per evaluation
   tb/                    TensorBoard event files (if tensorboard is installed)
+
+Reading order: `train` sets a run up (`_prepare`), then runs steps (`_train_step`: the micro-batches of one
+optimizer step, forward, backward, clipping, update, EMA), logs, evaluates (`_evaluate_and_keep_best`) and
+checkpoints between them. Under torchrun every process runs this same code: `data.batch_size` is the global
+batch, each rank takes its slice (`iterate_batches`), DDP or FSDP2 (`vitkit.distributed`) keeps the weights in
+step, and only rank 0 writes logs and weights.
 """
 from __future__ import annotations
 
 import copy
 import json
-import os
-import random
 import signal
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from ..checkpoints.api import _atomic_write, save
+from ..checkpoints.api import save
 from ..data.augment import BatchAugment
 from ..data.datasets import DataSpec, FileDataset, InMemoryDataset, iterate_batches, load_dataset, split_holdout
 from ..data.image import EvalTransform
-from ..evaluation import EvalResult, check_tta, evaluate
 from ..device import resolve_device
-from .config import TrainConfig
-from .optim import build_optimizer, lr_factor, schedule_steps, set_lr
+from ..distributed import Dist, full_state_dict, gradient_sync, resolve_strategy, wrap_model
 from ..errors import UsageError, VitkitError
+from ..evaluation import EvalResult, check_tta, evaluate
+from . import checkpoint
+from .config import TrainConfig
+from .logs import MetricsLog, Progress
+from .optim import build_optimizer, lr_factor, schedule_steps, set_lr
 
 
 class TrainingError(VitkitError, RuntimeError):
@@ -72,84 +78,28 @@ def build_model_for(cfg: TrainConfig, spec: DataSpec) -> nn.Module:
     return create_model(cfg.model.name, num_classes=k, class_names=list(spec.classes), mean=tuple(spec.mean), std=tuple(spec.std), **ov)
 
 
-class Progress:
-    """One status line: loss, accuracy, images/s, ETA; plain lines when not on a terminal."""
-
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
-
-    def update(self, step: int, epoch: int, loss: float, acc: float, ips: float, eta_s: float, lr: float) -> None:
-        if not self.enabled:
-            return
-        frac = step / self.total
-        bar = "#" * int(frac * 24) + "." * (24 - int(frac * 24))
-        eta = time.strftime("%H:%M:%S", time.gmtime(max(0, eta_s)))
-        line = f"[{bar}] {step}/{self.total} ep {epoch} loss {loss:.4f} acc {acc:.3f} {ips:.0f} img/s lr {lr:.2e} ETA {eta}"
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def message(self, text: str) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
-        print(text, file=sys.stderr, flush=True)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's own data: the local shard of a DTensor (FSDP2), the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
-class _Logger:
-    """metrics.jsonl and TensorBoard. A resumed run first drops what was logged after its checkpoint's step (the
-    steps it is about to run again), and a record cut short by a kill, so every step is logged once."""
-
-    def __init__(self, out: Path, resumed_at: int | None = None) -> None:
-        path = out / "metrics.jsonl"
-        if resumed_at is not None and path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # the line being written when the run was killed
-                if rec.get("step", 0) <= resumed_at:
-                    kept.append(line)
-            _atomic_write(path, lambda p: p.write_text("".join(f"{x}\n" for x in kept)))
-        self.file = open(path, "a")
-        self.tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: TensorBoard drops the events at and after it, as metrics.jsonl above
-            self.tb = SummaryWriter(str(out / "tb"), purge_step=None if resumed_at is None else resumed_at + 1)
-        except Exception:  # noqa: BLE001 - tensorboard is optional
-            self.tb = None
-
-    def log(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            prefix = record.get("split", "train")
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k not in ("step", "epoch"):
-                    self.tb.add_scalar(f"{prefix}/{k}", v, record["step"])
-            self.tb.flush()
-
-    def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
-def _rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate()),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def _set_rng_state(s: dict) -> None:
-    torch.set_rng_state(s["torch"])
-    st = json.loads(s["python"])
-    random.setstate((st[0], tuple(st[1]), st[2]))
-    n = s["numpy"]
-    np.random.set_state((n[0], n[1].numpy().astype(np.uint32), *n[2:]))
-    if s.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
+def check_gradients(model: nn.Module, clip: float | None, scaled: bool, step: int, where: str) -> None:
+    """Clip the global gradient norm if asked, and stop the run on a non-finite one, clipping or not (with a
+    grad scaler, fp16, a non-finite norm is the scaler's business: it skips that step). Under DDP and FSDP2 the
+    norm is the global one, so every rank decides alike."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    elif scaled:
+        return
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if not scaled and not torch.isfinite(norm):
+        bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(_local(p.grad)).all()]
+        raise TrainingError(f"the gradient norm became {norm.item()} at step {step} (first in {bad[:3]}); the run stopped "
+                            f"before the update. The last good checkpoint is intact: {where}")
 
 
 def _ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
@@ -159,102 +109,61 @@ def _ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
         torch._foreach_lerp_(e, m, 1 - decay)
 
 
-# Settings that do not change what a training step computes: a run may resume with them changed.
-RESUME_SAFE = {"preset", "data.data_dir", "data.num_workers", "data.eval_batch_size", "run.out_dir", "run.device",
-               "run.threads", "run.progress", "run.log_every", "run.ckpt_every", "run.eval_every", "run.tta", "run.compile"}
-RUN_FILES = ("last.ckpt", "best.safetensors", "final.safetensors", "metrics.jsonl", "result.json", "config.yaml", "tb")
+@dataclass
+class _Run:
+    """Everything a run sets up once and its loop uses."""
+
+    cfg: TrainConfig
+    dist: Dist
+    out: Path
+    spec: DataSpec
+    val: object  # the held-out part of the training set, or None
+    split: str  # what the periodic evaluations use: "test" or "val"
+    model: nn.Module  # the model itself (sharded in place under FSDP2)
+    net: nn.Module  # what the loop calls: the model, DDP around it, or torch.compile of either
+    strategy: str
+    opt: torch.optim.Optimizer
+    ema: nn.Module | None
+    scaler: torch.amp.GradScaler
+    aug: BatchAugment
+    autocast_dtype: torch.dtype | None
+    steps_per_epoch: int
+    total: int
+    warmup: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
 
 
-def config_differences(before: dict, now: dict) -> list[str]:
-    """'key: before -> now' for every setting that differs and changes what a step means (not RESUME_SAFE)."""
-    from .config import _flatten
-
-    def flat(d: dict) -> dict:
-        f = _flatten(json.loads(json.dumps(d)))  # tuples and lists alike
-        f.update({f"model.overrides.{k}": v for k, v in (f.pop("model.overrides", None) or {}).items()})
-        return f
-
-    a, b = flat(before), flat(now)
-    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b))
-            if k not in RESUME_SAFE and a.get(k) != b.get(k)]
-
-
-def _set_aside(out: Path) -> Path | None:
-    """Move a previous run's files into out/previous-<time>/ (a fresh start loses nothing); the folder, or None."""
-    present = [out / f for f in RUN_FILES if (out / f).exists()]
-    if not present:
-        return None
-    dest = out / time.strftime("previous-%Y%m%d-%H%M%S")
-    dest.mkdir()
-    for p in present:
-        os.replace(p, dest / p.name)
-    return dest
-
-
-def check_gradients(model: nn.Module, clip: float | None, scaled: bool, step: int, ckpt_path: Path) -> None:
-    """Clip the global gradient norm if asked, and stop the run on a non-finite one, clipping or not (with a
-    grad scaler, fp16, a non-finite norm is the scaler's business: it skips that step)."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if clip:
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
-    elif scaled:
-        return
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if not scaled and not torch.isfinite(norm):
-        bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
-        raise TrainingError(f"the gradient norm became {norm.item()} at step {step} (first in {bad[:3]}); the run stopped "
-                            f"before the update. The last good checkpoint is intact: "
-                            f"{ckpt_path if ckpt_path.exists() else 'none written yet'}")
-
-
-def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None, force: bool = False) -> dict:
-    """Train (or fine-tune) as configured; returns the final metrics.
-
-    Args:
-        cfg: the run's configuration (see `vitkit.training.presets`).
-        resume: continue from `out_dir/last.ckpt` if it exists (exactly: same weights as an uninterrupted run).
-            False starts fresh, moving a previous run's files into `out_dir/previous-<time>/`.
-        max_steps: stop after this many optimizer steps in total (for tests); the schedule is unchanged.
-        force: resume even though the config changed in a way that changes what a step means (batch size,
-            schedule, data, model, optimizer, ...); by default that refuses, listing the differences.
-    """
-    r = cfg.run
-    out = Path(r.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_path = out / "last.ckpt"
-    state = None
-    if resume and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        diffs = config_differences(json.loads(state["config"]), cfg.to_dict()) if "config" in state else []
-        if diffs and not force:
-            raise TrainingError(f"{out} holds a run whose config differs in what a step means; resuming it would mix two "
-                                f"runs:\n  " + "\n  ".join(diffs) + "\nUse another run.out_dir, start fresh with --no-resume "
-                                f"(the old files move to {out}/previous-<time>/), or resume anyway with --force.")
-    else:  # a fresh start: whatever an earlier run left here moves aside, so its records do not mix with these
-        _set_aside(out)
-    if r.threads:
-        torch.set_num_threads(r.threads)
-    if r.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    device = resolve_device(r.device)
+def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
+    """Data, model (wrapped for the strategy), optimizer, EMA and augmentation of a run, checked on every rank."""
+    r, d = cfg.run, cfg.data
+    device = dist.device
     if r.precision == "fp16" and device.type != "cuda":
         raise UsageError("fp16 needs a GPU (it relies on a grad scaler); use bf16 on CPU")
-    torch.manual_seed(r.seed)
-
-    d = cfg.data
     if check_tta(r.tta, "run.tta") != "none" and not cfg.aug.hflip:
         raise UsageError(f"run.tta={r.tta} averages over mirrored images, for models trained with flips: "
                          "set aug.hflip=true or run.tta=none")
+    strategy = resolve_strategy(r.strategy, dist)
+    if strategy == "fsdp" and r.ema:
+        raise UsageError("run.ema with run.strategy=fsdp is not supported: the EMA would need its own shards; use ddp")
+    if d.batch_size % dist.world:
+        raise UsageError(f"data.batch_size {d.batch_size} (the global batch) does not split over {dist.world} processes")
+    dist.check_same("config", cfg.to_dict())
+    torch.manual_seed(r.seed)
+
     spec = load_dataset(d.dataset, d.data_dir, img_size=cfg.model.overrides.get("img_size"), strict_images=d.strict_images,
                         test_dir=d.test_dir, in_chans=cfg.model.overrides.get("in_chans"))
     if isinstance(spec.train, InMemoryDataset):
         spec.train = spec.train.subset(d.subset).to(device)
         spec.test = spec.test.subset(d.test_subset).to(device)
-    val, split = None, "test"  # what the periodic evaluations and best.safetensors use
+    val, split = None, "test"
     if d.val_split:
         spec.train, val = split_holdout(spec.train, d.val_split)
         split = "val"
+    dist.check_same("data", {"train": len(spec.train), "test": len(spec.test), "classes": spec.classes,
+                             "labels": int(spec.train.labels.sum())})
     model = build_model_for(cfg, spec).to(device)
     mc = model.config
     if r.lowp_stream:
@@ -267,176 +176,253 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     if cfg.model.linear_probe:
         for n_, p in model.named_parameters():
             p.requires_grad = n_.startswith(("head.", "fc_norm."))
+    if r.activation_checkpointing:
+        model.set_grad_checkpointing(True)
     # files are decoded at the model's size with its evaluation geometry (a 384-px checkpoint reads at 384)
     spec.train, spec.test, val = (ds.configured(mc) if isinstance(ds, FileDataset) else ds for ds in (spec.train, spec.test, val))
-    replicate = spec.extra.get("replicate_channels")
-    # the augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
-    aug = BatchAugment(cfg.aug, tuple(mc.img_size), mc.mean, mc.std, len(spec.classes), replicate)
-
-    def evaluate_on(m: nn.Module, data) -> EvalResult:  # every evaluation of a run: its batch size, precision and TTA
-        transform = EvalTransform.for_model(mc, replicate_to=replicate, geometry=not isinstance(data, FileDataset))
-        return evaluate(m, data, transform, batch_size=d.eval_batch_size, device=device, precision=r.precision, tta=r.tta)
-    (out / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
-
-    opt = build_optimizer(model, cfg.optim)
-    ema = copy.deepcopy(model).eval() if r.ema else None
+    ema = copy.deepcopy(model).eval() if r.ema else None  # before sharding: the EMA is a whole model on every rank
     if ema is not None:
         for p in ema.parameters():
             p.requires_grad_(False)
-    scaler = torch.amp.GradScaler(device.type, enabled=r.precision == "fp16")
-    fwd = torch.compile(model) if r.compile else model
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(r.precision)
-
-    per_step = d.batch_size * r.accumulate
-    steps_per_epoch = len(spec.train) // per_step
+    net = wrap_model(model, dist, strategy, r.precision)
+    opt = build_optimizer(model, cfg.optim)  # after FSDP2 has sharded the parameters
+    if r.compile:
+        net = torch.compile(net)
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(r.precision)
+    # the augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
+    aug = BatchAugment(cfg.aug, tuple(mc.img_size), mc.mean, mc.std, len(spec.classes), spec.extra.get("replicate_channels"))
+    steps_per_epoch = len(spec.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
-    eval_steps = max(1, round(r.eval_every * steps_per_epoch))  # and at the last step
-    step, best, elapsed = 0, -1.0, 0.0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        if ema is not None and state.get("ema") is not None:
-            ema.load_state_dict(state["ema"])
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        step, best, elapsed = state["step"], state["best"], state.get("elapsed", 0.0)
-        _set_rng_state(state["rng"])
+    return _Run(cfg, dist, Path(r.out_dir), spec, val, split, model, net, strategy, opt, ema,
+                torch.amp.GradScaler(device.type, enabled=r.precision == "fp16"), aug,
+                None if strategy == "fsdp" else amp,  # FSDP2 computes in low precision by its policy instead
+                steps_per_epoch, total, warmup)
 
-    def write_state() -> None:
-        # never replace a good checkpoint with non-finite weights
-        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
-            raise TrainingError(f"the weights became non-finite by step {step} ({bad[:3]} ...); the run stopped and the "
-                                f"last good checkpoint is intact: {ckpt_path if ckpt_path.exists() else 'none written yet'}. "
-                                f"Try a lower optim.lr or optim.clip_grad.")
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "ema": ema.state_dict() if ema else None,
-                 "scaler": scaler.state_dict() if scaler.is_enabled() else None, "step": step, "best": best,
-                 "elapsed": elapsed + time.perf_counter() - t_start, "rng": _rng_state(), "config": json.dumps(cfg.to_dict())}
-        _atomic_write(ckpt_path, lambda p: torch.save(state, p))
+
+def _evaluate_on(run: _Run, module: nn.Module, data) -> EvalResult:
+    """Every evaluation of a run: its batch size, precision and TTA, the checkpoint's preprocessing, all ranks."""
+    r, mc = run.cfg.run, run.model.config
+    transform = EvalTransform.for_model(mc, replicate_to=run.spec.extra.get("replicate_channels"),
+                                        geometry=not isinstance(data, FileDataset))
+    # the model itself, not DDP around it (no collectives in an evaluation); FSDP2's shards all run every forward
+    return evaluate(module, data, transform, batch_size=run.cfg.data.eval_batch_size, device=run.device,
+                    precision=r.precision, tta=r.tta, dist=run.dist, lockstep=run.strategy == "fsdp" and module is run.model)
+
+
+def _save_weights(run: _Run, module: nn.Module, path: Path, metadata: dict | None = None) -> None:
+    """The whole weights of `module` (gathered from the shards under FSDP2) as a vitkit checkpoint, by rank 0."""
+    sd = module.state_dict() if module is run.ema else full_state_dict(run.model, run.dist)
+    if run.dist.main:
+        save(run.model, path, metadata=metadata, state_dict=sd)
+
+
+def _train_step(run: _Run, batches, step: int, g: torch.Generator) -> tuple[float, float, int, int, float]:
+    """One optimizer step over `run.cfg.run.accumulate` micro-batches; (loss sum, correct, seen, skipped, lr) of this rank."""
+    cfg, r = run.cfg, run.cfg.run
+    lr = set_lr(run.opt, cfg.optim.lr, lr_factor(step, run.total, run.warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio))
+    loss_sum = correct = 0.0
+    seen = skipped = 0
+    for micro in range(r.accumulate):
+        x, y, s = next(batches)
+        skipped += s
+        xa, target = run.aug(x, y, g)
+        with gradient_sync(run.net, micro == r.accumulate - 1):  # no all-reduce while accumulating
+            with torch.autocast(run.device.type, dtype=run.autocast_dtype or torch.float32, enabled=run.autocast_dtype is not None):
+                logits = run.net(xa)
+            logits = logits.float()
+            if target.ndim == 2:
+                loss = torch.sum(-target * F.log_softmax(logits, -1), -1).mean()
+            else:
+                loss = F.cross_entropy(logits, target, label_smoothing=cfg.aug.label_smoothing)
+            if run.dist.any(not bool(torch.isfinite(loss))):
+                raise TrainingError(f"the loss became non-finite ({loss.item()} on rank {run.dist.rank}) at step {step}; the "
+                                    f"run stopped. The last good checkpoint is intact: {_last_good(run)}. Try a lower "
+                                    f"optim.lr, optim.clip_grad, or run.precision=fp32.")
+            run.scaler.scale(loss / r.accumulate).backward()
+        loss_sum += loss.item() * len(y)
+        correct += (logits.argmax(1) == y).sum().item()
+        seen += len(y)
+    if cfg.optim.clip_grad:
+        run.scaler.unscale_(run.opt)
+    check_gradients(run.model, cfg.optim.clip_grad, run.scaler.is_enabled(), step, _last_good(run))
+    run.scaler.step(run.opt)
+    run.scaler.update()
+    run.opt.zero_grad(set_to_none=True)
+    if run.ema is not None:
+        _ema_update(run.ema, run.model, r.ema)
+    return loss_sum, correct, seen, skipped, lr
+
+
+def _last_good(run: _Run) -> str:
+    ck = checkpoint.latest(run.out)
+    return str(ck) if ck is not None else "none written yet"
+
+
+def _write_checkpoint(run: _Run, step: int, best: float, elapsed: float) -> None:
+    """The resumable state of step `step`; never over a good checkpoint with non-finite weights."""
+    bad = [n for n, p in run.model.named_parameters() if not torch.isfinite(_local(p)).all()]
+    if run.dist.any(bool(bad)):
+        raise TrainingError(f"the weights became non-finite by step {step} ({bad[:3]} ...); the run stopped and the last "
+                            f"good checkpoint is intact: {_last_good(run)}. Try a lower optim.lr or optim.clip_grad.")
+    meta = {"best": best, "elapsed": elapsed, "config": run.cfg.to_dict(), "model_config": run.model.config.to_dict(),
+            "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None}
+    checkpoint.save(run.out, step, run.model, run.opt, run.ema, meta, run.dist)
+
+
+def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None, force: bool = False) -> dict:
+    """Train (or fine-tune) as configured; returns the final metrics (on every rank).
+
+    Args:
+        cfg: the run's configuration (see `vitkit.training.presets`).
+        resume: continue from the newest `out_dir/checkpoints/step-N` (exactly: the same weights as an uninterrupted
+            run at the same number of processes; at another number it continues, resharded). False starts fresh,
+            moving a previous run's files into `out_dir/previous-<time>/`.
+        max_steps: stop after this many optimizer steps in total (for tests); the schedule is unchanged.
+        force: resume even though the config changed in a way that changes what a step means (batch size,
+            schedule, data, model, optimizer, ...); by default that refuses, listing the differences.
+    """
+    r = cfg.run
+    if r.threads:
+        torch.set_num_threads(r.threads)
+    if r.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    dist = Dist.from_env(resolve_device(r.device))
+    try:
+        return _train(cfg, dist, resume, max_steps, force)
+    finally:
+        dist.close()
+
+
+def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, force: bool) -> dict:
+    r, d = cfg.run, cfg.data
+    out = Path(r.out_dir)
+    if dist.main:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    ck = checkpoint.latest(out) if resume else None
+    if ck is not None:
+        diffs = checkpoint.config_differences(checkpoint.read_meta(ck)["config"], cfg.to_dict())
+        if diffs and not force:
+            raise TrainingError(f"{out} holds a run whose config differs in what a step means; resuming it would mix two "
+                                f"runs:\n  " + "\n  ".join(diffs) + "\nUse another run.out_dir, start fresh with --no-resume "
+                                f"(the old files move to {out}/previous-<time>/), or resume anyway with --force.")
+    elif dist.main:  # a fresh start: whatever an earlier run left here moves aside, so its records do not mix with these
+        checkpoint.set_aside(out)
+    run = _prepare(cfg, dist)
+    if dist.main:
+        (out / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
+    step, best, elapsed = 0, -1.0, 0.0
+    if ck is not None:
+        meta = checkpoint.load(ck, run.model, run.opt, run.ema)
+        if meta.get("scaler"):
+            run.scaler.load_state_dict(meta["scaler"])
+        step, best, elapsed = meta["step"], meta["best"], meta["elapsed"]
+        if meta.get("world_size", 1) != dist.world and dist.main:
+            print(f"vitkit: resuming {out} at step {step}, saved by {meta.get('world_size')} process(es), in {dist.world}: "
+                  f"the weights and optimizer are resharded; the rest of the run is not bitwise the one never stopped",
+                  flush=True)
 
     stop = {"flag": False}
     old_handler = signal.getsignal(signal.SIGTERM)
-    if hasattr(signal, "SIGTERM"):
-        try:
-            signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
-        except ValueError:  # not the main thread
-            old_handler = None
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
+    except ValueError:  # not the main thread
+        old_handler = None
 
-    logger = _Logger(out, resumed_at=step if state is not None else None)
-    bar = Progress(total, r.progress)
-    g = torch.Generator(device=device)
-    model.train()
-    t_start = time.perf_counter()
-    t_log, seen_log, loss_log, correct_log, skipped_total = time.perf_counter(), 0, 0.0, 0.0, 0
+    per_step = d.batch_size * r.accumulate
+    eval_steps = max(1, round(r.eval_every * run.steps_per_epoch))  # and at the last step
+    limit = min(run.total, max_steps) if max_steps else run.total
+    logger = MetricsLog(out, resumed_at=step if ck is not None else None, enabled=dist.main)
+    bar = Progress(run.total, r.progress and dist.main)
+    g = torch.Generator(device=run.device)
+    run.net.train()
+    t_start = t_log = time.perf_counter()
+    loss_log = correct_log = seen_log = 0.0
+    skipped_total = 0
     result: dict = {"interrupted": False}
     last_eval: tuple[int, dict] = (-1, {})  # (step, {"model": EvalResult, "ema": EvalResult}) of the latest evaluation
-    limit = min(total, max_steps) if max_steps else total
     try:
         while step < limit:
-            epoch, in_epoch = divmod(step, steps_per_epoch)
-            batches = iterate_batches(spec.train, d.batch_size, seed=r.seed, epoch=epoch, start_step=in_epoch * r.accumulate,
-                                      num_workers=d.num_workers, device=device)
-            for _ in range(in_epoch, steps_per_epoch):
-                # every random choice of this step derives from (seed, step): exact resume anywhere
-                torch.manual_seed(r.seed * 1_000_003 + step)
-                g.manual_seed(r.seed * 1_000_033 + step)
-                lr = set_lr(opt, cfg.optim.lr, lr_factor(step, total, warmup, cfg.schedule.decay, cfg.schedule.min_lr_ratio))
-                for _micro in range(r.accumulate):
-                    x, y, skipped = next(batches)
-                    skipped_total += skipped
-                    if len(y) == 0:
-                        continue
-                    xa, target = aug(x, y, g)
-                    with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                        logits = fwd(xa)
-                    logits = logits.float()
-                    if target.ndim == 2:
-                        loss = torch.sum(-target * F.log_softmax(logits, -1), -1).mean()
-                    else:
-                        loss = F.cross_entropy(logits, target, label_smoothing=cfg.aug.label_smoothing)
-                    if not torch.isfinite(loss):
-                        raise TrainingError(f"the loss became {loss.item()} at step {step} (epoch {epoch}); the run stopped. "
-                                            f"The last good checkpoint is intact: {ckpt_path if ckpt_path.exists() else 'none written yet'}. "
-                                            f"Try a lower optim.lr, optim.clip_grad, or run.precision=fp32.")
-                    scaler.scale(loss / r.accumulate).backward()
-                    loss_log += loss.item() * len(y)
-                    correct_log += (logits.argmax(1) == y).sum().item()
-                    seen_log += len(y)
-                if cfg.optim.clip_grad:
-                    scaler.unscale_(opt)
-                check_gradients(model, cfg.optim.clip_grad, scaler.is_enabled(), step, ckpt_path)
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
-                if ema is not None:
-                    _ema_update(ema, model, r.ema)
+            epoch, in_epoch = divmod(step, run.steps_per_epoch)
+            batches = iterate_batches(run.spec.train, d.batch_size, seed=r.seed, epoch=epoch, start_step=in_epoch * r.accumulate,
+                                      num_workers=d.num_workers, device=run.device, rank=dist.rank, world=dist.world)
+            for _ in range(in_epoch, run.steps_per_epoch):
+                # every random choice of this step derives from (seed, step, rank): exact resume anywhere
+                torch.manual_seed(r.seed * 1_000_003 + step + dist.rank * 1_000_000_007)
+                g.manual_seed(r.seed * 1_000_033 + step + dist.rank * 1_000_000_007)
+                loss_s, correct, seen, skipped, lr = _train_step(run, batches, step, g)
+                loss_log, correct_log, seen_log, skipped_total = loss_log + loss_s, correct_log + correct, seen_log + seen, skipped_total + skipped
                 step += 1
                 if step % r.log_every == 0 or step == limit:
                     now = time.perf_counter()
-                    ips = seen_log / max(now - t_log, 1e-9)
-                    rec = {"step": step, "epoch": step / steps_per_epoch, "lr": lr, "loss": loss_log / max(seen_log, 1),
-                           "train_acc": correct_log / max(seen_log, 1), "img_per_s": ips,
-                           "time": elapsed + now - t_start, "skipped_images": skipped_total}
+                    loss_all, correct_all, seen_all, skipped_all = dist.sum([loss_log, correct_log, seen_log, skipped_total])
+                    ips = seen_all / max(now - t_log, 1e-9)
+                    rec = {"step": step, "epoch": step / run.steps_per_epoch, "lr": lr, "loss": loss_all / max(seen_all, 1),
+                           "train_acc": correct_all / max(seen_all, 1), "img_per_s": ips,
+                           "time": elapsed + now - t_start, "skipped_images": int(skipped_all)}
                     logger.log(rec)
                     bar.update(step, epoch, rec["loss"], rec["train_acc"], ips, (limit - step) * per_step / max(ips, 1e-9), lr)
-                    t_log, seen_log, loss_log, correct_log = now, 0, 0.0, 0.0
+                    t_log, loss_log, correct_log, seen_log = now, 0.0, 0.0, 0.0
                 if step % eval_steps == 0 or step == limit:  # eval_every may be a fraction of an epoch
-                    ep = step / steps_per_epoch
-                    best, evaluated = _evaluate_and_keep_best(evaluate_on, model, ema, spec.test if val is None else val,
-                                                              split, out, step, ep, best, logger, bar)
+                    data = run.spec.test if run.val is None else run.val
+                    best, evaluated = _evaluate_and_keep_best(run, data, step, best, logger, bar)
                     last_eval = (step, evaluated)
-                if step % r.ckpt_every == 0 or step % steps_per_epoch == 0 or step == limit:
-                    write_state()
-                if stop["flag"]:
-                    write_state()
+                stopping = dist.any(stop["flag"])
+                if step % r.ckpt_every == 0 or step % run.steps_per_epoch == 0 or step == limit or stopping:
+                    _write_checkpoint(run, step, best, elapsed + time.perf_counter() - t_start)
+                if stopping:
                     bar.message(f"stopped by SIGTERM at step {step}; resume with the same command")
                     result["interrupted"] = True
                     return result | {"step": step}
                 if step >= limit:
                     break
-        if val is not None:
-            test_eval = evaluate_on(ema if ema is not None else model, spec.test)
-            logger.log({"split": "test", "step": step, "epoch": step / steps_per_epoch, "acc1": test_eval.acc1,
+        if run.val is not None:
+            test_eval = _evaluate_on(run, run.ema if run.ema is not None else run.model, run.spec.test)
+            logger.log({"split": "test", "step": step, "epoch": step / run.steps_per_epoch, "acc1": test_eval.acc1,
                         "acc5": test_eval.acc5, "loss": test_eval.loss})
     finally:
         logger.close()
         if old_handler is not None:
             signal.signal(signal.SIGTERM, old_handler)
-    final = ema if ema is not None else model
-    save(final, out / "final.safetensors")
+    final = run.ema if run.ema is not None else run.model
+    _save_weights(run, final, out / "final.safetensors")
     # the loop evaluated the final weights at its last step; evaluate again only if it did not, or if it held out
     # part of the training set for that (the test set's one evaluation)
-    final_eval = last_eval[1].get("ema" if ema is not None else "model") if last_eval[0] == step else None
-    if val is not None:  # the loop evaluated on held-out training images; the test set is evaluated once, here
+    final_eval = last_eval[1].get("ema" if run.ema is not None else "model") if last_eval[0] == step else None
+    if run.val is not None:  # the loop evaluated on held-out training images; the test set is evaluated once, here
         if final_eval is not None:
             result["val_acc1"] = final_eval.acc1
         final_eval = test_eval
     elif final_eval is None:
-        final_eval = evaluate_on(final, spec.test)
+        final_eval = _evaluate_on(run, final, run.spec.test)
+    skipped_all = int(dist.sum([skipped_total])[0])
     result.update(step=step, acc1=final_eval.acc1, acc5=final_eval.acc5,
-                  best_acc1=best if val is not None else max(best, final_eval.acc1), best_split=split,
-                  time_s=elapsed + time.perf_counter() - t_start, skipped_images=skipped_total)
+                  best_acc1=best if run.val is not None else max(best, final_eval.acc1), best_split=run.split,
+                  time_s=elapsed + time.perf_counter() - t_start, skipped_images=skipped_all, world_size=dist.world)
     bar.message(f"done: {step} steps in {result['time_s']:.0f} s; test top-1 {final_eval.acc1:.4f}, top-5 {final_eval.acc5:.4f}")
-    (out / "result.json").write_text(json.dumps(result, indent=1))
+    if dist.main:
+        (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def _evaluate_and_keep_best(evaluate_on, model, ema, data, split, out, step, ep, best, logger, bar) -> tuple[float, dict]:
-    """Evaluate the weights (and the EMA's) on `data` (the `split` "test" or "val"); best.safetensors keeps the better."""
-    res = evaluate_on(model, data)
-    rec = {"split": split, "step": step, "epoch": ep, "acc1": res.acc1, "acc5": res.acc5, "loss": res.loss}
-    cand, cand_acc = model, res.acc1
+def _evaluate_and_keep_best(run: _Run, data, step: int, best: float, logger: MetricsLog, bar: Progress) -> tuple[float, dict]:
+    """Evaluate the weights (and the EMA's) on `data` (the split "test" or "val"); best.safetensors keeps the better."""
+    ep = step / run.steps_per_epoch
+    res = _evaluate_on(run, run.model, data)
+    rec = {"split": run.split, "step": step, "epoch": ep, "acc1": res.acc1, "acc5": res.acc5, "loss": res.loss}
+    cand, cand_acc = run.model, res.acc1
     results = {"model": res}
-    if ema is not None:
-        res_e = evaluate_on(ema, data)
+    if run.ema is not None:
+        res_e = _evaluate_on(run, run.ema, data)
         rec.update(ema_acc1=res_e.acc1, ema_acc5=res_e.acc5)
         results["ema"] = res_e
         if res_e.acc1 > cand_acc:
-            cand, cand_acc = ema, res_e.acc1
+            cand, cand_acc = run.ema, res_e.acc1
     logger.log(rec)
-    bar.message(f"epoch {ep:.2f}: {split} top-1 {res.acc1:.4f} top-5 {res.acc5:.4f}" +
-                (f" (EMA {rec['ema_acc1']:.4f})" if ema is not None else ""))
+    bar.message(f"epoch {ep:.2f}: {run.split} top-1 {res.acc1:.4f} top-5 {res.acc5:.4f}" +
+                (f" (EMA {rec['ema_acc1']:.4f})" if run.ema is not None else ""))
     if cand_acc > best:
-        save(cand, out / "best.safetensors", metadata={"acc1": str(cand_acc), "split": split, "step": str(step)})
+        _save_weights(run, cand, run.out / "best.safetensors", metadata={"acc1": str(cand_acc), "split": run.split, "step": str(step)})
         best = cand_acc
+    run.net.train()
     return best, results

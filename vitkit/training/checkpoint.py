@@ -1,0 +1,131 @@
+"""A run's resumable state, sharded with torch.distributed.checkpoint (DCP), and the rules for resuming it.
+
+    run/checkpoints/step-00000040/   one DCP file set per step: every rank writes its shards (__R_0.distcp) and
+        .metadata                    rank 0 the index; model, optimizer and EMA tensors, keyed by parameter name
+        meta.json                    step, best, elapsed time, the run's config and the model's, the world size
+
+A step's folder is written as `step-N.tmp` and renamed once every rank has finished, and only then is the
+previous step's folder removed: a killed run always leaves one complete checkpoint. DCP reshards on load, so a
+run saved by 2 processes resumes in 1 (or 8), and `vitkit convert` reads a step folder into one .safetensors.
+Random state is not saved: every random choice of a step derives from (seed, step, rank), and the sample order
+from (seed, epoch), so the step number is the whole position of the run.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..distributed import Dist
+
+CKPT_DIR = "checkpoints"
+# Settings that do not change what a training step computes: a run may resume with them changed.
+RESUME_SAFE = {"preset", "data.data_dir", "data.num_workers", "data.eval_batch_size", "run.out_dir", "run.device",
+               "run.threads", "run.progress", "run.log_every", "run.ckpt_every", "run.eval_every", "run.tta", "run.compile",
+               "run.strategy", "run.activation_checkpointing"}
+RUN_FILES = (CKPT_DIR, "last.ckpt", "best.safetensors", "final.safetensors", "metrics.jsonl", "result.json", "config.yaml", "tb")
+
+
+def config_differences(before: dict, now: dict) -> list[str]:
+    """'key: before -> now' for every setting that differs and changes what a step means (not RESUME_SAFE)."""
+    from .config import _flatten
+
+    def flat(d: dict) -> dict:
+        f = _flatten(json.loads(json.dumps(d)))  # tuples and lists alike
+        f.update({f"model.overrides.{k}": v for k, v in (f.pop("model.overrides", None) or {}).items()})
+        return f
+
+    a, b = flat(before), flat(now)
+    return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b))
+            if k not in RESUME_SAFE and a.get(k) != b.get(k)]
+
+
+def set_aside(out: Path) -> Path | None:
+    """Move a previous run's files into out/previous-<time>/ (a fresh start loses nothing); the folder, or None."""
+    present = [out / f for f in RUN_FILES if (out / f).exists()]
+    if not present:
+        return None
+    dest = out / time.strftime("previous-%Y%m%d-%H%M%S")
+    dest.mkdir()
+    for p in present:
+        os.replace(p, dest / p.name)
+    return dest
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns that it assumes a single process when there is no process group: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def latest(out: Path) -> Path | None:
+    """The newest complete step folder of a run, or None."""
+    steps = sorted(p for p in (out / CKPT_DIR).glob("step-*") if p.suffix != ".tmp" and (p / "meta.json").exists())
+    return steps[-1] if steps else None
+
+
+def read_meta(step_dir: Path) -> dict:
+    return json.loads((step_dir / "meta.json").read_text())
+
+
+def _tensors(model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
+
+
+def save(out: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None, meta: dict,
+         dist: Dist) -> Path:
+    """Write step `step` (every rank calls this); returns its folder. The previous step's folder goes only after."""
+    root = out / CKPT_DIR
+    final = root / f"step-{step:08d}"
+    tmp = final.with_suffix(".tmp")
+    if dist.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    with _single_process_quiet():
+        dcp.save(_tensors(model, opt, ema), checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.main:
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": dist.world}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in root.glob("step-*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(step_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None) -> dict:
+    """Load a step folder into the (possibly sharded) model, its optimizer and EMA; returns its meta.json."""
+    state = _tensors(model, opt, ema)
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(step_dir))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if ema is not None:
+        ema.load_state_dict(state["ema"])
+    return read_meta(step_dir)
+
+
+def load_model_weights(step_dir: Path, model: nn.Module, key: str = "model") -> None:
+    """Only the weights (`key`: "model" or "ema") of a step folder, into a plain single-process model."""
+    state = {key: model.state_dict()}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(step_dir))
+    model.load_state_dict(state[key])

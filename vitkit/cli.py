@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -108,7 +110,8 @@ def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None
     """Convert a checkpoint between formats; converting out and back in gives the identical output.
 
     Args:
-        src: any checkpoint vitkit can load (official .npz, timm, HF folder, torchvision, vitkit) or a catalog name.
+        src: any checkpoint vitkit can load (official .npz, timm, HF folder, torchvision, vitkit) or a catalog name,
+            or a run's sharded checkpoint (run/checkpoints/step-N: its EMA weights if the run kept an EMA).
         dst: the output path (a folder for --to hf).
         to: vitkit | timm | hf | npz.
         num_heads: for source formats that do not store it.
@@ -128,12 +131,15 @@ def train(
     resume: bool = True,
     force: bool = False,
     max_steps: int | None = None,
+    nproc: int = 1,
 ) -> int:
     """Train or fine-tune a model from a preset, a YAML/JSON config and key=value overrides.
 
     Example: vitkit train fashion-mnist optim.lr=1e-3 schedule.epochs=20 run.out_dir=runs/x
     (the preset may come first, or as --preset).
     The resolved config is saved in the run directory; a killed run resumes where it stopped.
+    Several processes: `torchrun --nproc-per-node N -m vitkit train ...` (several machines: add --nnodes and
+    --rdzv-endpoint), or --nproc N on this machine; run.strategy picks DDP (the default) or FSDP2.
 
     Args:
         preset: fashion-mnist | fashion-mnist-long | cifar10-scratch | cifar10-finetune.
@@ -145,6 +151,7 @@ def train(
         force: resume even if the config changed in a way that changes what a step means (batch size, schedule,
             data, model, optimizer); without it such a resume is refused with the list of differences.
         max_steps: stop after this many optimizer steps (the schedule is unchanged).
+        nproc: run this many processes on this machine (torchrun --standalone --nproc-per-node N).
     """
     from .training import apply_overrides, get_preset, load_config_file, train as _train
     from .training.config import _flatten
@@ -152,6 +159,13 @@ def train(
     overrides = list(overrides)
     if overrides and "=" not in overrides[0]:
         preset = overrides.pop(0)
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:  # relaunch under torchrun, one process per rank
+        args = [preset, *overrides] + (["--config", config] if config else []) + (["--smoke"] if smoke else []) \
+            + ([] if resume else ["--no-resume"]) + (["--force"] if force else []) \
+            + (["--max-steps", str(max_steps)] if max_steps else [])
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "vitkit", "train", *args]
+        return subprocess.run(cmd).returncode
     cfg = get_preset(preset, smoke=smoke)
     if config:
         apply_overrides(cfg, _flatten(load_config_file(config)))
@@ -163,7 +177,8 @@ def train(
         pairs[k] = v
     apply_overrides(cfg, pairs)
     result = _train(cfg, resume=resume, max_steps=max_steps, force=force)
-    print(json.dumps(result, indent=1))
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(result, indent=1))
     return 143 if result.get("interrupted") else 0
 
 

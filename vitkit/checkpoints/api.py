@@ -70,6 +70,8 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
     kind = sniff(path)
     facts: dict = {}
     meta: dict[str, str] = {}
+    if kind == "dir" and (path / ".metadata").exists() and (path / "meta.json").exists():
+        return _read_run_checkpoint(path, hints)
     if kind == "dir":
         raw, hub_config = read_hf_dir(path)
         if timm.is_timm_folder(hub_config):
@@ -118,6 +120,22 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
         facts = {**f, **facts}
     config = _infer_config(sd, {**facts, **hints}, img_size_if_unknown, what=str(path))
     return Checkpoint(path, fmt, config, sd, unused)
+
+
+def _read_run_checkpoint(path: Path, hints: dict) -> Checkpoint:
+    """A training run's sharded checkpoint (torch.distributed.checkpoint, `vitkit.training.checkpoint`): the
+    weights it would be used with for inference, the EMA's if the run kept one, gathered into one state dict."""
+    from ..training import checkpoint as run_checkpoint
+
+    meta = run_checkpoint.read_meta(path)
+    config = _config_from_dict(meta["model_config"])
+    if hints:
+        config = config_with(config, **{k: v for k, v in hints.items() if k != "img_size"})
+    with torch.device("cpu"):
+        model = build_model(config)
+    key = "ema" if (meta.get("config", {}).get("run", {}).get("ema")) else "model"
+    run_checkpoint.load_model_weights(path, model, key)
+    return Checkpoint(path, "vitkit-run-checkpoint", config, model.state_dict(), [])
 
 
 def _infer_config(sd: dict[str, torch.Tensor], facts: dict, img_size_if_unknown=None, what: str = "the checkpoint"):

@@ -47,7 +47,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         g.pop("names")
     # the fused kernels (CPU and CUDA): one AdamW step over ViT-S/16 takes 15 ms on a 2-core CPU, 53 ms foreach
     # (`python benchmarks/ops.py adamw`, NOTES.md section 8)
-    fused = all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
+    params = [p for g in groups for p in g["params"]]
+    sharded = any(hasattr(p, "to_local") for p in params)  # FSDP2's DTensors: fused SGD has no sharding rule for them
+    fused = all(p.device.type in ("cpu", "cuda") for p in params) and not (sharded and cfg.name == "sgd")
     impl = {"fused": True} if fused else {"foreach": True}
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), **impl)

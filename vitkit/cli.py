@@ -106,6 +106,23 @@ def catalog(pattern: str | None = None, json_out: bool = False) -> list[dict]:
     return rows
 
 
+def data(action: Literal["pack"], src: str, out: str, shard_size: int = 1000, data_dir: str | None = None) -> dict:
+    """Write a dataset as WebDataset-layout tar shards with an index (`vitkit data pack SRC OUT`), for training
+    from a folder or a file:// or http(s):// URL with data.dataset=OUT (every sample once per epoch, over any
+    number of processes and workers; resumable mid-epoch).
+
+    Args:
+        action: pack.
+        src: a built-in dataset (fashion-mnist, cifar10, cifar100, digits), an ImageFolder root or a CSV of path,label.
+        out: the output folder: train/ and test/ (or val/), each with shard-NNNNNN.tar, .idx.npy files and index.json.
+        shard_size: samples per shard.
+        data_dir: where the built-in datasets are.
+    """
+    from .data.shards import pack
+
+    return pack(src, out, shard_size=shard_size, data_dir=data_dir, progress=print)
+
+
 def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None) -> None:
     """Convert a checkpoint between formats; converting out and back in gives the identical output.
 
@@ -208,7 +225,7 @@ def evaluate(
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
     """
     from .checkpoints import load
-    from .data.datasets import FileDataset, csv_list, folder_test_split, image_folder, load_dataset
+    from .data.datasets import csv_list, decodes_files, folder_test_split, image_folder, load_dataset
     from .data.image import EvalTransform
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
 
@@ -236,9 +253,9 @@ def evaluate(
             raise UsageError(f"the checkpoint's classes {names} differ from {data}'s {test.classes}")
     if c.num_classes != len(test.classes):
         raise UsageError(f"the checkpoint has {c.num_classes} classes, the data {len(test.classes)}")
-    if isinstance(test, FileDataset):
+    if decodes_files(test):
         test = test.configured(c)  # decoded with the checkpoint's own size, crop and interpolation
-    transform = EvalTransform.for_model(c, replicate_to=replicate, geometry=not isinstance(test, FileDataset))
+    transform = EvalTransform.for_model(c, replicate_to=replicate, geometry=not decodes_files(test))
     res = _evaluate(model, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta,
                       device=dev)
     out_dir = Path(out) if out else Path(checkpoint).parent
@@ -369,7 +386,7 @@ def inspect(
     return res
 
 
-COMMANDS = {"models": models, "catalog": catalog, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
+COMMANDS = {"models": models, "catalog": catalog, "data": data, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
 
 
 def build_parser() -> argparse.ArgumentParser:

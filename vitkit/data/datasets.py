@@ -242,6 +242,12 @@ def collate_skip_bad(batch: list):
     return torch.stack(xs), torch.tensor(ys, dtype=torch.long), len(batch) - len(good)
 
 
+def decodes_files(ds) -> bool:
+    """Whether a dataset decodes image files itself at a model's size (`FileDataset`, `ShardDataset`), so that its
+    batches need no resizing, only normalisation; in-memory datasets hold their native size instead."""
+    return hasattr(ds, "configured")
+
+
 def image_folder(root: str | Path, classes: list[str] | None = None, **kw) -> FileDataset:
     """root/<class>/<image>: one folder per class, sorted names give the label order."""
     root = Path(root)
@@ -296,7 +302,7 @@ def split_holdout(ds: InMemoryDataset | FileDataset, fraction: float, seed: int 
     with two or more) chosen by a fixed shuffle, so every run and every resume holds out the same images."""
     if not 0.0 < fraction < 1.0:
         raise UsageError(f"a held-out fraction must be between 0 and 1, got {fraction}")
-    labels = ds.labels.cpu() if isinstance(ds, InMemoryDataset) else torch.tensor([y for _, y in ds.samples])
+    labels = ds.labels.cpu()
     g = torch.Generator().manual_seed(seed)
     held = []
     for c in torch.unique(labels).tolist():
@@ -311,6 +317,8 @@ def split_holdout(ds: InMemoryDataset | FileDataset, fraction: float, seed: int 
         k, o = keep.to(ds.labels.device), out.to(ds.labels.device)
         return (InMemoryDataset(ds.images[k], ds.labels[k], ds.classes, ds.name),
                 InMemoryDataset(ds.images[o], ds.labels[o], ds.classes, ds.name + " (held out)"))
+    if hasattr(ds, "subset"):  # shards
+        return ds.subset(keep.numpy()), ds.subset(out.numpy(), ds.name + " (held out)")
     return (dataclasses.replace(ds, samples=[ds.samples[i] for i in keep.tolist()]),
             dataclasses.replace(ds, samples=[ds.samples[i] for i in out.tolist()], name=ds.name + " (held out)"))
 
@@ -415,6 +423,26 @@ def load_digits(split: str = "train", n_train: int = 1500) -> InMemoryDataset:
     return InMemoryDataset(x[idx], y[idx], list(DIGITS_CLASSES), "digits")
 
 
+def is_shards(location: str) -> bool:
+    """A shard set (`vitkit data pack`): an http(s) or file URL, or a folder whose train/ holds index.json."""
+    if location.startswith(("http://", "https://", "file://")):
+        return True
+    return (Path(location) / "train" / "index.json").exists()
+
+
+def is_shards_split(location: str, split: str) -> bool:
+    if location.startswith(("http://", "https://")):
+        from .shards import _fetch
+
+        try:
+            _fetch(location.rstrip("/") + f"/{split}/index.json")
+            return True
+        except OSError:
+            return False
+    path = location[len("file://"):] if location.startswith("file://") else location
+    return (Path(path) / split / "index.json").exists()
+
+
 def folder_test_split(root: str | Path) -> Path | None:
     """The evaluation split of an ImageFolder root: val/, else test/ (the trainer and `vitkit eval` both use it)."""
     return next((Path(root) / s for s in ("val", "test") if (Path(root) / s).is_dir()), None)
@@ -430,7 +458,8 @@ def load_dataset(
     test_dir: str | None = None,
 ) -> DataSpec:
     """A dataset by name ("fashion-mnist", "cifar10", "cifar100", "digits"), an ImageFolder root (with train/ and
-    val/ or test/ inside, or `test_dir`), or a CSV list (`train.csv`; `test_dir` names the test CSV)."""
+    val/ or test/ inside, or `test_dir`), a CSV list (`train.csv`; `test_dir` names the test CSV), or a shard set
+    written by `vitkit data pack` (a folder, or a file:// or http(s):// URL, with train/ and val/ or test/)."""
     if name in ("fashion-mnist", "fashion_mnist", "fmnist"):
         train, test = load_fashion_mnist("train", data_dir), load_fashion_mnist("test", data_dir)
     elif name in ("cifar10", "cifar100"):
@@ -441,7 +470,20 @@ def load_dataset(
         root = Path(name)
         size = to_2tuple(img_size) if img_size else (224, 224)
         kw = dict(img_size=size, in_chans=in_chans or 3, strict=strict_images)
-        if root.suffix.lower() == ".csv":
+        if is_shards(name):
+            from .shards import ShardDataset
+
+            if in_chans is None:
+                del kw["in_chans"]  # the shards' own
+            train = ShardDataset.open(name.rstrip("/") + "/train", **kw)
+            kw["in_chans"] = train.in_chans
+            test_loc = test_dir or next((name.rstrip("/") + "/" + s for s in ("val", "test") if is_shards_split(name, s)), None)
+            if test_loc is None:
+                raise DatasetError(f"{name}: no val/ or test/ shards next to train/ (or pass test_dir=)")
+            test = ShardDataset.open(test_loc, **kw)
+            if test.classes != train.classes:
+                raise DatasetError(f"{test_loc} has classes {test.classes}, the training shards {train.classes}")
+        elif root.suffix.lower() == ".csv":
             train = csv_list(root, **kw)
             if not test_dir:
                 raise DatasetError("a CSV training list needs a test list too (test_dir=)")
@@ -458,7 +500,7 @@ def load_dataset(
         check_classes(train.labels, train.classes, f"training set {train.name}")
         if len(test) == 0:
             raise DatasetError(f"test set {test.name} is empty")
-        return DataSpec(train, test, train.classes, kw["in_chans"], size, (0.5,) * kw["in_chans"], (0.5,) * kw["in_chans"])
+        return DataSpec(train, test, train.classes, train.in_chans, size, (0.5,) * train.in_chans, (0.5,) * train.in_chans)
     check_classes(train.labels, train.classes, f"training set {name}")
     mean, std = _mean_std(train.images)
     spec = DataSpec(train, test, train.classes, train.in_chans, train.img_size, mean, std)

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..checkpoints.api import save
 from ..data.augment import BatchAugment
-from ..data.datasets import DataSpec, FileDataset, InMemoryDataset, iterate_batches, load_dataset, split_holdout
+from ..data.datasets import DataSpec, InMemoryDataset, decodes_files, iterate_batches, load_dataset, split_holdout
 from ..data.image import EvalTransform
 from ..device import resolve_device
 from ..distributed import Dist, full_state_dict, gradient_sync, resolve_strategy, wrap_model
@@ -179,7 +179,7 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
     if r.activation_checkpointing:
         model.set_grad_checkpointing(True)
     # files are decoded at the model's size with its evaluation geometry (a 384-px checkpoint reads at 384)
-    spec.train, spec.test, val = (ds.configured(mc) if isinstance(ds, FileDataset) else ds for ds in (spec.train, spec.test, val))
+    spec.train, spec.test, val = (ds.configured(mc) if decodes_files(ds) else ds for ds in (spec.train, spec.test, val))
     ema = copy.deepcopy(model).eval() if r.ema else None  # before sharding: the EMA is a whole model on every rank
     if ema is not None:
         for p in ema.parameters():
@@ -203,7 +203,7 @@ def _evaluate_on(run: _Run, module: nn.Module, data) -> EvalResult:
     """Every evaluation of a run: its batch size, precision and TTA, the checkpoint's preprocessing, all ranks."""
     r, mc = run.cfg.run, run.model.config
     transform = EvalTransform.for_model(mc, replicate_to=run.spec.extra.get("replicate_channels"),
-                                        geometry=not isinstance(data, FileDataset))
+                                        geometry=not decodes_files(data))
     # the model itself, not DDP around it (no collectives in an evaluation); FSDP2's shards all run every forward
     return evaluate(module, data, transform, batch_size=run.cfg.data.eval_batch_size, device=run.device,
                     precision=r.precision, tta=r.tta, dist=run.dist, lockstep=run.strategy == "fsdp" and module is run.model)

@@ -1,0 +1,252 @@
+"""Datasets too large for memory or one disk: WebDataset-layout tar shards, with an index for random access.
+
+    OUT/train/shard-000000.tar    members {key}.{jpg|png|...} (the image's bytes) and {key}.cls (its class, decimal),
+    OUT/train/shard-000000.idx    consecutive per sample, as the `webdataset` library and other tar readers expect;
+    OUT/train/index.json          .idx: int64 (n, 3) = (image offset, image size, class) per sample of that tar;
+    OUT/test/...                  index.json: classes, channels, and every shard's name and sample count.
+
+`pack` writes them from an ImageFolder, a CSV or a built-in dataset. `ShardDataset` reads them from a local
+folder, a `file://` URL or an `http(s)://` URL (HTTP Range requests for each image: nothing is downloaded whole)
+as a map-style dataset: every sample has an index, so the trainer's sampler (a global order per (seed, epoch),
+each rank its slice of every batch, DataLoader workers whole batches) reads every sample exactly once per epoch
+and resumes mid-epoch exactly, as for images in folders. benchmarks/NOTES.md section 19 compares this reader with
+webdataset, litdata and HF datasets' streaming on resume, splitting over nodes and throughput.
+"""
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import io
+import json
+import os
+import tarfile
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..errors import UsageError
+from .image import ImageDecodeError, load_image, resize_crop, to_uint8_tensor
+
+FORMAT = "vitkit-shards"
+IMAGE_EXT = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
+
+
+# ---- writing ----------------------------------------------------------------------------------------------
+
+def _tar_member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
+    """Add one member; returns the offset of its data in the tar."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    tar.addfile(info, io.BytesIO(data))
+    return tar.offset - ((len(data) + 511) // 512) * 512  # data starts where its 512-byte blocks start
+
+
+def write_split(samples: Iterator[tuple[bytes, str, int]], out: Path, classes: list[str], in_chans: int,
+                shard_size: int = 1000, name: str = "") -> dict:
+    """Write (image bytes, extension, class) samples as tar shards of `shard_size` samples, their .idx files and
+    index.json; returns the index."""
+    out.mkdir(parents=True, exist_ok=True)
+    shards, rows, tar, n = [], [], None, 0
+
+    def close() -> None:
+        tar.close()
+        np.save(out / f"{shards[-1]['name'][:-4]}.idx.npy", np.asarray(rows, dtype=np.int64).reshape(-1, 3), allow_pickle=False)
+        shards[-1]["nsamples"] = len(rows)
+
+    for data, ext, label in samples:
+        if n % shard_size == 0:
+            if tar is not None:
+                close()
+            shards.append({"name": f"shard-{len(shards):06d}.tar"})
+            tar, rows = tarfile.open(out / shards[-1]["name"], "w", format=tarfile.USTAR_FORMAT), []
+        key = f"{n:09d}"
+        offset = _tar_member(tar, f"{key}.{ext}", data)
+        _tar_member(tar, f"{key}.cls", str(label).encode())
+        rows.append((offset, len(data), label))
+        n += 1
+    if tar is not None:
+        close()
+    index = {"format": FORMAT, "version": 1, "name": name, "classes": list(classes), "in_chans": in_chans,
+             "num_samples": n, "shards": shards}
+    (out / "index.json").write_text(json.dumps(index, indent=1))
+    return index
+
+
+def _png(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def pack(src: str, out: str | Path, shard_size: int = 1000, data_dir: str | None = None,
+         progress: Callable[[str], None] | None = None) -> dict:
+    """Write a dataset as shards: `src` is a built-in dataset (fashion-mnist, cifar10, digits, ...: its images as
+    PNG), an ImageFolder root (train/ and val/ or test/: the files' own bytes) or a CSV of path,label. Returns
+    {split: index}."""
+    from .datasets import FileDataset, InMemoryDataset, load_dataset
+
+    out = Path(out)
+    root = Path(src)
+    if root.suffix.lower() == ".csv":
+        from .datasets import csv_list
+
+        splits = {"train": csv_list(root)}
+    else:
+        spec = load_dataset(src, data_dir, test_dir=None)
+        splits = {"train": spec.train, "test": spec.test}
+    written = {}
+    for split, ds in splits.items():
+        if isinstance(ds, InMemoryDataset):
+            imgs = ds.images.cpu().numpy()
+            labels = ds.labels.cpu().tolist()
+            samples = ((_png(imgs[i, 0] if imgs.shape[1] == 1 else imgs[i].transpose(1, 2, 0)), "png", labels[i])
+                       for i in range(len(labels)))
+            chans = ds.in_chans
+        elif isinstance(ds, FileDataset):
+            samples = ((Path(p).read_bytes(), Path(p).suffix.lower().lstrip(".") or "jpg", lab) for p, lab in ds.samples)
+            chans = ds.in_chans
+        else:
+            raise UsageError(f"cannot pack {type(ds).__name__}")
+        written[split] = write_split(samples, out / split, ds.classes, chans, shard_size, name=f"{src}:{split}")
+        if progress:
+            progress(f"{split}: {written[split]['num_samples']} samples in {len(written[split]['shards'])} shards -> {out / split}")
+    return written
+
+
+# ---- reading ----------------------------------------------------------------------------------------------
+
+class _Bytes:
+    """Byte ranges of shard files, local or over HTTP(S) (one kept-alive connection per host and process)."""
+
+    def __init__(self) -> None:
+        self.pid, self.files, self.conns = os.getpid(), {}, {}
+
+    def read(self, url: str, offset: int, size: int) -> bytes:
+        if os.getpid() != self.pid:  # a DataLoader worker: file handles and sockets are not shared across a fork
+            self.__init__()
+        if url.startswith(("http://", "https://")):
+            return self._http(url, offset, size)
+        path = url[len("file://"):] if url.startswith("file://") else url
+        fd = self.files.get(path)
+        if fd is None:
+            fd = self.files[path] = os.open(path, os.O_RDONLY)
+        return os.pread(fd, size, offset)
+
+    def _http(self, url: str, offset: int, size: int, tries: int = 3) -> bytes:
+        u = urllib.parse.urlsplit(url)
+        key = (u.scheme, u.netloc)
+        for attempt in range(tries):
+            conn = self.conns.get(key)
+            if conn is None:
+                cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+                conn = self.conns[key] = cls(u.netloc, timeout=60)
+            try:
+                conn.request("GET", u.path + (f"?{u.query}" if u.query else ""), headers={"Range": f"bytes={offset}-{offset + size - 1}"})
+                r = conn.getresponse()
+                data = r.read()
+                if r.status == 206 and len(data) == size:
+                    return data
+                raise OSError(f"{url}: HTTP {r.status} for bytes {offset}-{offset + size - 1} ({len(data)} bytes)")
+            except (http.client.HTTPException, OSError):
+                conn.close()
+                self.conns.pop(key, None)
+                if attempt == tries - 1:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+
+def _fetch(url: str) -> bytes:
+    if url.startswith(("http://", "https://")):
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.read()
+    return Path(url[len("file://"):] if url.startswith("file://") else url).read_bytes()
+
+
+def _join(base: str, name: str) -> str:
+    return base.rstrip("/") + "/" + name
+
+
+@dataclass
+class ShardDataset(torch.utils.data.Dataset):
+    """One split of a shard set, by sample index. Decodes like `FileDataset`: at the model's size with its
+    evaluation geometry (`configured`), a corrupt or oversized image is None (skipped and counted) unless strict."""
+
+    location: str  # a folder or URL with index.json
+    classes: list[str]
+    counts: list[int]  # samples per shard
+    shard_names: list[str]
+    labels_all: np.ndarray = field(repr=False)  # the class of every sample, from the .idx files
+    img_size: tuple[int, int] = (224, 224)
+    in_chans: int = 3
+    strict: bool = False
+    name: str = ""
+    crop_pct: float = 1.0
+    interpolation: str = "bilinear"
+    indices: np.ndarray | None = field(default=None, repr=False)  # a subset of the split (a held-out part)
+
+    def __post_init__(self) -> None:
+        self._starts = np.concatenate([[0], np.cumsum(self.counts)])
+        self._idx: dict[int, np.ndarray] = {}
+        self._bytes = _Bytes()
+
+    @classmethod
+    def open(cls, location: str, **kw) -> "ShardDataset":
+        index = json.loads(_fetch(_join(location, "index.json")))
+        if index.get("format") != FORMAT:
+            raise UsageError(f"{location}/index.json is not a vitkit shard index (format {index.get('format')!r})")
+        names = [s["name"] for s in index["shards"]]
+        counts = [s["nsamples"] for s in index["shards"]]
+        labels = np.concatenate([cls._read_idx(location, n)[:, 2] for n in names]) if names else np.zeros(0, np.int64)
+        return cls(location, list(index["classes"]), counts, names, labels, in_chans=kw.pop("in_chans", index["in_chans"]),
+                   name=kw.pop("name", location), **kw)
+
+    @staticmethod
+    def _read_idx(location: str, shard: str) -> np.ndarray:
+        return np.load(io.BytesIO(_fetch(_join(location, shard[:-4] + ".idx.npy"))), allow_pickle=False)
+
+    def __len__(self) -> int:
+        return len(self.indices) if self.indices is not None else int(self._starts[-1])
+
+    @property
+    def labels(self) -> torch.Tensor:
+        lab = self.labels_all if self.indices is None else self.labels_all[self.indices]
+        return torch.from_numpy(np.asarray(lab, dtype=np.int64))
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:  # (key, label) pairs, as FileDataset's (path, label)
+        return [(f"{i:09d}", int(lab)) for i, lab in zip(range(len(self)), self.labels.tolist())]
+
+    def raw(self, i: int) -> tuple[bytes, int]:
+        """The image bytes and class of sample i (of this split, or of its subset)."""
+        g = int(self.indices[i]) if self.indices is not None else i
+        s = int(np.searchsorted(self._starts, g, side="right") - 1)
+        if s not in self._idx:
+            self._idx[s] = self._read_idx(self.location, self.shard_names[s])
+        offset, size, label = self._idx[s][g - self._starts[s]]
+        return self._bytes.read(_join(self.location, self.shard_names[s]), int(offset), int(size)), int(label)
+
+    def __getitem__(self, i: int):
+        try:
+            data, label = self.raw(i)
+            img = load_image(io.BytesIO(data), self.in_chans)
+        except (ImageDecodeError, OSError) as e:
+            if self.strict:
+                raise ImageDecodeError(f"{self.name} sample {i}: {e}") from e
+            return None
+        return to_uint8_tensor(resize_crop(img, tuple(self.img_size), self.crop_pct, self.interpolation)), label
+
+    def configured(self, config) -> "ShardDataset":
+        return dataclasses.replace(self, img_size=tuple(config.img_size), crop_pct=getattr(config, "crop_pct", 1.0),
+                                   interpolation=getattr(config, "interpolation", "bilinear"))
+
+    def subset(self, keep: np.ndarray, name: str | None = None) -> "ShardDataset":
+        base = self.indices if self.indices is not None else np.arange(len(self))
+        return dataclasses.replace(self, indices=base[np.asarray(keep)], name=name or self.name)

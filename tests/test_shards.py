@@ -69,6 +69,19 @@ def test_pack_writes_what_tar_readers_read(shards):
         assert torch.equal(x, ref.train.images[i]) and y == int(ref.train.labels[i])  # PNG: lossless
 
 
+def test_the_webdataset_library_reads_them(shards):
+    """The peer reader: webdataset's own pipeline reads every sample with its class."""
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in (shards / "train").glob("*.tar"))
+    ref = load_dataset("digits").train
+    got = list(wds.WebDataset(urls, shardshuffle=False).decode("l8").to_tuple("__key__", "png", "cls"))
+    assert len(got) == 1500
+    for key, img, cls in got[::97]:
+        i = int(key)
+        assert np.array_equal(np.asarray(img), ref.images[i, 0].numpy()) and int(cls) == int(ref.labels[i])
+
+
 def test_shards_over_http_range_requests(shards):
     handler = lambda *a, **k: RangeServer(*a, directory=str(shards), **k)  # noqa: E731
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)

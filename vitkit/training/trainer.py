@@ -83,10 +83,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def check_gradients(model: nn.Module, clip: float | None, scaled: bool, step: int, where: str) -> None:
+def check_gradients(model: nn.Module, clip: float | None, scaled: bool, step: int, where=lambda: "none written yet") -> None:
     """Clip the global gradient norm if asked, and stop the run on a non-finite one, clipping or not (with a
     grad scaler, fp16, a non-finite norm is the scaler's business: it skips that step). Under DDP and FSDP2 the
-    norm is the global one, so every rank decides alike."""
+    norm is the global one, so every rank decides alike. `where()` names the last good checkpoint, for the message."""
     params = [p for p in model.parameters() if p.grad is not None]
     if clip:
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
@@ -99,7 +99,7 @@ def check_gradients(model: nn.Module, clip: float | None, scaled: bool, step: in
     if not scaled and not torch.isfinite(norm):
         bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(_local(p.grad)).all()]
         raise TrainingError(f"the gradient norm became {norm.item()} at step {step} (first in {bad[:3]}); the run stopped "
-                            f"before the update. The last good checkpoint is intact: {where}")
+                            f"before the update. The last good checkpoint is intact: {where()}")
 
 
 def _ema_update(ema: nn.Module, model: nn.Module, decay: float) -> None:
@@ -244,7 +244,7 @@ def _train_step(run: _Run, batches, step: int, g: torch.Generator) -> tuple[floa
         seen += len(y)
     if cfg.optim.clip_grad:
         run.scaler.unscale_(run.opt)
-    check_gradients(run.model, cfg.optim.clip_grad, run.scaler.is_enabled(), step, _last_good(run))
+    check_gradients(run.model, cfg.optim.clip_grad, run.scaler.is_enabled(), step, lambda: _last_good(run))
     run.scaler.step(run.opt)
     run.scaler.update()
     run.opt.zero_grad(set_to_none=True)

@@ -26,13 +26,14 @@ def iter_attention(model: nn.Module, x: torch.Tensor, layers: Sequence[int] | No
     wanted = resolve_layers(layers, len(model.blocks))
     if not wanted:
         return
+    grid = model.grid_for(x)
     h = model.embed(x)
     for i, blk in enumerate(model.blocks):
         if i in wanted:
-            h, attn = blk(h, return_attention=True)
+            h, attn = blk(h, return_attention=True, grid=grid)
             yield i, attn
         else:
-            h = blk(h)
+            h = blk(h, grid=grid)
         if i >= max(wanted):
             return
 

@@ -71,6 +71,8 @@ class ViTConfig:
         hybrid_width: the ResNet width factor; hybrid_ws_eps/_mode, hybrid_gn_eps: its numerics.
         mean, std, interpolation, crop_pct: the preprocessing the weights expect.
         class_names: names of the head's classes, if known.
+        dynamic_img_size: accept any H x W divisible by the patch size, the position embedding resampled to each
+            input's grid on the fly (bilinear, as `vitkit.load(..., img_size=...)` does; cached per grid).
     """
 
     img_size: tuple[int, int] = (224, 224)
@@ -102,6 +104,7 @@ class ViTConfig:
     interpolation: str = "bilinear"
     crop_pct: float = 0.875
     class_names: list[str] | None = field(default=None, repr=False)
+    dynamic_img_size: bool = False
     arch: str = "vit"
 
     def __post_init__(self) -> None:
@@ -181,16 +184,18 @@ class Block(nn.Module):
         self.mlp = Mlp(c.embed_dim, c.mlp_dim, act=c.act, drop=c.drop_rate)
         self.drop_path2 = DropPath(drop_path)
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None):
-        """(B, T, D) -> (B, T, D); with `queries`, only the first `queries` tokens' outputs: (B, queries, D)."""
+    def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None,
+                grid: tuple[int, int] | None = None):
+        """(B, T, D) -> (B, T, D); with `queries`, only the first `queries` tokens' outputs: (B, queries, D).
+        `grid`: the input's patch grid when it is not the model's (dynamic_img_size: the relative bias)."""
         if queries is not None:  # every token is normed for the keys and values; only the queries go on
-            x = x[:, :queries] + self.drop_path1(self.attn(self.norm1(x), queries=queries))
+            x = x[:, :queries] + self.drop_path1(self.attn(self.norm1(x), queries=queries, grid=grid))
             return x + self.drop_path2(self.mlp(self.norm2(x)))
         if return_attention:
-            y, attn = self.attn(self.norm1(x), return_attention=True)
+            y, attn = self.attn(self.norm1(x), return_attention=True, grid=grid)
             x = x + self.drop_path1(y)
             return x + self.drop_path2(self.mlp(self.norm2(x))), attn
-        x = x + self.drop_path1(self.attn(self.norm1(x)))
+        x = x + self.drop_path1(self.attn(self.norm1(x), grid=grid))
         return x + self.drop_path2(self.mlp(self.norm2(x)))
 
 
@@ -244,6 +249,7 @@ class VisionTransformer(nn.Module):
         #   hook or pre-hook on the last block or any module inside it, or torch.fx tracing (feature extraction).
         self.lowp_stream = False
         self.last_block_cls_only = True
+        self.patch_embed.dynamic = c.dynamic_img_size
         # Activation checkpointing (`set_grad_checkpointing`): each block's activations are recomputed in the
         # backward instead of kept, trading ~a third more compute for memory that no longer grows with depth.
         self.grad_checkpointing = False
@@ -258,12 +264,17 @@ class VisionTransformer(nn.Module):
 
     # ---- the forward pass, split as features / pooling / head -------------------------------------
 
+    def grid_for(self, x: torch.Tensor) -> tuple[int, int] | None:
+        """The patch grid of an input batch when the model takes any size (dynamic_img_size), else None."""
+        return self.patch_embed.grid_for(x) if self.config.dynamic_img_size else None
+
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Image (B, C, H, W) -> the input sequence of the encoder (B, T, D), position added."""
+        grid = self.grid_for(x)
         x = self.patch_embed(x)  # (B, N, D)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, D)
-        x = self.pos_drop(self.pos_embed(x))
+        x = self.pos_drop(self.pos_embed(x, grid))
         if self.lowp_stream and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return x
@@ -275,9 +286,10 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """All tokens after the final norm: (B, C, H, W) -> (B, T, D)."""
+        grid = self.grid_for(x)
         x = self.embed(x)
         for blk in self.blocks:
-            x = self._run(blk, x)
+            x = self._run(blk, x, grid=grid)
         return self.norm(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,10 +319,11 @@ class VisionTransformer(nn.Module):
         """Image (B, C, H, W) -> logits (B, num_classes), or pooled features if num_classes == 0."""
         if not self._cls_only_last_block():
             return self.forward_head(self.forward_features(x))
+        grid = self.grid_for(x)
         x = self.embed(x)
         for blk in self.blocks[:-1]:
-            x = self._run(blk, x)
-        x = self._run(self.blocks[-1], x, queries=1)  # (B, 1, D): the class token, all the head reads
+            x = self._run(blk, x, grid=grid)
+        x = self._run(self.blocks[-1], x, queries=1, grid=grid)  # (B, 1, D): the class token, all the head reads
         return self.forward_head(self.norm(x))
 
     def forward_intermediates(
@@ -332,12 +345,13 @@ class VisionTransformer(nn.Module):
         """
         wanted = resolve_layers(layers, len(self.blocks))
         tokens, attn = {}, {}
+        grid = self.grid_for(x)
         h = self.embed(x)
         for i, blk in enumerate(self.blocks):
             if i in wanted and attention:
-                h, attn[i] = blk(h, return_attention=True)
+                h, attn[i] = blk(h, return_attention=True, grid=grid)
             else:
-                h = blk(h)
+                h = blk(h, grid=grid)
             if i in wanted:
                 tokens[i] = h
         feats = self.norm(h)
@@ -347,6 +361,10 @@ class VisionTransformer(nn.Module):
         return out
 
     # ---- changing the model after construction --------------------------------------------------
+
+    def set_dynamic_img_size(self, enable: bool = True) -> None:
+        """Accept any H x W divisible by the patch size (see ViTConfig.dynamic_img_size)."""
+        self.config.dynamic_img_size = self.patch_embed.dynamic = enable
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in the backward instead of storing them (training memory)."""

@@ -32,39 +32,52 @@ class RelativePositionBias(nn.Module):
         self.num_prefix_tokens = num_prefix_tokens
         num_rel = (2 * gh - 1) * (2 * gw - 1)
         self.table = nn.Parameter(torch.zeros(num_rel + (3 if num_prefix_tokens else 0), num_heads))
-        self.register_buffer("index", self._build_index(), persistent=False)
+        self.register_buffer("index", self._build_index(self.grid_size, torch.device("cpu")), persistent=False)
+        self._cache = None
 
-    def _build_index(self) -> torch.Tensor:
-        gh, gw = self.grid_size
-        coords = torch.stack(torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")).flatten(1)  # (2, N)
+    def _build_index(self, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
+        gh, gw = grid
+        ys, xs = torch.meshgrid(torch.arange(gh, device=device), torch.arange(gw, device=device), indexing="ij")
+        coords = torch.stack([ys, xs]).flatten(1)  # (2, N)
         rel = coords[:, :, None] - coords[:, None, :]  # (2, N, N)
         idx = (rel[0] + gh - 1) * (2 * gw - 1) + (rel[1] + gw - 1)  # (N, N)
         if not self.num_prefix_tokens:
             return idx
-        n, p, base = gh * gw, self.num_prefix_tokens, (2 * gh - 1) * (2 * gw - 1)
-        full = torch.empty(n + p, n + p, dtype=torch.long)
-        full[p:, p:] = idx
-        full[:p, p:] = base  # prefix -> patch
-        full[p:, :p] = base + 1  # patch -> prefix
-        full[:p, :p] = base + 2  # prefix -> prefix
-        return full
+        p, base = self.num_prefix_tokens, (2 * gh - 1) * (2 * gw - 1)
+        idx = F.pad(idx, (p, 0, p, 0), value=base)  # prefix -> patch (the first rows): base
+        idx[p:, :p] = base + 1  # patch -> prefix
+        idx[:p, :p] = base + 2  # prefix -> prefix
+        return idx
 
-    def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
-        """Resample the table of relative offsets for a new patch grid; the prefix entries are kept."""
+    def _table_for(self, grid: tuple[int, int], method: str = "bilinear") -> torch.Tensor:
+        """The table of relative offsets resampled for another grid; the prefix entries kept."""
         from .pos_embed import resample_pos_embed_grid
 
         gh, gw = self.grid_size
-        nh, nw = new_grid
+        nh, nw = grid
         base = (2 * gh - 1) * (2 * gw - 1)
-        t = self.table.data
-        grid = resample_pos_embed_grid(t[:base].reshape(2 * gh - 1, 2 * gw - 1, -1), (2 * nh - 1, 2 * nw - 1), method)
-        self.table = nn.Parameter(torch.cat([grid.flatten(0, 1), t[base:]]))
-        self.grid_size = (nh, nw)
-        self.index = self._build_index().to(self.index.device)
+        t = self.table
+        cells = resample_pos_embed_grid(t[:base].reshape(2 * gh - 1, 2 * gw - 1, -1), (2 * nh - 1, 2 * nw - 1), method)
+        return torch.cat([cells.flatten(0, 1), t[base:]])
 
-    def forward(self) -> torch.Tensor:
-        t = self.index.shape[0]
-        return self.table[self.index.flatten()].view(t, t, -1).permute(2, 0, 1)  # (T, T, H) -> (H, T, T)
+    def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
+        """Resample the table of relative offsets for a new patch grid; the prefix entries are kept."""
+        self.table = nn.Parameter(self._table_for(new_grid, method).detach())
+        self.grid_size = tuple(new_grid)
+        self.index = self._build_index(self.grid_size, self.index.device)
+
+    def forward(self, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """(H, T, T): the bias between every pair of tokens, for the model's grid or another (dynamic_img_size)."""
+        from .pos_embed import _GridCache, _same_grid
+
+        if _same_grid(grid, self.grid_size):
+            table, index = self.table, self.index
+        else:
+            self._cache = self._cache or _GridCache()
+            table, index = self._cache.get(tuple(grid), [self.table], lambda: (
+                self._table_for(grid), self._build_index(grid, self.index.device)))
+        t = index.shape[0]
+        return table[index.flatten()].view(t, t, -1).permute(2, 0, 1)  # (T, T, H) -> (H, T, T)
 
 
 class Attention(nn.Module):
@@ -121,8 +134,10 @@ class Attention(nn.Module):
             return False
         return q.requires_grad or not _CPU_HAS_AMX
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None):
+    def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None,
+                grid: tuple[int, int] | None = None):
         """x: (B, T, D) -> (B, T, D); with `return_attention`, also the softmax weights (B, H, T, T).
+        grid: the patch grid of this input, when it is not the model's (dynamic_img_size; the relative bias).
 
         queries: only the first `queries` tokens attend (keys and values still come from all T tokens), and
             only their outputs are returned: (B, queries, D). What the model's last block needs when the head
@@ -135,7 +150,7 @@ class Attention(nn.Module):
         if queries is not None:  # the other tokens' q costs one D x D matmul of a block's twelve: kept, so that
             q = q[:, :, :queries]  # the projection stays one (packable) Linear; (B, H, Q, hd)
         Q = q.shape[2]
-        bias = self.rel_pos()[:, :Q] if self.rel_pos is not None else None  # (H, Q, T) or None
+        bias = self.rel_pos(grid)[:, :Q] if self.rel_pos is not None else None  # (H, Q, T) or None
         drop = self.attn_drop if self.training else 0.0
         if return_attention or self._explicit_is_faster(q, T):
             logits = (q * self.scale) @ k.transpose(-2, -1)  # (B, H, Q, T)

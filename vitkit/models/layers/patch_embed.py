@@ -52,17 +52,28 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(conv_in, embed_dim, kernel_size=kernel, stride=kernel)
         lecun_normal_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
+        self.dynamic = False  # any H x W divisible by the patch size (dynamic_img_size), not img_size alone
 
     def check_input(self, x: torch.Tensor) -> None:
         expected = (self.in_chans, *self.img_size)
+        if self.dynamic:
+            if x.ndim == 4 and x.shape[1] == self.in_chans and x.shape[2] % self.patch_size[0] == 0 \
+                    and x.shape[3] % self.patch_size[1] == 0 and x.shape[2] and x.shape[3]:
+                return
+            raise UsageError(f"expected input of shape (B, {self.in_chans}, H, W) with H and W multiples of the patch size "
+                             f"{self.patch_size}, got {tuple(x.shape)}")
         if x.ndim != 4 or tuple(x.shape[1:]) != expected:
             raise UsageError(
                 f"expected input of shape (B, {expected[0]}, {expected[1]}, {expected[2]}) "
                 f"(B, channels, height, width), got {tuple(x.shape)}"
             )
 
+    def grid_for(self, x: torch.Tensor) -> tuple[int, int]:
+        """The patch grid of an input image batch (B, C, H, W)."""
+        return (x.shape[-2] // self.patch_size[0], x.shape[-1] // self.patch_size[1])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tracing = is_fx_tracing()
+        tracing = is_fx_tracing() or torch.compiler.is_compiling()
         if not tracing:
             self.check_input(x)
         if self.backbone is not None:
@@ -80,6 +91,6 @@ class PatchEmbed(nn.Module):
         patches, then one matmul. On a CPU 1.1-1.5x faster than the conv forward and 1.2-2.9x with backward
         (`python benchmarks/ops.py patch-embed`, NOTES.md section 8); the weights keep the conv's layout."""
         B, C, H, W = x.shape
-        (gh, gw), (ph, pw) = self.grid_size, self.patch_size
+        (gh, gw), (ph, pw) = self.grid_for(x), self.patch_size
         x = x.reshape(B, C, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5).reshape(B, gh * gw, C * ph * pw)  # (B, N, C*P*P)
         return F.linear(x, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)  # (B, N, D)

@@ -3,12 +3,18 @@
 Each module adds its embedding to the token sequence (B, T, D) whose first `num_prefix_tokens`
 rows are the class token (if any), followed by the patch grid in row-major order.
 (The relative variant lives inside attention: see `attention.RelativePositionBias`.)
+
+`forward(x, grid)` takes the patch grid of this input: a grid other than the one the embedding was made for
+(`dynamic_img_size`) gets the embedding resampled to it on the fly, as `resample` would (bilinear, the official
+method), cached per grid for inference. Under torch.export / torch.compile the resampling is always in the graph,
+so one exported program serves every input size (resampling to the same grid is exact: aligned corners).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from ...errors import UsageError
 
 RESAMPLE_METHODS = ("bilinear", "bicubic")
@@ -27,7 +33,7 @@ def resample_pos_embed_grid(
     if method not in RESAMPLE_METHODS:
         raise UsageError(f"resampling method must be one of {RESAMPLE_METHODS}, got {method!r}")
     gh, gw, d = grid.shape
-    if (gh, gw) == tuple(new_size):
+    if not torch.compiler.is_compiling() and (gh, gw) == tuple(new_size):
         return grid
     x = grid.permute(2, 0, 1)[None].float()  # (gh, gw, D) -> (1, D, gh, gw)
     if method == "bilinear":
@@ -50,6 +56,34 @@ def sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 10000.0
     return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1).float()  # (N, D)
 
 
+def tracing() -> bool:
+    """Inside torch.compile / torch.export: shapes are symbolic, so no Python branch on them and no cache."""
+    return torch.compiler.is_compiling()
+
+
+class _GridCache:
+    """Embeddings resampled for other grids, kept while the weights they came from do not change (inference
+    only: with gradients the resampling must stay in the autograd graph)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple[tuple, torch.Tensor]] = {}
+
+    def get(self, grid: tuple, params: list[torch.Tensor], make):
+        if tracing() or (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+            return make()
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        hit = self.entries.get(grid)
+        if hit is None or hit[0] != key:
+            value = make()
+            value = tuple(v.detach() for v in value) if isinstance(value, tuple) else value.detach()
+            hit = self.entries[grid] = (key, value)
+        return hit[1]
+
+
+def _same_grid(grid, own) -> bool:
+    return grid is None or (not tracing() and tuple(grid) == tuple(own))
+
+
 class LearnedPosEmbed1d(nn.Module):
     """The paper's default: one learned vector per sequence position, `weight` (1, T, D), init normal(0.02)."""
 
@@ -58,9 +92,19 @@ class LearnedPosEmbed1d(nn.Module):
         self.grid_size, self.num_prefix_tokens = tuple(grid_size), num_prefix_tokens
         self.weight = nn.Parameter(torch.empty(1, num_prefix_tokens + grid_size[0] * grid_size[1], dim))
         nn.init.normal_(self.weight, std=0.02)
+        self._cache = _GridCache()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.weight
+    def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        if _same_grid(grid, self.grid_size):
+            return x + self.weight
+        return x + self._cache.get(tuple(grid), [self.weight], lambda: self.for_grid(grid))
+
+    def for_grid(self, grid: tuple[int, int]) -> torch.Tensor:
+        """(1, p + nh * nw, D): the embedding for another grid, the class position kept."""
+        p, (gh, gw) = self.num_prefix_tokens, self.grid_size
+        w = self.weight[0]
+        patches = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), grid)  # (nh, nw, D)
+        return torch.cat([w[:p], patches.flatten(0, 1)])[None]
 
     def grid(self) -> torch.Tensor:
         """(gh * gw, D): the patch positions only."""
@@ -92,14 +136,19 @@ class LearnedPosEmbed2d(nn.Module):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
 
-    def grid(self) -> torch.Tensor:
-        gh, gw = self.grid_size
-        rows = self.row[:, None, :].expand(gh, gw, -1)  # (gh, gw, D/2)
-        cols = self.col[None, :, :].expand(gh, gw, -1)
+    def grid(self, size: tuple[int, int] | None = None) -> torch.Tensor:
+        """(N, D): each patch's row and column embeddings, for this grid or another (`size`, resampled per axis)."""
+        row, col = self.row, self.col
+        if not _same_grid(size, self.grid_size):
+            row = resample_pos_embed_grid(row[:, None, :], (size[0], 1))[:, 0]  # (gh, 1, D/2) -> (nh, D/2)
+            col = resample_pos_embed_grid(col[:, None, :], (size[1], 1))[:, 0]
+        gh, gw = row.shape[0], col.shape[0]
+        rows = row[:, None, :].expand(gh, gw, -1)  # (gh, gw, D/2)
+        cols = col[None, :, :].expand(gh, gw, -1)
         return torch.cat([rows, cols], dim=-1).flatten(0, 1)  # (gh, gw, D) -> (N, D)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pe = self.grid()[None]  # (1, N, D)
+    def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        pe = self.grid(grid)[None]  # (1, N, D)
         if self.prefix is not None:
             pe = torch.cat([self.prefix, pe], dim=1)  # (1, T, D)
         return x + pe
@@ -124,11 +173,12 @@ class SinCosPosEmbed2d(nn.Module):
     def grid(self) -> torch.Tensor:
         return self.pe[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        pe = self.pe if _same_grid(grid, self.grid_size) else sincos_2d(tuple(grid), self.dim)[None].to(x.device)
         p = self.num_prefix_tokens
         if p == 0:
-            return x + self.pe
-        return torch.cat([x[:, :p], x[:, p:] + self.pe], dim=1)
+            return x + pe
+        return torch.cat([x[:, :p], x[:, p:] + pe], dim=1)
 
     def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
         self.grid_size = tuple(new_grid)
@@ -142,7 +192,7 @@ class NoPosEmbed(nn.Module):
         super().__init__()
         self.grid_size = tuple(grid_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         return x
 
     def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:

@@ -1,0 +1,84 @@
+"""Any input size in eager mode, and exports (ONNX, torch.export) checked against eager on two batch sizes and two
+resolutions from one dynamic file, for a ViT, a hybrid and BiT."""
+import numpy as np
+import pytest
+import torch
+
+import vitkit
+from vitkit.deploy import ExportError, export_model
+
+from conftest import FIXTURES
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "vit":
+        m = vitkit.load(FIXTURES / "jax_vit_token" / "model.npz")  # official weights, pre-logits, class token
+    elif kind == "hybrid":
+        m = vitkit.create_model("r26_vit_s32", img_size=64, patch_size=16, hybrid_layers=(1, 1, 1), hybrid_width=0.5, depth=1,
+                                num_classes=5, embed_dim=48, num_heads=3, mlp_dim=96)
+    else:
+        m = vitkit.load(FIXTURES / "timm_resnetv2_bit" / "model.safetensors", img_size=64)
+    with torch.no_grad():  # no zero-initialised tensors: every weight must reach the output
+        for p in m.parameters():
+            if not p.any():
+                p.normal_(std=0.1)
+    return m.eval()
+
+
+@pytest.mark.parametrize("size", [(48, 64), (16, 40)])
+def test_dynamic_img_size_equals_loading_at_that_size(size):
+    m = vitkit.load(FIXTURES / "jax_vit_token" / "model.npz")
+    m.set_dynamic_img_size()
+    x = torch.randn(2, 3, *size)
+    with torch.no_grad():
+        assert torch.equal(m(x), vitkit.load(FIXTURES / "jax_vit_token" / "model.npz", img_size=size)(x))
+        assert m(torch.randn(1, 3, 32, 32)).shape == (1, 10)  # its own size too
+    with pytest.raises(ValueError, match="multiples of the patch size"):
+        m(torch.randn(1, 3, 30, 32))
+
+
+@pytest.mark.parametrize("kind", ["vit", "hybrid", "bit"])
+def test_onnx_export_matches_eager_at_two_batches_and_two_sizes(kind, tmp_path):
+    """One dynamic-size, dynamic-batch file, run by onnxruntime, within 1e-4 of eager PyTorch (fp32)."""
+    import onnxruntime as ort
+
+    m = _model(kind)
+    rep = export_model(m, tmp_path / "m.onnx", "onnx", dynamic_batch=True, dynamic_size=True)
+    shapes = {tuple(c["shape"]) for c in rep.checks}
+    assert len({s[0] for s in shapes}) == 2 and len({s[2:] for s in shapes}) == 2 and rep.worst <= 1e-4
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    step = 32 if kind == "bit" else m.config.patch_size[0]
+    x = torch.randn(2, 3, 3 * step, 2 * step)  # a size the export's own check did not use
+    if kind != "bit":
+        m.set_dynamic_img_size()
+    with torch.no_grad():
+        ref = m(x).numpy()
+    assert np.abs(sess.run(None, {"pixel_values": x.numpy()})[0] - ref).max() <= 1e-4
+
+
+def test_torch_export_program_and_int8_and_a_failing_export(tmp_path):
+    m = _model("vit")
+    rep = export_model(m, tmp_path / "m.pt2", "torch-export", dynamic_batch=True, dynamic_size=True)
+    assert rep.worst <= 1e-4
+    program = torch.export.load(str(tmp_path / "m.pt2")).module()
+    x = torch.randn(3, 3, 48, 16)
+    m.set_dynamic_img_size()
+    with torch.no_grad():
+        assert (program(x) - m(x)).abs().max() <= 1e-4
+    q = export_model(m, tmp_path / "q.onnx", "onnx", dynamic_batch=True, quantize="int8")
+    assert q.quantized == "int8" and (tmp_path / "q.onnx").stat().st_size < 0.6 * (tmp_path / "m.pt2").stat().st_size
+    with pytest.raises(ExportError, match="differs from eager PyTorch"):  # a tolerance no export meets
+        export_model(m, tmp_path / "tight.onnx", "onnx", tolerance=0.0)
+    assert not (tmp_path / "tight.onnx").exists()
+
+
+def test_cli_export(tmp_path, capsys):
+    from vitkit.cli import main
+
+    assert main(["export", str(FIXTURES / "jax_vit_gap" / "model.npz"), str(tmp_path / "g.onnx"), "--dynamic-size"]) == 0
+    out = capsys.readouterr().out
+    assert "worst difference" in out and "(2, 3, 24, 12)" in out
+    from vitkit.deploy import onnx_config
+
+    assert onnx_config(tmp_path / "g.onnx")["classifier"] == "gap"

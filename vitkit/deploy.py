@@ -1,0 +1,199 @@
+"""Exporting a model for deployment: ONNX (run by onnxruntime) or a torch.export program, checked against eager.
+
+`export_model` traces the model with `torch.export` (the dynamo-based ONNX exporter for ONNX). With a dynamic
+size, a ViT takes any H x W that is a multiple of its patch size: the position embedding is resampled inside the
+graph (bilinear with aligned corners, the official method; an ONNX Resize), so one file serves every size. Every
+export is run against eager PyTorch on two batch sizes and two resolutions; the worst difference is reported, and
+above the tolerance the export fails and its file is removed. The ONNX file carries the model's config
+(preprocessing, class names) in its metadata, so `vitkit serve --backend onnx` needs nothing else.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import UsageError, VitkitError
+
+FORMATS = ("onnx", "torch-export")
+TOLERANCE = 1e-4  # float32: max |exported - eager| over the check inputs
+
+
+class ExportError(VitkitError):
+    """An export that could not be made, or whose outputs differ from the eager model's."""
+
+
+@dataclass
+class ExportReport:
+    path: Path
+    format: str
+    dynamic_batch: bool
+    dynamic_size: bool
+    checks: list[dict] = field(default_factory=list)  # {"shape", "max_abs_diff"}
+    quantized: str | None = None
+
+    @property
+    def worst(self) -> float:
+        return max(c["max_abs_diff"] for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {"path": str(self.path), "format": self.format, "dynamic_batch": self.dynamic_batch,
+                "dynamic_size": self.dynamic_size, "checks": self.checks, "worst_abs_diff": self.worst,
+                "quantized": self.quantized}
+
+
+def _step(model: nn.Module) -> int:
+    """The multiple every input side must be: the patch size of a ViT (the total stride of a hybrid), 32 for BiT."""
+    return model.config.patch_size[0] if hasattr(model.config, "patch_size") else 32
+
+
+def check_shapes(model: nn.Module, dynamic_batch: bool, dynamic_size: bool) -> list[tuple[int, int, int, int]]:
+    """The inputs an export is checked on: two batch sizes and two resolutions where they are dynamic."""
+    c = model.config
+    h, w = c.img_size
+    step = _step(model)
+    sizes = [(h, w)]
+    if dynamic_size:
+        sizes.append((max(step, round(h * 1.5 / step) * step), max(step, round(w * 0.75 / step) * step)))
+    batches = [1, 3] if dynamic_batch else [2]
+    return [(b, c.in_chans, sh, sw) for b in batches for sh, sw in sizes]
+
+
+def _prepare(model: nn.Module, dynamic_size: bool) -> nn.Module:
+    m = copy.deepcopy(model).float().cpu().eval()
+    if dynamic_size and hasattr(m, "set_dynamic_img_size"):
+        m.set_dynamic_img_size(True)
+    for mod in m.modules():  # packed MKL weights are an inference cache of eager mode, not part of a graph
+        if hasattr(mod, "packable"):
+            mod.packable, mod._packed = False, None
+    return m
+
+
+def _dynamic_shapes(model: nn.Module, dynamic_batch: bool, dynamic_size: bool) -> dict | None:
+    if not (dynamic_batch or dynamic_size):
+        return None
+    dims: dict = {}
+    if dynamic_batch:
+        dims[0] = torch.export.Dim("batch", min=1, max=4096)
+    if dynamic_size:
+        step = _step(model)
+        dims[2] = step * torch.export.Dim("grid_h", min=1, max=4096 // step)
+        dims[3] = step * torch.export.Dim("grid_w", min=1, max=4096 // step)
+    return {"x": dims}
+
+
+def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dynamic_batch: bool = False,
+                 dynamic_size: bool = False, opset: int = 18, quantize: str | None = None,
+                 tolerance: float = TOLERANCE) -> ExportReport:
+    """Export `model` to `out` and check it against eager PyTorch.
+
+    Args:
+        format: "onnx" or "torch-export" (a .pt2 program: `torch.export.load(path).module()`).
+        dynamic_batch: any batch size.
+        dynamic_size: any H x W that is a multiple of the patch size (ViTs and hybrids: the position embedding is
+            resampled in the graph; BiT: multiples of 32).
+        opset: the ONNX opset.
+        quantize: "int8": onnxruntime's dynamic quantization of the weights (ONNX only); its difference from eager
+            is reported, not held to the fp32 tolerance.
+        tolerance: the largest max-abs difference from eager an fp32 export may have.
+    """
+    if format not in FORMATS:
+        raise UsageError(f"export format must be one of {FORMATS}, got {format!r}")
+    if quantize not in (None, "int8"):
+        raise UsageError(f"quantize must be 'int8', got {quantize!r}")
+    if quantize and format != "onnx":
+        raise UsageError("--quantize int8 applies to ONNX exports (onnxruntime's quantizer)")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    m = _prepare(model, dynamic_size)
+    c = model.config
+    example = torch.randn(2, c.in_chans, *c.img_size, generator=torch.Generator().manual_seed(0))
+    dyn = _dynamic_shapes(m, dynamic_batch, dynamic_size)
+    report = ExportReport(out, format, dynamic_batch, dynamic_size, quantized=quantize)
+    try:
+        with warnings.catch_warnings(), _quiet_exporter():
+            warnings.simplefilter("ignore")
+            if format == "onnx":
+                run = _export_onnx(m, example, dyn, out, opset, quantize)
+            else:
+                ep = torch.export.export(m, (example,), dynamic_shapes=dyn)
+                torch.export.save(ep, str(out))
+                program = torch.export.load(str(out)).module()
+
+                def run(x: np.ndarray) -> np.ndarray:
+                    with torch.no_grad():
+                        return program(torch.from_numpy(x)).numpy()
+    except (UsageError, ExportError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the exporters raise many types; all mean "this model did not export"
+        out.unlink(missing_ok=True)
+        raise ExportError(f"exporting {type(model).__name__} to {format} failed: {type(e).__name__}: {e}") from e
+    for shape in check_shapes(m, dynamic_batch, dynamic_size):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+        with torch.no_grad():
+            ref = m(x).numpy()
+        got = run(x.numpy())
+        report.checks.append({"shape": list(shape), "max_abs_diff": float(np.abs(got - ref).max())})
+    if not quantize and report.worst > tolerance:
+        out.unlink(missing_ok=True)
+        raise ExportError(f"the {format} export differs from eager PyTorch by {report.worst:.3g} (> {tolerance}): "
+                          f"{report.checks}; the file was removed")
+    return report
+
+
+class _quiet_exporter:
+    """The exporters log every phase at INFO and warn about torchvision ops: keep the CLI's output readable."""
+
+    def __enter__(self):
+        self.level = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        return self
+
+    def __exit__(self, *exc):
+        logging.disable(self.level)
+
+
+def _export_onnx(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset: int, quantize: str | None):
+    try:
+        import onnx
+        import onnxruntime as ort
+    except ImportError as e:
+        raise UsageError("ONNX export needs onnx, onnxscript and onnxruntime: pip install 'vitkit[deploy]'") from e
+    fp32 = out if not quantize else out.with_name(out.stem + ".fp32.onnx")
+    torch.onnx.export(m, (example,), str(fp32), dynamo=True, dynamic_shapes=dyn, opset_version=opset,
+                      input_names=["pixel_values"], output_names=["logits"], verbose=False)
+    proto = onnx.load(str(fp32))
+    meta = proto.metadata_props.add()
+    meta.key, meta.value = "vitkit_config", json.dumps(m.config.to_dict())
+    onnx.save(proto, str(fp32))
+    if quantize:
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8)
+        proto = onnx.load(str(out))
+        if not any(p.key == "vitkit_config" for p in proto.metadata_props):
+            meta = proto.metadata_props.add()
+            meta.key, meta.value = "vitkit_config", json.dumps(m.config.to_dict())
+            onnx.save(proto, str(out))
+        fp32.unlink()
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    return lambda x: sess.run(None, {name: x})[0]
+
+
+def onnx_config(path: str | Path) -> dict:
+    """The vitkit config an ONNX export carries in its metadata."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    for p in proto.metadata_props:
+        if p.key == "vitkit_config":
+            return json.loads(p.value)
+    raise UsageError(f"{path} carries no vitkit config: export it with `vitkit export`")

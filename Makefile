@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install data clean
+.PHONY: demo test install data browser clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,10 +26,19 @@ $(FMNIST):
 
 data: $(FMNIST)
 
+# Debian's Chromium for the web page's browser test (tests/test_serve.py drives it with playwright).
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	-(command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	  (apt-get install -y -q chromium >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1))) || true
+
+browser: $(CHROMIUM)
+
 demo: $(STAMP) data
 	$(VENV)/bin/vitkit demo
 
-test: $(STAMP) data
+test: $(STAMP) data browser
 	$(PY) -m pytest tests
 
 clean:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vitkit.data.datasets import iterate_batches, load_dataset
+from vitkit.data.datasets import load_dataset
 from vitkit.data.shards import ShardDataset, pack
 
 REPO = Path(__file__).resolve().parents[1]

@@ -157,6 +157,43 @@ def export(
     return report.to_dict()
 
 
+def serve(
+    checkpoint: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    backend: Literal["torch", "onnx"] = "torch",
+    max_batch: int = 8,
+    max_wait_ms: float = 5.0,
+    max_queue: int = 64,
+    max_upload_mb: float = 10.0,
+    max_pixels: int = 40_000_000,
+    timeout_s: float = 30.0,
+    threads: int | None = None,
+) -> int:
+    """Serve a checkpoint over HTTP: POST /predict and /explain, GET /healthz, /model, /metrics, and a web page at /
+    to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
+
+    Args:
+        checkpoint: any checkpoint vitkit loads (backend torch), or an ONNX file made by `vitkit export` (backend onnx).
+        host: the address to listen on (127.0.0.1: this machine only).
+        port: the port.
+        backend: torch (eager PyTorch; explanations too) or onnx (onnxruntime).
+        max_batch: the most images one forward pass takes.
+        max_wait_ms: how long the first request of a batch waits for others.
+        max_queue: the most requests waiting for the model; more are answered 503.
+        max_upload_mb: the largest request body.
+        max_pixels: the largest image (width x height), checked before it is decoded.
+        timeout_s: a request's time limit (504 beyond).
+        threads: CPU threads for the model.
+    """
+    from .serve import Limits, serve as _serve
+
+    print(f"vitkit: serving {checkpoint} ({backend}) on http://{host}:{port}/", flush=True)
+    _serve(checkpoint, host, port, backend, Limits(max_upload_mb=max_upload_mb, max_pixels=max_pixels, timeout_s=timeout_s,
+                                                   max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue), threads)
+    return 0
+
+
 def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None) -> None:
     """Convert a checkpoint between formats; converting out and back in gives the identical output.
 
@@ -420,7 +457,7 @@ def inspect(
     return res
 
 
-COMMANDS = {"models": models, "catalog": catalog, "data": data, "export": export, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
+COMMANDS = {"models": models, "catalog": catalog, "data": data, "export": export, "serve": serve, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,247 @@
+"""`vitkit serve`: an HTTP service (FastAPI on uvicorn) for a checkpoint, and its web page.
+
+    POST /predict   an image (multipart field "file", a raw image body, or JSON {"image": base64}) -> top-k
+    POST /explain   the same -> top-k, the attention rollout overlay (PNG, base64) and per-layer maps
+    GET  /healthz   liveness;  GET /model: config, classes, preprocessing;  GET /metrics: Prometheus text
+    GET  /          the web page: drop an image, see the top-5 and what the model attends to
+
+Requests are micro-batched (`engine.MicroBatcher`); decoding and the model run in threads, never on the event
+loop. Bad input is a 4xx with a message and costs the service nothing: a body over the upload limit (413), an
+image over the pixel limit (413), a non-image or truncated file (400), a wrong content type (415), malformed JSON
+or base64 (400). A full queue answers 503, a request over its time limit 504.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import binascii
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..data.image import ImageDecodeError
+from .engine import MicroBatcher, Predictor, QueueFull, explanations, overlay_png, softmax_top
+
+STATIC = Path(__file__).parent / "static"
+
+
+@dataclass
+class Limits:
+    """What one request may cost."""
+
+    max_upload_mb: float = 10.0
+    max_pixels: int = 40_000_000
+    timeout_s: float = 30.0
+    max_batch: int = 8
+    max_wait_ms: float = 5.0
+    max_queue: int = 64
+    top_k: int = 5
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 before the app reads it (Content-Length), or
+    as soon as it passes the limit (a chunked body)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await _send_error(send, 413, f"the request body is over the upload limit of {self.limit:,} bytes")
+        seen = 0
+        sent = False
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise HTTPError(413, f"the request body is over the upload limit of {self.limit:,} bytes")
+            return msg
+
+        async def tracking_send(msg):
+            nonlocal sent
+            if msg["type"] == "http.response.start":
+                sent = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited, tracking_send)
+        except HTTPError as e:
+            if not sent:
+                await _send_error(send, e.status, e.message)
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "model"):
+    """The FastAPI application serving `predictor` within `limits`."""
+    limits = limits or Limits()
+    c = predictor.config
+    names = list(c.class_names or [str(i) for i in range(c.num_classes)])
+    batcher = MicroBatcher(predictor, limits.max_batch, limits.max_wait_ms, limits.max_queue)
+    decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vitkit-decode")
+    registry = CollectorRegistry()
+    requests = Counter("vitkit_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=registry)
+    latency = Histogram("vitkit_request_seconds", "request latency by endpoint", ["endpoint"], registry=registry,
+                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+    queue_depth = Gauge("vitkit_queue_depth", "requests waiting for the model", registry=registry)
+    queue_depth.set_function(lambda: batcher.waiting)
+    batches = Gauge("vitkit_batches", "model batches run", registry=registry)
+    batches.set_function(lambda: batcher.stats.batches)
+    images = Gauge("vitkit_batched_images", "images through the model", registry=registry)
+    images.set_function(lambda: batcher.stats.images)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        batcher.start()
+        yield
+        await batcher.stop()
+        decode_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="vitkit", description=f"{name}: a Vision Transformer service", docs_url="/docs", lifespan=lifespan)
+
+    async def read_image(request: Request) -> tuple[bytes, dict]:
+        """The image bytes of a request and its options, or an HTTPError naming what is wrong."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        opts: dict = dict(request.query_params)
+        if ctype == "multipart/form-data":
+            try:
+                form = await request.form(max_files=1, max_fields=8)
+            except Exception as e:  # noqa: BLE001 - a malformed multipart body
+                raise HTTPError(400, f"malformed multipart body: {e}") from e
+            f = form.get("file")
+            if f is None or isinstance(f, str):
+                raise HTTPError(400, 'a multipart request needs the image in a file field named "file"')
+            opts.update({k: v for k, v in form.items() if isinstance(v, str)})
+            return await f.read(), opts
+        if ctype == "application/json":
+            try:
+                body = json.loads(await request.body())
+                data = base64.b64decode(body["image"], validate=True)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise HTTPError(400, f"malformed JSON: {e}") from e
+            except (KeyError, TypeError) as e:
+                raise HTTPError(400, 'a JSON request needs {"image": "<base64 of the image file>"}') from e
+            except (binascii.Error, ValueError) as e:
+                raise HTTPError(400, f'"image" is not valid base64: {e}') from e
+            opts.update({k: v for k, v in body.items() if k != "image"})
+            return data, opts
+        if ctype.startswith("image/") or ctype == "application/octet-stream":
+            return await request.body(), opts
+        raise HTTPError(415, f"unsupported content type {ctype or '(none)'!r}: send multipart/form-data with a \"file\", "
+                             f"application/json with base64 \"image\", or a raw image/* body")
+
+    async def decode(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+        if not data:
+            raise HTTPError(400, "the image is empty")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(decode_pool, predictor.preprocess, data, limits.max_pixels)
+        except ImageDecodeError as e:
+            status = 413 if "decompression bomb" in str(e) else 400
+            raise HTTPError(status, re.sub(r"<_io\.BytesIO object at 0x[0-9a-f]+>", "the upload", str(e))) from e
+
+    def top_k(opts: dict) -> int:
+        try:
+            return max(1, min(int(opts.get("top_k", limits.top_k)), len(names)))
+        except (TypeError, ValueError) as e:
+            raise HTTPError(400, f"top_k must be an integer, got {opts.get('top_k')!r}") from e
+
+    async def guarded(endpoint: str, work):
+        t0 = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(work(), limits.timeout_s)
+            status, payload = 200, result
+        except HTTPError as e:
+            status, payload = e.status, {"error": e.message}
+        except QueueFull as e:
+            status, payload = 503, {"error": f"the service is busy: {e}; retry shortly"}
+        except asyncio.TimeoutError:
+            status, payload = 504, {"error": f"the request took longer than {limits.timeout_s} s"}
+        requests.labels(endpoint, str(status)).inc()
+        latency.labels(endpoint).observe(time.perf_counter() - t0)
+        return JSONResponse(payload, status_code=status)
+
+    @app.post("/predict")
+    async def predict(request: Request):
+        async def work():
+            data, opts = await read_image(request)
+            k = top_k(opts)
+            x, _ = await decode(data)
+            logits = await batcher.submit(x)
+            return {"top": softmax_top(logits, names, k), "model": name}
+        return await guarded("predict", work)
+
+    @app.post("/explain")
+    async def explain(request: Request):
+        async def work():
+            if not predictor.explains:
+                raise HTTPError(501, f"explanations need the attention maps of a ViT run by PyTorch "
+                                     f"(this is a {predictor.backend} {getattr(c, 'arch', 'model')})")
+            data, opts = await read_image(request)
+            k = top_k(opts)
+            x, shown = await decode(data)
+            maps = await batcher.run_exclusive(explanations, predictor.model, x)
+            logits = await batcher.submit(x)
+            return {"top": softmax_top(logits, names, k), "model": name, "class": names[maps["class_index"]],
+                    "overlay_png": base64.b64encode(overlay_png(shown, maps["rollout"][-1])).decode(),  # the final rollout
+                    "image_png": base64.b64encode(_plain_png(shown)).decode(), **maps}  # the model's crop, for the page
+        return await guarded("explain", work)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok", "waiting": batcher.waiting}
+
+    @app.get("/model")
+    async def model_info():
+        keys = ("arch", "img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "classifier",
+                "mean", "std", "interpolation", "crop_pct")
+        cfg = {k: getattr(c, k) for k in keys if hasattr(c, k)}
+        return {"name": name, "backend": predictor.backend, "config": cfg, "classes": names, "explains": predictor.explains,
+                "preprocessing": {"resize": "shorter side to img_size / crop_pct", "crop": "centre", "img_size": list(c.img_size),
+                                  "crop_pct": c.crop_pct, "interpolation": c.interpolation, "mean": list(c.mean), "std": list(c.std)},
+                "limits": asdict(limits)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/")
+    async def page():
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    return BodyLimit(app, int(limits.max_upload_mb * 1024 * 1024))
+
+
+def _plain_png(shown: np.ndarray) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(shown).save(buf, format="PNG")
+    return buf.getvalue()

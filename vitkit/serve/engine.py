@@ -1,0 +1,244 @@
+"""What the service runs: a model (PyTorch or onnxruntime) behind the checkpoint's own preprocessing, and a
+micro-batcher that groups concurrent requests into one forward pass without blocking the event loop."""
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from ..data.image import EvalTransform, load_image, resize_crop, to_uint8_tensor
+from ..errors import UsageError
+
+
+class Predictor:
+    """logits for a batch of preprocessed images; `config` holds the preprocessing and class names."""
+
+    config: SimpleNamespace
+    backend: str
+    explains = False
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:  # (B, C, H, W) float32 -> (B, K)
+        raise NotImplementedError
+
+    def preprocess(self, data: bytes, max_pixels: int) -> tuple[np.ndarray, np.ndarray]:
+        """Image bytes -> (the model's input (C, H, W) float32, the cropped image as uint8 (H, W[, C]) for display).
+        Raises ImageDecodeError for anything that is not a decodable image within the pixel limit."""
+        c = self.config
+        img = load_image(io.BytesIO(data), c.in_chans, max_pixels=max_pixels)
+        pixels = to_uint8_tensor(resize_crop(img, tuple(c.img_size), c.crop_pct, c.interpolation))
+        x = EvalTransform.for_model(c, geometry=False)(pixels[None])[0].numpy()
+        shown = pixels[0].numpy() if pixels.shape[0] == 1 else pixels.permute(1, 2, 0).numpy()
+        return x, shown
+
+
+class TorchPredictor(Predictor):
+    backend = "torch"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from ..models.layers.linear import pack_linears
+
+        self.model = model.eval()
+        pack_linears(self.model)  # float32 on CPU: MKL-packed Linear weights
+        self.config = model.config
+        self.explains = hasattr(model, "blocks")
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return self.model(torch.from_numpy(x)).float().numpy()
+
+
+class OnnxPredictor(Predictor):
+    backend = "onnx"
+
+    def __init__(self, path: str | Path, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        from ..deploy import onnx_config
+
+        d = onnx_config(path)
+        d.pop("arch", None)
+        self.config = SimpleNamespace(**{**d, "img_size": tuple(d["img_size"]), "mean": tuple(d["mean"]), "std": tuple(d["std"])})
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.input = self.session.get_inputs()[0].name
+        shape = self.session.get_inputs()[0].shape
+        self.fixed_batch = shape[0] if isinstance(shape[0], int) else None
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.fixed_batch and len(x) != self.fixed_batch:  # an export without --dynamic-batch: one image at a time
+            return np.concatenate([self.session.run(None, {self.input: np.repeat(x[i:i + 1], self.fixed_batch, 0)})[0][:1]
+                                   for i in range(len(x))])
+        return self.session.run(None, {self.input: x})[0]
+
+
+def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None = None) -> Predictor:
+    if backend == "onnx":
+        if not str(checkpoint).endswith(".onnx"):
+            raise UsageError("--backend onnx serves a .onnx file made by `vitkit export`")
+        return OnnxPredictor(checkpoint, threads)
+    if backend != "torch":
+        raise UsageError(f"backend must be torch or onnx, got {backend!r}")
+    from ..checkpoints import load
+
+    if threads:
+        torch.set_num_threads(threads)
+    return TorchPredictor(load(checkpoint))
+
+
+class QueueFull(Exception):
+    """The service is at its bound of waiting requests: answer 503, never queue without limit."""
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    images: int = 0
+    seconds: float = 0.0
+
+
+class MicroBatcher:
+    """Groups requests that arrive together: a batch runs when `max_batch` are waiting or `max_wait_ms` after the
+    first, in one worker thread (the event loop never waits on the model). At most `max_queue` requests wait."""
+
+    def __init__(self, predictor: Predictor, max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64) -> None:
+        self.predictor, self.max_batch, self.max_wait = predictor, max_batch, max_wait_ms / 1000
+        self.max_queue = max_queue
+        self.pending: list[tuple[np.ndarray, asyncio.Future]] = []
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitkit-model")
+        self.lock = threading.Lock()  # the model runs one batch (or one explanation) at a time
+        self.stats = BatchStats()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
+
+    def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def submit(self, x: np.ndarray) -> np.ndarray:
+        if len(self.pending) >= self.max_queue:
+            raise QueueFull(f"{len(self.pending)} requests are already waiting (the bound is {self.max_queue})")
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((x, fut))
+        self._wake.set()
+        return await fut
+
+    async def run_exclusive(self, fn, *args):
+        """Run `fn` on the model's thread, between batches (an explanation)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self._locked, fn, *args)
+
+    def _locked(self, fn, *args):
+        with self.lock:
+            return fn(*args)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self.pending:
+                continue
+            deadline = loop.time() + self.max_wait
+            while len(self.pending) < self.max_batch and loop.time() < deadline:
+                await asyncio.sleep(min(0.001, max(0.0, deadline - loop.time())))
+            batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch:]
+            if self.pending:
+                self._wake.set()
+            live = [(x, f) for x, f in batch if not f.done()]  # a request that timed out is dropped
+            if not live:
+                continue
+            t0 = time.perf_counter()
+            try:
+                logits = await loop.run_in_executor(self.executor, self._locked, self.predictor, np.stack([x for x, _ in live]))
+            except Exception as e:  # noqa: BLE001 - every waiting request gets the error, the loop goes on
+                for _, f in live:
+                    if not f.done():
+                        f.set_exception(e)
+                continue
+            self.stats.batches += 1
+            self.stats.images += len(live)
+            self.stats.seconds += time.perf_counter() - t0
+            for (x, f), row in zip(live, logits):
+                if not f.done():
+                    f.set_result(row)
+
+
+def softmax_top(logits: np.ndarray, names: list[str], k: int) -> list[dict]:
+    z = logits.astype(np.float64) - logits.max()
+    p = np.exp(z) / np.exp(z).sum()
+    order = np.argsort(-p)[: max(1, min(k, len(p)))]
+    return [{"index": int(i), "label": names[i], "probability": float(p[i])} for i in order]
+
+
+def explanations(model: torch.nn.Module, x: np.ndarray) -> dict:
+    """Everything the web page draws for one image: per layer, the attention rollout up to that layer, the
+    gradient-weighted rollout up to that layer (for the predicted class) and each head's attention from the class
+    token (or the mean patch, without one); all as (gh, gw) maps with a maximum of 1."""
+    from ..analysis.attention import rollout, token_map
+
+    c = model.config
+    xt = torch.from_numpy(x)[None]
+    with torch.enable_grad():
+        out = model.forward_intermediates(xt, attention=True)
+        logits = out["logits"]
+        idx = int(logits.argmax(-1))
+        attns = [out["attention"][i] for i in sorted(out["attention"])]
+        grads = torch.autograd.grad(logits[0, idx], attns)
+    p = c.num_prefix_tokens
+    roll, grad_roll, heads = [], [], []
+    weighted = []
+    for i, (a, g) in enumerate(zip(attns, grads)):
+        a, g = a.detach(), g.detach()
+        roll.append(token_map(rollout([x_.mean(1) for x_ in attns[: i + 1]], num_prefix_tokens=p), c.grid_size, p)[0])
+        w = (a * g).clamp(min=0).mean(1)
+        weighted.append(w / w.sum(-1, keepdim=True).clamp(min=1e-12))
+        grad_roll.append(token_map(rollout(weighted, num_prefix_tokens=p), c.grid_size, p)[0])
+        rows = a[0, :, 0, p:] if p else a[0, :, p:, p:].mean(1)  # (H, N)
+        rows = rows / rows.amax(-1, keepdim=True).clamp(min=1e-12)
+        heads.append(rows.reshape(rows.shape[0], *c.grid_size))
+
+    def as_list(t: torch.Tensor) -> list:
+        return [[round(float(v), 4) for v in row] for row in t.tolist()]
+
+    return {"grid": list(c.grid_size), "class_index": idx, "layers": len(attns), "heads": c.num_heads,
+            "rollout": [as_list(m) for m in roll], "grad_rollout": [as_list(m) for m in grad_roll],
+            "head_maps": [[as_list(h) for h in layer] for layer in heads]}
+
+
+def overlay_png(shown: np.ndarray, heat: list | np.ndarray) -> bytes:
+    """The image with a heat map over it, as PNG bytes."""
+    from PIL import Image
+
+    from ..analysis.plots import overlay, upsample
+
+    h = upsample(torch.tensor(np.asarray(heat, dtype=np.float32)), shown.shape[:2])
+    rgb = (overlay(shown, h) * 255).round().astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]

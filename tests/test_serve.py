@@ -193,3 +193,24 @@ def test_the_web_page_in_headless_chromium(server, tmp_path):
             assert Image.open(tmp_path / "page.png").size[0] > 600
         finally:
             browser.close()
+
+
+def test_the_onnx_backend_answers_as_the_torch_one(tmp_path):
+    from vitkit.deploy import export_model
+    from vitkit.serve import OnnxPredictor
+
+    m = _model()
+    export_model(m, tmp_path / "m.onnx", "onnx", dynamic_batch=True)
+    srv = Server(create_app(OnnxPredictor(tmp_path / "m.onnx"), name="onnx"))
+    try:
+        data = _png(seed=5)
+        r = httpx.post(f"{srv.url}/predict", files={"file": ("x.png", data, "image/png")})
+        want = TorchPredictor(m)(TorchPredictor(m).preprocess(data, 10**7)[0][None])[0]
+        p = np.exp(want - want.max()) / np.exp(want - want.max()).sum()
+        assert r.status_code == 200 and r.json()["top"][0]["label"] == CLASSES[int(p.argmax())]
+        assert r.json()["top"][0]["probability"] == pytest.approx(float(p.max()), abs=1e-5)
+        e = httpx.post(f"{srv.url}/explain", files={"file": ("x.png", data, "image/png")})
+        assert e.status_code == 501 and "PyTorch" in e.json()["error"]
+        assert httpx.get(f"{srv.url}/model").json()["backend"] == "onnx"
+    finally:
+        srv.stop()

@@ -352,7 +352,7 @@ def test_forward_intermediates_only_the_layers_asked():
     calls = []
     for i, blk in enumerate(m.blocks):
         orig = blk.attn.forward
-        blk.attn.forward = lambda x, return_attention=False, _o=orig, _i=i: (calls.append((_i, return_attention)), _o(x, return_attention))[1]
+        blk.attn.forward = lambda x, return_attention=False, _o=orig, _i=i, **kw: (calls.append((_i, return_attention)), _o(x, return_attention, **kw))[1]
     out = m.forward_intermediates(torch.randn(1, 3, 32, 32), layers=[-1, 1])
     assert set(out["tokens"]) == {1, 3} and set(out["attention"]) == {1, 3}
     assert calls == [(0, False), (1, True), (2, False), (3, True)]

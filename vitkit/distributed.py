@@ -8,6 +8,7 @@ DDP, or FSDP2 (`fully_shard` per block, then the root) with the mixed-precision 
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -55,9 +56,16 @@ class Dist:
             tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         return cls(rank=rank, world=world, local_rank=local_rank, device=device, owns_group=owns)
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """Leave the process group. After a normal finish every rank first waits for the others: a rank tearing its
+        gloo connections down while a peer still uses them aborts it ("terminate called without an active
+        exception"). After an error there is no waiting: the other ranks may never arrive."""
         if self.owns_group and tdist.is_initialized():
+            gc.collect()  # free FSDP2's meshes and states (module cycles) while their process groups still exist
+            if clean:
+                tdist.barrier()
             tdist.destroy_process_group()
+            gc.collect()
 
     def barrier(self) -> None:
         if self.enabled:

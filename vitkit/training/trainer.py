@@ -288,9 +288,12 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
         torch.use_deterministic_algorithms(True, warn_only=True)
     dist = Dist.from_env(resolve_device(r.device))
     try:
-        return _train(cfg, dist, resume, max_steps, force)
-    finally:
-        dist.close()
+        result = _train(cfg, dist, resume, max_steps, force)
+    except BaseException:
+        dist.close(clean=False)
+        raise
+    dist.close()
+    return result
 
 
 def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, force: bool) -> dict:

@@ -340,6 +340,50 @@ def evaluate(
     return res.to_dict()
 
 
+def fewshot(
+    checkpoint: str,
+    data: str = "fashion-mnist",
+    shots: tuple[int, ...] = (1, 5, 10, 25),
+    draws: int = 5,
+    seed: int = 0,
+    data_dir: str | None = None,
+    train_subset: int | None = None,
+    json_out: bool = False,
+    device: str = "auto",
+) -> dict:
+    """Few-shot linear accuracy of a checkpoint's frozen features, as the paper reports it: k training images per
+    class, a closed-form regularised least-squares fit to {-1, 1} targets, the test set scored; mean ± std over
+    random draws of the shots (the regularisation chosen per draw on other training images).
+
+    Args:
+        checkpoint: any checkpoint vitkit loads.
+        data: the downstream dataset: a built-in (fashion-mnist, cifar10, digits, ...), an ImageFolder or shards.
+        shots: images per class.
+        draws: random draws of the shots.
+        seed: the draws' seed.
+        data_dir: where the built-in datasets are.
+        train_subset: draw the shots (and the held-out images) from only this many training images (faster).
+        json_out: print JSON.
+        device: auto | cpu | cuda | cuda:N.
+    """
+    from .checkpoints import load
+    from .data.datasets import InMemoryDataset, load_dataset
+    from .device import resolve_device
+    from .evaluation import fewshot as _fewshot
+
+    dev = resolve_device(device)
+    model = load(checkpoint).to(dev)
+    spec = load_dataset(data, data_dir, in_chans=None)
+    train_set = spec.train.subset(train_subset) if train_subset and isinstance(spec.train, InMemoryDataset) else spec.train
+    replicate = 3 if spec.in_chans == 1 and model.config.in_chans == 3 else None
+    res = _fewshot(model, train_set, spec.test, shots=tuple(shots), draws=draws, seed=seed, replicate_to=replicate, device=dev)
+    if json_out:
+        print(json.dumps(res.to_dict(), indent=1))
+    else:
+        print(f"{checkpoint} on {data}, {draws} draws: {res}")
+    return res.to_dict()
+
+
 def predict(
     images: list[str],
     checkpoint: str = "runs/fashion-mnist/best.safetensors",
@@ -457,7 +501,7 @@ def inspect(
     return res
 
 
-COMMANDS = {"models": models, "catalog": catalog, "data": data, "export": export, "serve": serve, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
+COMMANDS = {"fewshot": fewshot, "models": models, "catalog": catalog, "data": data, "export": export, "serve": serve, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
 
 
 def build_parser() -> argparse.ArgumentParser:

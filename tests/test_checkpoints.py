@@ -439,3 +439,22 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         vitkit.save(m, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
+
+
+def test_timm_deit_distilled_checkpoint():
+    """DeiT's distillation token as timm saves it: two prefix tokens, two heads; eval logits are their mean."""
+    d = FIXTURES_HERE / "timm_deit_distilled"
+    m = vitkit.load(d / "model.safetensors")
+    assert m.config.distilled and m.config.num_prefix_tokens == 2 and m.load_report["format"] == "timm-vit"
+    x = torch.from_numpy(np.load(d / "input.npy"))
+    with torch.no_grad():
+        feats = m.forward_features(x)
+        assert np.abs(feats.numpy() - np.load(d / "expected_features.npy")).max() <= TOL
+        assert np.abs(m.head(feats[:, 0]).numpy() - np.load(d / "expected_head.npy")).max() <= TOL
+        assert np.abs(m.head_dist(feats[:, 1]).numpy() - np.load(d / "expected_head_dist.npy")).max() <= TOL
+        assert np.abs(m(x).numpy() - np.load(d / "expected_output.npy")).max() <= TOL
+    m.train()
+    m.distilled_training = True
+    with torch.no_grad():
+        a, b = m(x)
+    assert np.abs(((a + b) / 2).numpy() - np.load(d / "expected_output.npy")).max() <= TOL

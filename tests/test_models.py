@@ -424,3 +424,45 @@ def test_set_img_size_resamples_the_position_embedding():
     m.set_img_size(48)
     assert m.pos_embed.weight.shape == (1, 1 + 9, 192)
     assert m(torch.randn(1, 3, 48, 48)).shape == (1, 3)
+
+
+def test_a_distilled_models_eval_logits_are_the_mean_of_its_two_heads():
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=2, num_classes=4, distilled=True)
+    torch.nn.init.normal_(m.head.weight)
+    torch.nn.init.normal_(m.head_dist.weight)
+    x = torch.randn(3, 3, 32, 32)
+    m.eval()
+    with torch.no_grad():
+        feats = m.forward_features(x)
+        both = (m.head(feats[:, 0]) + m.head_dist(feats[:, 1])) / 2
+        torch.testing.assert_close(m(x), both, rtol=1e-5, atol=1e-5)  # through the two-token last-block shortcut too
+    m.train()
+    m.distilled_training = True
+    cls, dist = m(x)
+    assert cls.shape == dist.shape == (3, 4) and not torch.allclose(cls, dist)
+
+
+def test_masked_patch_prediction_targets_and_corruption_rates():
+    from vitkit.models.vit import mpp_corruption, mpp_random_patches, mpp_targets
+
+    # a constant-colour image: every patch's target is that colour's 3-bit code (r, g, b) -> r * 64 + g * 8 + b
+    rgb = torch.tensor([0.30, 0.99, 0.05])  # 3-bit: 2, 7, 0
+    img = rgb.view(1, 3, 1, 1).expand(1, 3, 32, 32)
+    assert mpp_targets(img, (8, 8)).tolist() == [[2 * 64 + 7 * 8 + 0] * 16]
+    half = img.clone()
+    half[..., :8, :8] = 1.0  # the first patch white: code 7 * 64 + 7 * 8 + 7 = 511
+    assert mpp_targets(half, (8, 8))[0, 0] == 511
+    assert mpp_targets(torch.zeros(1, 1, 16, 16), (4, 4)).max() == 0 and mpp_targets(torch.ones(1, 1, 16, 16), (4, 4)).min() == 7
+    g = torch.Generator().manual_seed(0)
+    corrupted, how = mpp_corruption(512, 196, 0.5, g, "cpu")
+    assert (corrupted.sum(1) == 98).all()  # exactly half of every image's patches
+    n = corrupted.sum().item()
+    for code, share in ((1, 0.8), (2, 0.1), (0, 0.1)):
+        got = ((how == code) & corrupted).sum().item() / n
+        assert abs(got - share) < 4 * (share * (1 - share) / n) ** 0.5, (code, got)  # within 4 sigma of sampling
+    assert not ((how > 0) & ~corrupted).any()
+    b, p = mpp_random_patches(4, 9, g, "cpu")
+    assert not ((b == torch.arange(4)[:, None]) & (p == torch.arange(9))).any()  # never the patch itself
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=1, num_classes=0, mpp=True)
+    logits, targets = m.forward_mpp((img - 0.5) / 0.5, img, g)
+    assert logits.shape == (8, 512) and (targets == 2 * 64 + 7 * 8).all()

@@ -64,6 +64,9 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
 
 def from_vitkit(sd: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Tensor], dict]:
     c = config
+    if c.distilled or c.mpp:
+        raise CheckpointError("HF ViTForImageClassification has no distillation token or masked-patch head (HF's DeiT is "
+                              "another model type); export to vitkit or timm")
     if c.classifier != "token" or c.pos_embed != "learned_1d" or c.representation_size or c.hybrid_layers is not None:
         raise CheckpointError("HF ViTForImageClassification holds a class-token ViT with a learned 1-D position "
                               "embedding and no pre-logits layer or hybrid ResNet; export to vitkit or npz instead")

@@ -36,6 +36,8 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     cfg: dict = dict(embed_dim=d, depth=depth, mlp_dim=sd["blocks.0.mlp.fc1.weight"].shape[0] if depth else 4 * d)
     cfg["qkv_bias"] = "blocks.0.attn.qkv.bias" in sd
     cfg["class_token"] = "cls_token" in sd
+    cfg["distilled"] = "dist_token" in sd  # DeiT's distillation token (timm's names)
+    cfg["mpp"] = "mpp_head.weight" in sd
     cfg["fc_norm"] = "fc_norm.weight" in sd
     cfg["classifier"] = "token" if cfg["class_token"] and not cfg["fc_norm"] else "gap"
     cfg["representation_size"] = sd["pre_logits.fc.weight"].shape[0] if "pre_logits.fc.weight" in sd else None
@@ -54,7 +56,7 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         patch = k
     cfg["patch_size"] = patch
     # position embedding -> kind and grid
-    prefix = 1 if cfg["class_token"] else 0
+    prefix = int(cfg["class_token"]) + int(cfg["distilled"])
     if "pos_embed.weight" in sd:
         cfg["pos_embed"] = "learned_1d"
         n = sd["pos_embed.weight"].shape[1] - prefix

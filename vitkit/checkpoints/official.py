@@ -105,6 +105,8 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     `vitkit.export`, which reads the arrays back and compares the model they describe with this one."""
     if config.pos_embed != "learned_1d":
         raise CheckpointError(f"the official format holds a learned 1-D position embedding, not {config.pos_embed!r}")
+    if config.distilled or config.mpp:
+        raise CheckpointError("the official format has no distillation token or masked-patch head; export to vitkit or timm")
     out: dict[str, torch.Tensor] = {}
     d, heads = config.embed_dim, config.num_heads
     hd = d // heads

@@ -74,6 +74,8 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
         raise CheckpointError(f"timm's ViT holds a learned 1-D position embedding, not {config.pos_embed!r}")
     if config.representation_size:
         raise CheckpointError("timm's ViT has no pre-logits layer (representation_size); export to vitkit or npz")
+    if config.mpp:
+        raise CheckpointError("timm has no masked-patch-prediction head: call model.drop_mpp() first, or export to vitkit")
     out = {}
     for k, v in sd.items():
         if k == "pos_embed.weight":
@@ -142,8 +144,10 @@ def folder_config(c) -> dict:
     if c.classifier == "gap":
         args["fc_norm"] = c.fc_norm
     first_conv = "patch_embed.proj"
+    if c.distilled and c.hybrid_layers is not None:
+        raise CheckpointError("timm registers no distilled hybrid")
     if c.hybrid_layers is None:
-        arch = "vit_base_patch16_224"
+        arch = "deit_base_distilled_patch16_224" if c.distilled else "vit_base_patch16_224"
         args["patch_size"] = list(c.patch_size)
     else:
         arch = TIMM_HYBRID_ARCHS.get(tuple(c.hybrid_layers))

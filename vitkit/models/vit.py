@@ -73,6 +73,10 @@ class ViTConfig:
         class_names: names of the head's classes, if known.
         dynamic_img_size: accept any H x W divisible by the patch size, the position embedding resampled to each
             input's grid on the fly (bilinear, as `vitkit.load(..., img_size=...)` does; cached per grid).
+        distilled: DeiT's distillation token: a second prefix token with its own head, trained against a teacher's
+            predictions; at inference the two heads' logits are averaged.
+        mpp: the masked-patch-prediction head of Sec. 4.6 (a learnable mask embedding and a Linear to the 8^C
+            colour codes of a patch's 3-bit mean colour), for self-supervised pre-training.
     """
 
     img_size: tuple[int, int] = (224, 224)
@@ -105,6 +109,8 @@ class ViTConfig:
     crop_pct: float = 0.875
     class_names: list[str] | None = field(default=None, repr=False)
     dynamic_img_size: bool = False
+    distilled: bool = False
+    mpp: bool = False
     arch: str = "vit"
 
     def __post_init__(self) -> None:
@@ -118,6 +124,10 @@ class ViTConfig:
             self.class_token = self.classifier == "token"
         if self.classifier == "token" and not self.class_token:
             raise UsageError("classifier='token' needs class_token=True")
+        if self.distilled and (self.classifier != "token" or self.representation_size):
+            raise UsageError("distilled=True (DeiT) needs classifier='token' and no pre-logits layer")
+        if self.mpp and self.hybrid_layers is not None:
+            raise UsageError("mpp (masked patch prediction) predicts the colour of pixel patches: a plain ViT only")
         if self.fc_norm and self.classifier != "gap":
             raise UsageError("fc_norm applies to classifier='gap' only")
         if self.embed_dim % self.num_heads:
@@ -145,7 +155,7 @@ class ViTConfig:
 
     @property
     def num_prefix_tokens(self) -> int:
-        return 1 if self.class_token else 0
+        return int(bool(self.class_token)) + int(self.distilled)
 
     @property
     def num_tokens(self) -> int:
@@ -169,6 +179,36 @@ def resolve_layers(layers: int | Sequence[int] | None, depth: int) -> set[int]:
         raise UsageError(f"layer index {bad[0]} is out of range for a model of depth {depth} "
                          f"(valid: {-depth} to {depth - 1})")
     return {i % depth for i in layers}
+
+
+def mpp_corruption(b: int, n: int, ratio: float, g: torch.Generator | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which patches masked patch prediction corrupts, and how: (corrupted (B, N) bool: round(ratio * N) per
+    image; how (B, N): 0 unchanged, 1 the mask embedding (80% of the corrupted), 2 another patch (10%))."""
+    k = max(1, round(ratio * n))
+    order = torch.rand(b, n, generator=g, device=device).argsort(1)  # a random permutation per image
+    corrupted = torch.zeros(b, n, dtype=torch.bool, device=device).scatter_(1, order[:, :k], True)
+    u = torch.rand(b, n, generator=g, device=device)
+    how = torch.where(u < 0.8, 1, torch.where(u < 0.9, 2, 0)) * corrupted
+    return corrupted, how
+
+
+def mpp_random_patches(b: int, n: int, g: torch.Generator | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random other patch of the batch for every position: (image index, patch index), each (B, N)."""
+    flat = torch.randint(0, b * n - 1, (b, n), generator=g, device=device)
+    own = torch.arange(b * n, device=device).view(b, n)
+    flat = flat + (flat >= own).long()  # never the patch itself
+    return flat // n, flat % n
+
+
+def mpp_targets(pixels: torch.Tensor, patch: tuple[int, int]) -> torch.Tensor:
+    """The class of every patch's mean colour at 3 bits a channel: pixels (B, C, H, W) in [0, 1] -> (B, N) codes in
+    [0, 8^C), the channels' 3-bit values read as base-8 digits (red most significant)."""
+    b, c, h, w = pixels.shape
+    ph, pw = patch
+    mean = pixels.reshape(b, c, h // ph, ph, w // pw, pw).mean(dim=(3, 5))  # (B, C, gh, gw)
+    bits = (mean * 8).floor().clamp(0, 7).long().flatten(2).transpose(1, 2)  # (B, N, C)
+    weights = 8 ** torch.arange(c - 1, -1, -1, device=pixels.device)
+    return (bits * weights).sum(-1)  # (B, N)
 
 
 class Block(nn.Module):
@@ -226,6 +266,7 @@ class VisionTransformer(nn.Module):
             )
         self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, backbone)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
+        self.dist_token = nn.Parameter(torch.randn(1, 1, c.embed_dim) * 0.02) if c.distilled else None
         self.pos_embed = POS_EMBEDS[c.pos_embed](c.grid_size, c.embed_dim, c.num_prefix_tokens)
         self.pos_drop = nn.Dropout(c.drop_rate)
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]  # stochastic depth, linear over depth
@@ -236,6 +277,11 @@ class VisionTransformer(nn.Module):
         self.head_drop = nn.Dropout(c.drop_rate)
         self.num_features = c.representation_size or c.embed_dim
         self.head = self._new_head(c.num_classes)
+        self.head_dist = self._new_head(c.num_classes) if c.distilled else None
+        self.distilled_training = False  # set by the trainer: in training, return both heads' logits
+        if c.mpp:
+            self.mask_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim))
+            self.mpp_head = nn.Linear(c.embed_dim, 8 ** c.in_chans)
         # Two speed switches, per instance (timm decides `fused_attn` per instance in the same way):
         # - lowp_stream: under autocast the tokens between blocks stay fp32 (the position embedding promotes
         #   them), so every norm, residual add and GELU runs in fp32 with a cast in front of every Linear. True
@@ -271,9 +317,13 @@ class VisionTransformer(nn.Module):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Image (B, C, H, W) -> the input sequence of the encoder (B, T, D), position added."""
         grid = self.grid_for(x)
-        x = self.patch_embed(x)  # (B, N, D)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1 + N, D)
+        return self._add_tokens(self.patch_embed(x), grid)  # (B, N, D) -> (B, T, D)
+
+    def _add_tokens(self, x: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
+        """Patch tokens (B, N, D) -> (B, p + N, D): the class (and distillation) token prepended, position added."""
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token) if t is not None]
+        if prefix:
+            x = torch.cat([*prefix, x], dim=1)  # (B, p + N, D)
         x = self.pos_drop(self.pos_embed(x, grid))
         if self.lowp_stream and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -299,7 +349,18 @@ class VisionTransformer(nn.Module):
         return self.fc_norm(x[:, self.config.num_prefix_tokens :].mean(dim=1))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Tokens (B, T, D) -> logits (B, K); with `pre_logits`, the head's input (B, R or D)."""
+        """Tokens (B, T, D) -> logits (B, K); with `pre_logits`, the head's input (B, R or D).
+
+        A distilled model (DeiT) has two: the class token's head and the distillation token's. Its logits are their
+        mean, or both, as a pair, in training with `distilled_training` (the trainer's distillation loss)."""
+        if self.head_dist is not None:
+            cls, dist = x[:, 0], x[:, 1]
+            if pre_logits:
+                return (cls + dist) / 2
+            logits, logits_dist = self.head(self.head_drop(cls)), self.head_dist(self.head_drop(dist))
+            if self.training and self.distilled_training:
+                return logits, logits_dist
+            return (logits + logits_dist) / 2
         x = self.pre_logits(self.pool(x))
         if pre_logits:
             return x
@@ -323,7 +384,8 @@ class VisionTransformer(nn.Module):
         x = self.embed(x)
         for blk in self.blocks[:-1]:
             x = self._run(blk, x, grid=grid)
-        x = self._run(self.blocks[-1], x, queries=1, grid=grid)  # (B, 1, D): the class token, all the head reads
+        # the prefix tokens, all the head reads: (B, 1, D), or (B, 2, D) with DeiT's distillation token
+        x = self._run(self.blocks[-1], x, queries=self.config.num_prefix_tokens, grid=grid)
         return self.forward_head(self.norm(x))
 
     def forward_intermediates(
@@ -374,6 +436,39 @@ class VisionTransformer(nn.Module):
         """A new zero-initialised head, as for fine-tuning (Sec. 3.2)."""
         self.config.num_classes, self.config.class_names = num_classes, class_names
         self.head = self._new_head(num_classes).to(self.patch_embed.proj.weight.device)
+        if self.head_dist is not None:
+            self.head_dist = self._new_head(num_classes).to(self.patch_embed.proj.weight.device)
+
+    # ---- masked patch prediction (Sec. 4.6, App. B.1.2) --------------------------------------------
+
+    def forward_mpp(self, x: torch.Tensor, pixels: torch.Tensor, g: torch.Generator | None = None,
+                    ratio: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masked patch prediction: corrupt `ratio` of every image's patch embeddings (80% of them become the
+        learnable mask embedding, 10% another patch's embedding from the batch, 10% stay), and predict each
+        corrupted patch's 3-bit mean colour (a class of 8^C) from its output token.
+
+        Args:
+            x: the model's input (B, C, H, W), normalised. pixels: the same images in [0, 1], for the targets.
+        Returns: (logits (M, 8^C), targets (M,)) for the M corrupted patches of the batch."""
+        if not self.config.mpp:
+            raise UsageError("this model has no masked-patch-prediction head: create it with mpp=True")
+        tokens = self.patch_embed(x)  # (B, N, D)
+        corrupted, how = mpp_corruption(tokens.shape[0], tokens.shape[1], ratio, g, tokens.device)
+        b_idx, n_idx = mpp_random_patches(tokens.shape[0], tokens.shape[1], g, tokens.device)
+        swapped = tokens[b_idx, n_idx]  # (B, N, D): a random patch of the batch for every position
+        tokens = torch.where((how == 1)[..., None], self.mask_token.to(tokens.dtype), tokens)
+        tokens = torch.where((how == 2)[..., None], swapped, tokens)
+        h = self._add_tokens(tokens, None)
+        for blk in self.blocks:
+            h = self._run(blk, h)
+        out = self.norm(h)[:, self.config.num_prefix_tokens:]  # (B, N, D)
+        return self.mpp_head(out[corrupted]), mpp_targets(pixels, self.config.patch_size)[corrupted]
+
+    def drop_mpp(self) -> None:
+        """Remove the masked-patch-prediction head (after pre-training, for fine-tuning)."""
+        if self.config.mpp:
+            del self.mask_token, self.mpp_head
+            self.config.mpp = False
 
     def set_img_size(self, img_size: int | tuple[int, int], method: str = "bilinear") -> None:
         """Change the input resolution, keeping the patch size; the position embedding is resampled in 2-D.

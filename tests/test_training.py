@@ -345,3 +345,25 @@ def test_a_non_finite_gradient_stops_the_run_with_or_without_clipping(tmp_path):
         with pytest.raises(TrainingError, match=r"gradient norm became (inf|nan) .*blocks\.0\.mlp\.fc1\.weight"):
             check_gradients(m, clip, False, 7)
     check_gradients(m, None, True, 7)  # fp16's grad scaler skips such a step itself
+
+
+def test_masked_patch_pretraining_then_fine_tuning_and_distillation(tmp_path):
+    """model.objective=mpp pre-trains without labels and saves a checkpoint that fine-tunes as any other (its head
+    left behind); a distilled student learns from a teacher checkpoint; every evaluation can add few-shot accuracy."""
+    pre = train(tiny_cfg(tmp_path / "pre", **{"model.objective": "mpp", "schedule.epochs": 2}))
+    assert 1 / 512 * 5 < pre["acc1"] <= 1  # the share of corrupted patches whose 3-bit colour is right: far above chance
+    assert vitkit.load(tmp_path / "pre" / "final.safetensors").config.mpp
+    ft = train(tiny_cfg(tmp_path / "ft", **{"model.checkpoint": str(tmp_path / "pre" / "final.safetensors"),
+                                            "schedule.epochs": 2, "run.fewshot": "digits", "run.eval_every": 1}))
+    m = vitkit.load(tmp_path / "ft" / "final.safetensors")
+    assert not m.config.mpp and m.config.num_classes == 10 and ft["acc1"] > 0.3
+    recs = [json.loads(x) for x in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["fewshot_5"] <= 1 for r in recs if r.get("split"))
+    for kind in ("hard", "soft"):
+        st = train(tiny_cfg(tmp_path / kind, **{"distill.teacher": str(tmp_path / "ft" / "final.safetensors"),
+                                                "distill.kind": kind, "schedule.epochs": 2}))
+        student = vitkit.load(tmp_path / kind / "final.safetensors")
+        assert student.config.distilled and st["acc1"] > 0.3
+    with pytest.raises(ValueError, match="distillation token"):
+        train(tiny_cfg(tmp_path / "bad", **{"distill.teacher": str(tmp_path / "ft" / "final.safetensors"),
+                                            "model.checkpoint": str(tmp_path / "ft" / "final.safetensors")}))

@@ -231,7 +231,7 @@ def train(
 
     Args:
         preset: fashion-mnist | fashion-mnist-long | cifar10-scratch | cifar10-finetune.
-        overrides: section.field=value pairs (sections: data, aug, model, optim, schedule, run).
+        overrides: section.field=value pairs (sections: data, aug, model, distill, optim, schedule, run).
         config: a YAML or JSON file applied over the preset, before the overrides.
         smoke: a seconds-long version of the preset (tiny model, a few hundred images).
         resume: continue from run.out_dir/checkpoints/ if it holds one; --no-resume starts fresh (the previous run's files

@@ -376,8 +376,12 @@ class VisionTransformer(nn.Module):
             return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self.blocks[-1].modules())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Image (B, C, H, W) -> logits (B, num_classes), or pooled features if num_classes == 0."""
+    def forward(self, x: torch.Tensor, mpp_pixels: torch.Tensor | None = None, mpp_generator: torch.Generator | None = None):
+        """Image (B, C, H, W) -> logits (B, num_classes), or pooled features if num_classes == 0.
+        With `mpp_pixels` (the images in [0, 1]): masked patch prediction, `forward_mpp` (through forward, so that
+        DDP and FSDP2 see the call)."""
+        if mpp_pixels is not None:
+            return self.forward_mpp(x, mpp_pixels, mpp_generator)
         if not self._cls_only_last_block():
             return self.forward_head(self.forward_features(x))
         grid = self.grid_for(x)
@@ -463,6 +467,14 @@ class VisionTransformer(nn.Module):
             h = self._run(blk, h)
         out = self.norm(h)[:, self.config.num_prefix_tokens:]  # (B, N, D)
         return self.mpp_head(out[corrupted]), mpp_targets(pixels, self.config.patch_size)[corrupted]
+
+    def add_mpp(self) -> None:
+        """Add a fresh masked-patch-prediction head (pre-training a loaded checkpoint further)."""
+        if not self.config.mpp:
+            self.config.mpp = True
+            device = self.patch_embed.proj.weight.device
+            self.mask_token = nn.Parameter(torch.zeros(1, 1, self.config.embed_dim, device=device))
+            self.mpp_head = nn.Linear(self.config.embed_dim, 8 ** self.config.in_chans, device=device)
 
     def drop_mpp(self) -> None:
         """Remove the masked-patch-prediction head (after pre-training, for fine-tuning)."""

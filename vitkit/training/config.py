@@ -53,6 +53,8 @@ class ModelConfig:
     checkpoint: fine-tune from this checkpoint (any format vitkit loads) instead of random weights.
     resample: position-embedding resampling when fine-tuning at a new resolution.
     linear_probe: train only the head (frozen backbone).
+    objective: "classify" (labels), or "mpp": masked patch prediction (Sec. 4.6), self-supervised pre-training
+        that predicts corrupted patches' 3-bit mean colour; its checkpoints fine-tune like any other.
     """
 
     name: str = "vit_ti16"
@@ -60,6 +62,23 @@ class ModelConfig:
     checkpoint: str | None = None
     resample: str = "bilinear"
     linear_probe: bool = False
+    objective: str = "classify"
+
+
+@dataclass
+class DistillConfig:
+    """Args:
+    teacher: a checkpoint (any model vitkit loads) whose predictions the student's distillation token learns, as
+        in DeiT; the student gets that token (distilled=True). None: no distillation.
+    kind: "hard" (the teacher's argmax, DeiT's choice) or "soft" (KL to the teacher's softened distribution).
+    alpha: the distillation loss's weight; the label loss gets 1 - alpha.
+    tau: the softening temperature of kind "soft".
+    """
+
+    teacher: str | None = None
+    kind: str = "hard"
+    alpha: float = 0.5
+    tau: float = 3.0
 
 
 @dataclass
@@ -119,6 +138,10 @@ class RunConfig:
         (also moved by one pixel each way: 10 views); the mean of the views' probabilities is the prediction.
     ckpt_every: write the resumable checkpoint every this many steps (and at every epoch end).
     log_every: log every this many steps.
+    fewshot: a dataset (fashion-mnist, digits, a folder, ...) on which every evaluation also measures few-shot
+        linear accuracy of the frozen features (`vitkit.evaluation.fewshot`); None: off.
+    fewshot_shots: the shots of those measurements.
+    fewshot_draws: their random draws.
     """
 
     out_dir: str = "runs/default"
@@ -138,6 +161,9 @@ class RunConfig:
     ckpt_every: int = 200
     log_every: int = 20
     progress: bool = True
+    fewshot: str | None = None
+    fewshot_shots: tuple[int, ...] = (5,)
+    fewshot_draws: int = 3
 
 
 @dataclass
@@ -148,6 +174,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     aug: AugConfig = field(default_factory=AugConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -207,14 +234,17 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
                 raise UsageError(f"{key}={value!r}: not valid YAML ({e})") from e
             continue
         if len(parts) != 2 or not hasattr(cfg, parts[0]) or not dataclasses.is_dataclass(getattr(cfg, parts[0])):
-            raise UsageError(f"unknown config key {key!r}; use section.field, e.g. optim.lr (sections: data, aug, model, optim, schedule, run)")
+            raise UsageError(f"unknown config key {key!r}; use section.field, e.g. optim.lr (sections: data, aug, model, distill, optim, schedule, run)")
         section = getattr(cfg, parts[0])
         hints = get_type_hints(type(section))
         if parts[1] not in hints:
             raise UsageError(f"unknown config key {key!r}; {parts[0]} has {sorted(hints)}")
-        if parts[1] == "overrides" and isinstance(value, (dict, str)):
+        if parts[1] == "overrides" and (value is None or isinstance(value, (dict, str))):
             value = yaml.safe_load(value) if isinstance(value, str) else value
-            cfg.model.overrides.update(value or {})
+            if value is None:  # model.overrides=null: none of the preset's (e.g. to fine-tune a checkpoint as it is)
+                cfg.model.overrides = {}
+            else:
+                cfg.model.overrides.update(value)
             continue
         try:
             setattr(section, parts[1], _coerce(value, hints[parts[1]]))

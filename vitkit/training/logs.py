@@ -12,8 +12,9 @@ from ..checkpoints.api import _atomic_write
 class Progress:
     """One status line: loss, accuracy, images/s, ETA; plain lines when not on a terminal."""
 
-    def __init__(self, total: int, enabled: bool = True) -> None:
-        self.total, self.enabled, self.tty = total, enabled, sys.stderr.isatty()
+    def __init__(self, total: int, enabled: bool = True, main: bool = True) -> None:
+        """enabled: the status line; main: this process writes at all (rank 0). Messages print whenever `main`."""
+        self.total, self.enabled, self.main, self.tty = total, enabled and main, main, sys.stderr.isatty()
 
     def update(self, step: int, epoch: int, loss: float, acc: float, ips: float, eta_s: float, lr: float) -> None:
         if not self.enabled:
@@ -25,9 +26,9 @@ class Progress:
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def message(self, text: str) -> None:
-        if not self.enabled:
+        if not self.main:
             return
-        if self.tty:
+        if self.enabled and self.tty:
             print(file=sys.stderr)
         print(text, file=sys.stderr, flush=True)
 

@@ -48,11 +48,29 @@ class TrainingError(VitkitError, RuntimeError):
 
 def build_model_for(cfg: TrainConfig, spec: DataSpec) -> nn.Module:
     """A fresh registry model sized for the data, or a checkpoint with a new head / resolution."""
-    from .. import create_model
-    from ..checkpoints import load
 
     ov = dict(cfg.model.overrides)
     k = len(spec.classes)
+    model = _build(cfg, spec, ov, k)
+    mpp = cfg.model.objective == "mpp"
+    if mpp or getattr(model.config, "mpp", False):
+        if not hasattr(model, "add_mpp"):
+            raise UsageError("model.objective=mpp predicts patches: it needs a plain ViT, not a CNN")
+        model.add_mpp() if mpp else model.drop_mpp()  # fine-tuning an mpp checkpoint leaves its head behind
+        if mpp:
+            model.reset_classifier(0)  # no labels: a class head would be a parameter without gradients (DDP refuses those)
+    if cfg.distill.teacher and not getattr(model.config, "distilled", False):
+        raise UsageError("distill.teacher needs a student with DeiT's distillation token: model.overrides.distilled=true "
+                         "(from scratch), or a distilled checkpoint")
+    return model
+
+
+def _build(cfg: TrainConfig, spec: DataSpec, ov: dict, k: int) -> nn.Module:
+    from .. import create_model
+    from ..checkpoints import load
+
+    if cfg.distill.teacher and not cfg.model.checkpoint:
+        ov.setdefault("distilled", True)
     if cfg.model.checkpoint:
         model = load(cfg.model.checkpoint, resample=cfg.model.resample, **{kk: v for kk, v in ov.items() if kk != "num_classes"})
         c = model.config
@@ -76,6 +94,34 @@ def build_model_for(cfg: TrainConfig, spec: DataSpec) -> nn.Module:
     if spec.extra.get("replicate_channels"):
         ov["in_chans"] = spec.extra["replicate_channels"]
     return create_model(cfg.model.name, num_classes=k, class_names=list(spec.classes), mean=tuple(spec.mean), std=tuple(spec.std), **ov)
+
+
+def _load_teacher(cfg: TrainConfig, device: torch.device) -> nn.Module | None:
+    if not cfg.distill.teacher:
+        return None
+    from ..checkpoints import load
+
+    if cfg.distill.kind not in ("hard", "soft"):
+        raise UsageError(f"distill.kind must be hard or soft, got {cfg.distill.kind!r}")
+    teacher = load(cfg.distill.teacher).to(device).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def _teacher_logits(teacher: nn.Module, x: torch.Tensor, student_config) -> torch.Tensor:
+    """The teacher's logits for the student's (augmented, normalised) batch: re-normalised with the teacher's own
+    mean/std and resized to its size when they differ."""
+    tc, sc = teacher.config, student_config
+    if tuple(tc.mean) != tuple(sc.mean) or tuple(tc.std) != tuple(sc.std):
+        dev = x.device
+        c = x.shape[1]
+        raw = x * torch.tensor(sc.std, device=dev)[:c, None, None] + torch.tensor(sc.mean, device=dev)[:c, None, None]
+        x = (raw - torch.tensor(tc.mean, device=dev)[:c, None, None]) / torch.tensor(tc.std, device=dev)[:c, None, None]
+    if tuple(x.shape[-2:]) != tuple(tc.img_size):
+        x = F.interpolate(x, size=tuple(tc.img_size), mode="bilinear", align_corners=False, antialias=True)
+    with torch.no_grad():
+        return teacher(x).float()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -127,6 +173,8 @@ class _Run:
     scaler: torch.amp.GradScaler
     aug: BatchAugment
     autocast_dtype: torch.dtype | None
+    teacher: nn.Module | None
+    fewshot_data: tuple | None  # (train, test, replicate) of the periodic few-shot evaluation, or None
     steps_per_epoch: int
     total: int
     warmup: int
@@ -178,6 +226,16 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
             p.requires_grad = n_.startswith(("head.", "fc_norm."))
     if r.activation_checkpointing:
         model.set_grad_checkpointing(True)
+    teacher = _load_teacher(cfg, device)
+    if getattr(model.config, "distilled", False):
+        model.distilled_training = True  # both heads' logits in training: label loss and distillation loss
+    fewshot_data = None
+    if r.fewshot:
+        fs = load_dataset(r.fewshot, d.data_dir)
+        subset = (lambda ds: ds.subset(2000)) if isinstance(fs.train, InMemoryDataset) else (lambda ds: ds)
+        fewshot_data = (subset(fs.train).to(device) if isinstance(fs.train, InMemoryDataset) else fs.train,
+                        subset(fs.test).to(device) if isinstance(fs.test, InMemoryDataset) else fs.test,
+                        3 if fs.in_chans == 1 and mc.in_chans == 3 else None)
     # files are decoded at the model's size with its evaluation geometry (a 384-px checkpoint reads at 384)
     spec.train, spec.test, val = (ds.configured(mc) if decodes_files(ds) else ds for ds in (spec.train, spec.test, val))
     ema = copy.deepcopy(model).eval() if r.ema else None  # before sharding: the EMA is a whole model on every rank
@@ -196,17 +254,59 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
     return _Run(cfg, dist, Path(r.out_dir), spec, val, split, model, net, strategy, opt, ema,
                 torch.amp.GradScaler(device.type, enabled=r.precision == "fp16"), aug,
                 None if strategy == "fsdp" else amp,  # FSDP2 computes in low precision by its policy instead
-                steps_per_epoch, total, warmup)
+                teacher, fewshot_data, steps_per_epoch, total, warmup)
 
 
 def _evaluate_on(run: _Run, module: nn.Module, data) -> EvalResult:
     """Every evaluation of a run: its batch size, precision and TTA, the checkpoint's preprocessing, all ranks."""
     r, mc = run.cfg.run, run.model.config
+    if run.cfg.model.objective == "mpp":
+        return _evaluate_mpp(run, module, data)
     transform = EvalTransform.for_model(mc, replicate_to=run.spec.extra.get("replicate_channels"),
                                         geometry=not decodes_files(data))
     # the model itself, not DDP around it (no collectives in an evaluation); FSDP2's shards all run every forward
     return evaluate(module, data, transform, batch_size=run.cfg.data.eval_batch_size, device=run.device,
                     precision=r.precision, tta=r.tta, dist=run.dist, lockstep=run.strategy == "fsdp" and module is run.model)
+
+
+@torch.no_grad()
+def _evaluate_mpp(run: _Run, module: nn.Module, data) -> EvalResult:
+    """Masked patch prediction's accuracy on a split: the share of corrupted patches whose colour code is right
+    (top-1 and top-5), with a fixed corruption per batch so that every evaluation is the same task."""
+    import numpy as np
+
+    from ..data.datasets import _load_batches, eval_index_batches
+    from ..data.image import EvalTransform
+
+    mc = run.model.config
+    transform = EvalTransform.for_model(mc, replicate_to=run.spec.extra.get("replicate_channels"),
+                                        geometry=not decodes_files(data))
+    was = module.training
+    module.eval()
+    g = torch.Generator(device=run.device)
+    top1 = top5 = loss = n = 0.0
+    plan = eval_index_batches(len(data), run.cfg.data.eval_batch_size, run.dist.rank, run.dist.world,
+                              lockstep=run.strategy == "fsdp")
+    for i, ((x, y, _), (_, counts)) in enumerate(zip(_load_batches(data, [b for b, _ in plan], 0, run.device), plan)):
+        g.manual_seed(10_007 + i)
+        xa = transform(x)
+        logits, target = module(xa, mpp_pixels=_pixels(xa, mc), mpp_generator=g)
+        if counts:
+            top1 += (logits.argmax(1) == target).sum().item()
+            top5 += (logits.topk(5, 1).indices == target[:, None]).any(1).sum().item()
+            loss += F.cross_entropy(logits.float(), target, reduction="sum").item()
+            n += len(target)
+    top1, top5, loss, n = run.dist.sum([top1, top5, loss, n])
+    module.train(was)
+    return EvalResult(top1 / n, top5 / n, loss / n, int(n), 0, [], np.zeros((0, 0), dtype=np.int64), [])
+
+
+def _pixels(x: torch.Tensor, config) -> torch.Tensor:
+    """A normalised batch back in [0, 1]: masked patch prediction's targets are colours."""
+    c = x.shape[1]
+    std = torch.tensor(config.std, device=x.device, dtype=x.dtype)[:c, None, None]
+    mean = torch.tensor(config.mean, device=x.device, dtype=x.dtype)[:c, None, None]
+    return (x * std + mean).clamp(0, 1)
 
 
 def _save_weights(run: _Run, module: nn.Module, path: Path, metadata: dict | None = None) -> None:
@@ -228,19 +328,19 @@ def _train_step(run: _Run, batches, step: int, g: torch.Generator) -> tuple[floa
         xa, target = run.aug(x, y, g)
         with gradient_sync(run.net, micro == r.accumulate - 1):  # no all-reduce while accumulating
             with torch.autocast(run.device.type, dtype=run.autocast_dtype or torch.float32, enabled=run.autocast_dtype is not None):
-                logits = run.net(xa)
-            logits = logits.float()
-            if target.ndim == 2:
-                loss = torch.sum(-target * F.log_softmax(logits, -1), -1).mean()
-            else:
-                loss = F.cross_entropy(logits, target, label_smoothing=cfg.aug.label_smoothing)
+                if cfg.model.objective == "mpp":  # self-supervised: the labels are the corrupted patches' colours
+                    logits, y = run.net(xa, mpp_pixels=_pixels(xa, run.model.config), mpp_generator=g)
+                    target = y
+                else:
+                    logits = run.net(xa)
+            loss, logits = _loss(run, logits, target, xa)
             if run.dist.any(not bool(torch.isfinite(loss))):
                 raise TrainingError(f"the loss became non-finite ({loss.item()} on rank {run.dist.rank}) at step {step}; the "
                                     f"run stopped. The last good checkpoint is intact: {_last_good(run)}. Try a lower "
                                     f"optim.lr, optim.clip_grad, or run.precision=fp32.")
             run.scaler.scale(loss / r.accumulate).backward()
         loss_sum += loss.item() * len(y)
-        correct += (logits.argmax(1) == y).sum().item()
+        correct += (logits.argmax(1) == y).sum().item()  # mpp: y are the corrupted patches' colour codes
         seen += len(y)
     if cfg.optim.clip_grad:
         run.scaler.unscale_(run.opt)
@@ -251,6 +351,35 @@ def _train_step(run: _Run, batches, step: int, g: torch.Generator) -> tuple[floa
     if run.ema is not None:
         _ema_update(run.ema, run.model, r.ema)
     return loss_sum, correct, seen, skipped, lr
+
+
+def _loss(run: _Run, logits, target: torch.Tensor, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training loss and the logits that accuracy is counted on. A distilled student (DeiT) returns two heads'
+    logits: the class token's learns the labels, the distillation token's the teacher's predictions (hard: its
+    argmax; soft: KL to its distribution at temperature tau), weighted 1 - alpha and alpha; without a teacher both
+    learn the labels."""
+    cfg = run.cfg
+
+    def label_loss(z: torch.Tensor) -> torch.Tensor:
+        if target.ndim == 2:  # mixup / cutmix: soft targets
+            return torch.sum(-target * F.log_softmax(z, -1), -1).mean()
+        smoothing = cfg.aug.label_smoothing if cfg.model.objective == "classify" else 0.0
+        return F.cross_entropy(z, target, label_smoothing=smoothing)
+
+    if not isinstance(logits, tuple):
+        logits = logits.float()
+        return label_loss(logits), logits
+    cls, dist = (z.float() for z in logits)
+    if run.teacher is None:
+        return (label_loss(cls) + label_loss(dist)) / 2, (cls + dist) / 2
+    t = _teacher_logits(run.teacher, xa, run.model.config)
+    d = cfg.distill
+    if d.kind == "hard":
+        distill = F.cross_entropy(dist, t.argmax(1))
+    else:
+        distill = F.kl_div(F.log_softmax(dist / d.tau, -1), F.log_softmax(t / d.tau, -1), reduction="batchmean",
+                           log_target=True) * d.tau ** 2
+    return (1 - d.alpha) * label_loss(cls) + d.alpha * distill, (cls + dist) / 2
 
 
 def _last_good(run: _Run) -> str:
@@ -336,7 +465,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     eval_steps = max(1, round(r.eval_every * run.steps_per_epoch))  # and at the last step
     limit = min(run.total, max_steps) if max_steps else run.total
     logger = MetricsLog(out, resumed_at=step if ck is not None else None, enabled=dist.main)
-    bar = Progress(run.total, r.progress and dist.main)
+    bar = Progress(run.total, r.progress, dist.main)
     g = torch.Generator(device=run.device)
     run.net.train()
     t_start = t_log = time.perf_counter()
@@ -421,9 +550,18 @@ def _evaluate_and_keep_best(run: _Run, data, step: int, best: float, logger: Met
         results["ema"] = res_e
         if res_e.acc1 > cand_acc:
             cand, cand_acc = run.ema, res_e.acc1
+    if run.fewshot_data is not None:
+        from ..evaluation.fewshot import fewshot
+
+        train_fs, test_fs, replicate = run.fewshot_data
+        r = run.cfg.run
+        fs = fewshot(run.model, train_fs, test_fs, shots=tuple(r.fewshot_shots), draws=r.fewshot_draws, seed=r.seed,
+                     replicate_to=replicate, device=run.device)
+        rec.update({f"fewshot_{k}": fs.mean[k] for k in fs.shots})
     logger.log(rec)
     bar.message(f"epoch {ep:.2f}: {run.split} top-1 {res.acc1:.4f} top-5 {res.acc5:.4f}" +
-                (f" (EMA {rec['ema_acc1']:.4f})" if run.ema is not None else ""))
+                (f" (EMA {rec['ema_acc1']:.4f})" if run.ema is not None else "") +
+                "".join(f", {k.split('_')[1]}-shot {v:.4f}" for k, v in rec.items() if k.startswith("fewshot_")))
     if cand_acc > best:
         _save_weights(run, cand, run.out / "best.safetensors", metadata={"acc1": str(cand_acc), "split": run.split, "step": str(step)})
         best = cand_acc

@@ -74,6 +74,20 @@ class InMemoryDataset:
         idx = torch.randperm(len(self), generator=torch.Generator().manual_seed(0))[:n]
         return InMemoryDataset(self.images[idx], self.labels[idx], self.classes, self.name)
 
+    def with_classes(self, keep: list[int] | None) -> "InMemoryDataset":
+        """Only the images of these classes, relabelled 0..k-1 in the order given."""
+        if keep is None:
+            return self
+        bad = [c for c in keep if not 0 <= c < len(self.classes)]
+        if bad:
+            raise DatasetError(f"classes {bad} are not in {self.name}'s 0..{len(self.classes) - 1}")
+        remap = torch.full((len(self.classes),), -1, dtype=torch.long)
+        remap[torch.tensor(keep)] = torch.arange(len(keep))
+        mask = remap[self.labels.cpu()] >= 0
+        idx = torch.nonzero(mask).flatten().to(self.labels.device)
+        return InMemoryDataset(self.images[idx], remap.to(self.labels.device)[self.labels[idx]],
+                               [self.classes[c] for c in keep], f"{self.name} (classes {keep})")
+
     def to(self, device: torch.device | str) -> "InMemoryDataset":
         return InMemoryDataset(self.images.to(device), self.labels.to(device), self.classes, self.name)
 

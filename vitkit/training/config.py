@@ -31,6 +31,8 @@ class DataConfig:
         evaluations and the choice of best.safetensors; the test set is then evaluated once, at the end.
         0: evaluate on the test set throughout, the convention of published Fashion-MNIST and CIFAR numbers.
     strict_images: fail on an undecodable image instead of skipping and counting it.
+    classes: keep only these classes (their indices in the dataset), relabelled 0..k-1 in that order (in-memory
+        datasets): an upstream task of some classes, another downstream.
     """
 
     dataset: str = "fashion-mnist"
@@ -43,6 +45,7 @@ class DataConfig:
     test_subset: int | None = None
     val_split: float = 0.0
     strict_images: bool = False
+    classes: list[int] | None = None
 
 
 @dataclass

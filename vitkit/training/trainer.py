@@ -204,8 +204,11 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
     spec = load_dataset(d.dataset, d.data_dir, img_size=cfg.model.overrides.get("img_size"), strict_images=d.strict_images,
                         test_dir=d.test_dir, in_chans=cfg.model.overrides.get("in_chans"))
     if isinstance(spec.train, InMemoryDataset):
-        spec.train = spec.train.subset(d.subset).to(device)
-        spec.test = spec.test.subset(d.test_subset).to(device)
+        spec.train = spec.train.with_classes(d.classes).subset(d.subset).to(device)
+        spec.test = spec.test.with_classes(d.classes).subset(d.test_subset).to(device)
+        spec.classes = spec.train.classes
+    elif d.classes is not None:
+        raise UsageError("data.classes selects classes of an in-memory dataset (fashion-mnist, cifar, digits)")
     val, split = None, "test"
     if d.val_split:
         spec.train, val = split_holdout(spec.train, d.val_split)

@@ -21,8 +21,13 @@ def test_bench_reports_consistent_fields(train):
     assert (r.latency_ms_b1 is None) == train
     from vitkit.models.layers.linear import packing_available
 
-    # fp32 CPU inference runs the 2 blocks' 4 Linear layers each from MKL-packed weights; training never does
-    assert r.packed_linears == (0 if train or not packing_available() else 8)
+    # fp32 on a CPU, inference and training alike run the 2 blocks' 4 Linear layers each, the head and the patch
+    # embedding on the GEMM path chosen here; the choices made are reported with the rates they were made on
+    assert r.packed_linears == (10 if packing_available() else 0)
+    assert r.peak_path == "given" and r.matmul_peak_tflops == pytest.approx(0.1)
+    if packing_available():
+        assert any("192 x 576" in k for k in r.gemm_choices)  # qkv: 192 -> 3 x 192
+        assert all(ch["path"] in ("mkl", "mkl-packed", "onednn-packed") for ch in r.gemm_choices.values())
 
 
 def test_cli_bench_every_family_and_models_table(capsys):
@@ -31,6 +36,9 @@ def test_cli_bench_every_family_and_models_table(capsys):
                      "--num-classes", "3"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["model"] == name and out["img_per_s"] > 0
+        # the peak is the fastest path of those measured in the same process, torch.mm among them
+        assert "torch.mm" in out["gemm_rates_gflops"] and out["peak_path"] in out["gemm_rates_gflops"]
+        assert out["matmul_peak_tflops"] * 1e3 == pytest.approx(max(out["gemm_rates_gflops"].values()), rel=0.01)
     assert main(["models", "--pattern", "vit_b*", "--json-out"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in rows] == ["vit_b8", "vit_b16", "vit_b32"]

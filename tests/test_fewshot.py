@@ -50,3 +50,27 @@ def test_fewshot_of_a_model_on_a_dataset(capsys):
     assert main(["fewshot", "/tmp/fewshot_m.safetensors", "--data", "digits", "--shots", "5", "--draws", "2", "--json-out"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["shots"] == [5] and set(res["mean"]) == {"5"} and 0 < res["mean"]["5"] <= 1
+
+
+def test_reproduce_smoke_writes_a_table_and_a_plot(tmp_path, capsys):
+    """The studies' machinery end to end at smoke scale (`vitkit reproduce posemb --smoke`)."""
+    from PIL import Image
+
+    from vitkit.cli import main
+
+    assert main(["reproduce", "posemb", "--seeds", "1", "--smoke", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "posemb-smoke.md").read_text()
+    assert "| learned_2d |" in md and "Table 8" in md and "5-shot digits" in md
+    res = json.loads((tmp_path / "posemb-smoke.json").read_text())
+    assert len(res["rows"]) == 5 and all(0 < r["fine-tuned"] <= 1 for r in res["rows"])
+    assert Image.open(tmp_path / "posemb-smoke.png").size[0] > 400
+
+
+def test_data_classes_selects_and_relabels():
+    from vitkit.data.datasets import load_dataset
+
+    train = load_dataset("digits").train
+    sub = train.with_classes([7, 3])
+    assert sub.classes == ["7", "3"] and set(sub.labels.tolist()) == {0, 1}
+    assert len(sub) == int(((train.labels == 7) | (train.labels == 3)).sum())
+    assert torch.equal(sub.images[sub.labels == 0], train.images[train.labels == 7])

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models.layers.linear import Linear, pack_linears
+from .models.layers.linear import pack_linears
 from .errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -22,21 +22,60 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_peak(dtype: str = "fp32", device: str | torch.device = "cpu", n: int | None = None, seconds: float = 1.5) -> float:
-    """This device's matmul FLOP/s in `dtype` (fp32 plain; bf16/fp16 as autocast would run them), best of several runs."""
+def gemm_rates(dtype: str = "fp32", device: str | torch.device = "cpu", n: int | None = None,
+               seconds: float = 1.5) -> dict[str, float]:
+    """FLOP/s of every GEMM path this device has for an n x n x n product in `dtype`, best of several runs each.
+
+    fp32 on a CPU: `torch.mm` (MKL) and the packed paths `vitkit.models.layers.gemm` chooses among (MKL packed,
+    oneDNN packed); which is fastest depends on the CPU (on AMD Zen 5 oneDNN's runs ~2.3x MKL's). bf16/fp16 on a
+    CPU: `torch.mm` (oneDNN there) and oneDNN with a packed weight. On a GPU: `torch.mm`."""
+    from .models.layers import gemm
+
     device = torch.device(device)
     n = n or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
-    b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
-    a @ b
-    _sync(device)
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = max(best, 2 * n**3 / (time.perf_counter() - t))
-    return best
+    dt = DTYPES[dtype]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device, dt)
+    b = torch.randn(n, n, generator=g).to(device, dt)
+    calls = {"torch.mm": lambda: a @ b}
+    if device.type == "cpu":
+        wt = b.t().contiguous()  # y = a @ b as a linear layer with weight b^T
+        for path in ("mkl-packed", "onednn-packed") if dtype == "fp32" else ("onednn-packed",):
+            if not gemm.available(path):
+                continue
+            try:
+                packed = gemm.pack(path, wt, n)
+                fn = (lambda p=packed, path=path: gemm.run(path, a, p, wt, None, n))
+                fn()
+            except (RuntimeError, AttributeError):
+                continue
+            calls[path] = fn
+    rates = {}
+    with torch.no_grad():
+        for name, fn in calls.items():
+            fn()
+            _sync(device)
+            best, t_end = 0.0, time.perf_counter() + seconds / len(calls)
+            while time.perf_counter() < t_end:
+                t = time.perf_counter()
+                fn()
+                _sync(device)
+                best = max(best, 2 * n**3 / (time.perf_counter() - t))
+            rates[name] = best
+    return rates
+
+
+def matmul_peak(dtype: str = "fp32", device: str | torch.device = "cpu", n: int | None = None, seconds: float = 1.5) -> float:
+    """This device's matmul FLOP/s in `dtype`: the fastest GEMM path it has (`gemm_rates`), not `torch.mm`'s alone."""
+    return max(gemm_rates(dtype, device, n, seconds).values())
+
+
+def cpu_model() -> str:
+    """`lscpu`'s model name and CPU family, as every CPU speed is reported beside."""
+    from .models.layers.gemm import cpu_info
+
+    info = cpu_info()
+    return f"{info.get('model name', 'unknown CPU')}, family {info.get('cpu family', '?')}"
 
 
 class PeakMemory:
@@ -92,7 +131,10 @@ class BenchResult:
     achieved_tflops: float
     matmul_peak_tflops: float
     fraction_of_peak: float
-    packed_linears: int = 0  # Linear layers run from MKL-packed weights (fp32 CPU inference)
+    packed_linears: int = 0  # matmul layers on the fastest GEMM measured here, from packed weights (fp32 CPU)
+    peak_path: str = ""  # the GEMM path whose rate is the peak
+    gemm_rates_gflops: dict | None = None  # every path's rate on the peak's problem
+    gemm_choices: dict | None = None  # the path chosen for each of the model's Linear shapes, and the rates measured
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,8 +159,8 @@ def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compil
               fullgraph: bool = True, pack: bool = True):
     """A closure running one inference forward, or one training step (forward, backward, fused/foreach AdamW).
     `model` maps images to logits and has `config.num_classes`; `benchmarks/peers.py` times its peers with it too.
-    pack: for fp32 inference on CPU, run vitkit's Linear layers from MKL-packed weights (`pack_linears`; a
-    peer's model has none of them, so this changes nothing there)."""
+    pack: for fp32 on CPU, run vitkit's Linear layers on the fastest GEMM measured here, from packed weights
+    (`pack_linears`; the training forward and input gradient too); a peer's model has none of them."""
     device = x.device
     amp = dtype != "fp32"
     fwd = torch.compile(model, fullgraph=fullgraph, mode=compile_mode) if compile_ else model
@@ -132,6 +174,7 @@ def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compil
 
         return infer
     model.train()
+    pack_linears(model, enable=pack and dtype == "fp32" and device.type == "cpu" and not compile_, training=True)
     y = torch.randint(0, max(model.config.num_classes, 1), (x.shape[0],), device=device)
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
@@ -168,11 +211,17 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
         one = make_step(model, x[:1], dtype, False, compile_, compile_mode, pack=pack)
         lat = statistics.median(time_fn(one, device, 2, 10, 1.0)) * 1e3
     work = flops * (3 if train else 1)  # backward ~ 2x forward
-    peak = peak or matmul_peak(dtype, device)
+    from .models.layers import gemm
+    from .models.layers.linear import FastGemm
+
+    rates = {"given": peak} if peak else gemm_rates(dtype, device)
+    peak_path = max(rates, key=rates.get)
+    peak = rates[peak_path]
+    fast = sum(isinstance(m, FastGemm) and (m.train_fast if train else m.packable) for m in model.modules())
     return BenchResult(name, "train" if train else "inference", c.img_size[0], batch_size, dtype, compile_, str(device),
                        torch.get_num_threads(), ips, lat, None if mem.peak is None else mem.peak / 2**20, flops / 1e9,
-                       work * ips / 1e12, peak / 1e12, work * ips / peak,
-                       sum(isinstance(m, Linear) and m.packable for m in model.modules()))
+                       work * ips / 1e12, peak / 1e12, work * ips / peak, fast, peak_path,
+                       {k: round(v / 1e9, 1) for k, v in rates.items()}, gemm.choices() if fast else None)
 
 
 def bench(
@@ -191,7 +240,8 @@ def bench(
     json_out: bool = False,
 ) -> dict:
     """Measure a model: images/s, latency at batch 1, peak memory, achieved FLOP/s and the fraction of this
-    device's matmul peak (measured by this command in the same dtype).
+    device's matmul peak: the fastest GEMM path it has, measured by this command in the same dtype (on a CPU not
+    only `torch.mm`, which is MKL's and far from the peak on some CPUs). Prints the GEMM path chosen per shape.
 
     Args:
         model: a registered model name (see `vitkit models`) or a checkpoint path.
@@ -205,7 +255,8 @@ def bench(
         device: auto | cpu | cuda.
         num_classes: head size for registry models.
         min_seconds: measure for at least this long.
-        no_pack: in fp32 CPU inference, call the Linear layers with their plain weights instead of MKL-packed copies.
+        no_pack: in fp32 on a CPU, call the Linear layers on PyTorch's own GEMM (MKL) instead of the fastest one
+            measured here (`vitkit.models.layers.gemm`).
         json_out: print JSON.
     """
     import json
@@ -230,7 +281,10 @@ def bench(
         mem = "n/a" if res.peak_mem_mb is None else f"{res.peak_mem_mb:.0f} MB"
         lat = "" if res.latency_ms_b1 is None else f", latency (batch 1) {res.latency_ms_b1:.1f} ms"
         print(f"{model} {res.mode} {res.img_size}px batch {batch_size} {dtype}{f' compiled ({compile_mode})' if compile else ''} on {res.device} "
-              f"({res.threads} threads): {res.img_per_s:.2f} img/s{lat}, peak memory {mem}, {res.gflops_per_img:.2f} GFLOP/img, "
-              f"{res.achieved_tflops * 1e3:.1f} GFLOP/s = {res.fraction_of_peak:.0%} of the measured {dtype} matmul peak "
-              f"({res.matmul_peak_tflops * 1e3:.0f} GFLOP/s)" + (f"; {res.packed_linears} Linear layers MKL-packed" if res.packed_linears else ""))
+              f"({res.threads} threads, {cpu_model() if res.device == 'cpu' else res.device}): {res.img_per_s:.2f} img/s{lat}, "
+              f"peak memory {mem}, {res.gflops_per_img:.2f} GFLOP/img, {res.achieved_tflops * 1e3:.1f} GFLOP/s = "
+              f"{res.fraction_of_peak:.0%} of the fastest {dtype} GEMM measured here ({res.peak_path}, "
+              f"{res.matmul_peak_tflops * 1e3:.0f} GFLOP/s; " + ", ".join(f"{k} {v:.0f}" for k, v in res.gemm_rates_gflops.items()) + ")")
+        for shape, ch in (res.gemm_choices or {}).items():
+            print(f"  GEMM {shape}: {ch['path']} (" + ", ".join(f"{k} {v:.0f}" for k, v in ch["gflops"].items()) + " GFLOP/s)")
     return d

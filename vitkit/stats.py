@@ -26,14 +26,20 @@ def _mkl_linear_flops(x, packed_w, w, *args, out_shape=None, **kwargs) -> int:  
     return 2 * math.prod(x[:-1]) * x[-1] * w[0]
 
 
+def _onednn_linear_flops(x, packed_w, *args, out_shape=None, **kwargs) -> int:  # x (..., K), packed w (N, K)
+    return 2 * math.prod(x[:-1]) * x[-1] * packed_w[0]
+
+
 # The counter knows the CUDA attention kernels only; without these the CPU's fused attention counts 0 FLOPs,
-# and so would a Linear running from an MKL-packed weight (`vitkit.models.layers.linear`).
+# and so would a Linear running from a packed weight (`vitkit.models.layers.linear`).
 CPU_FLOPS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flops,
 }
 if hasattr(torch.ops.mkl, "_mkl_linear"):
     CPU_FLOPS[torch.ops.mkl._mkl_linear] = _mkl_linear_flops
+if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    CPU_FLOPS[torch.ops.mkldnn._linear_pointwise] = _onednn_linear_flops
 
 
 def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int = 3, batch: int = 1) -> int:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from .layers import DropPath, StdConv2d, pad_same
+from .layers import DropPath, Linear, StdConv2d, pad_same
 from ..errors import UsageError
 
 
@@ -227,7 +227,7 @@ class ResNetV2(nn.Module):
         self.num_features = in_chs
         self.norm = _gn(in_chs, c.gn_eps)
         self.head_drop = nn.Dropout(c.drop_rate)
-        self.head = nn.Linear(in_chs, c.num_classes) if c.num_classes else nn.Identity()
+        self.head = Linear(in_chs, c.num_classes) if c.num_classes else nn.Identity()
         for m in self.modules():
             if isinstance(m, StdConv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
@@ -272,7 +272,7 @@ class ResNetV2(nn.Module):
         """A new zero-initialised head, as for fine-tuning."""
         self.config.num_classes, self.config.class_names = num_classes, class_names
         device = self.norm.weight.device
-        self.head = nn.Linear(self.num_features, num_classes, device=device) if num_classes else nn.Identity()
+        self.head = Linear(self.num_features, num_classes, device=device) if num_classes else nn.Identity()
         if num_classes:
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)

@@ -22,6 +22,7 @@ from .layers import (
     Attention,
     DropPath,
     LayerNorm,
+    Linear,
     LearnedPosEmbed1d,
     LearnedPosEmbed2d,
     Mlp,
@@ -244,7 +245,7 @@ class PreLogits(nn.Module):
 
     def __init__(self, dim: int, size: int) -> None:
         super().__init__()
-        self.fc = nn.Linear(dim, size)
+        self.fc = Linear(dim, size)
         lecun_normal_(self.fc.weight)
         nn.init.zeros_(self.fc.bias)
 
@@ -281,7 +282,7 @@ class VisionTransformer(nn.Module):
         self.distilled_training = False  # set by the trainer: in training, return both heads' logits
         if c.mpp:
             self.mask_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim))
-            self.mpp_head = nn.Linear(c.embed_dim, 8 ** c.in_chans)
+            self.mpp_head = Linear(c.embed_dim, 8 ** c.in_chans)
         # Two speed switches, per instance (timm decides `fused_attn` per instance in the same way):
         # - lowp_stream: under autocast the tokens between blocks stay fp32 (the position embedding promotes
         #   them), so every norm, residual add and GELU runs in fp32 with a cast in front of every Linear. True
@@ -303,7 +304,7 @@ class VisionTransformer(nn.Module):
     def _new_head(self, num_classes: int) -> nn.Module:
         if not num_classes:
             return nn.Identity()
-        head = nn.Linear(self.num_features, num_classes)
+        head = Linear(self.num_features, num_classes)
         nn.init.zeros_(head.weight)  # the official head is zero-initialised
         nn.init.zeros_(head.bias)
         return head
@@ -474,7 +475,7 @@ class VisionTransformer(nn.Module):
             self.config.mpp = True
             device = self.patch_embed.proj.weight.device
             self.mask_token = nn.Parameter(torch.zeros(1, 1, self.config.embed_dim, device=device))
-            self.mpp_head = nn.Linear(self.config.embed_dim, 8 ** self.config.in_chans, device=device)
+            self.mpp_head = Linear(self.config.embed_dim, 8 ** self.config.in_chans, device=device)
 
     def drop_mpp(self) -> None:
         """Remove the masked-patch-prediction head (after pre-training, for fine-tuning)."""

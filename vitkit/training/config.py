@@ -128,6 +128,9 @@ class RunConfig:
     lowp_stream: with bf16/fp16, keep the tokens between blocks in that dtype too, not fp32: no casts around
         every Linear (faster, most on CPUs); weights, gradients and optimizer stay fp32. ViTs only; no effect on a CNN.
     compile: torch.compile the model.
+    fast_gemm: fp32 on a CPU: the Linear layers' forward and input gradient on the fastest GEMM this machine has,
+        chosen by measurement once per CPU (`vitkit.models.layers.gemm`; oneDNN's packed GEMM runs 2x MKL's on
+        AMD Zen 5); false: PyTorch's own (MKL). The same gradients to fp32 rounding.
     strategy: with several processes (torchrun, `vitkit train --nproc N`): "ddp" (DistributedDataParallel) or
         "fsdp" (FSDP2: parameters, gradients and optimizer state sharded per block); "auto" is ddp under torchrun
         and none in one process.
@@ -153,6 +156,7 @@ class RunConfig:
     precision: str = "fp32"
     lowp_stream: bool = False
     compile: bool = False
+    fast_gemm: bool = True
     strategy: str = "auto"
     activation_checkpointing: bool = False
     accumulate: int = 1

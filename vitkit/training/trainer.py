@@ -36,6 +36,7 @@ from ..device import resolve_device
 from ..distributed import Dist, full_state_dict, gradient_sync, resolve_strategy, wrap_model
 from ..errors import UsageError, VitkitError
 from ..evaluation import EvalResult, check_tta, evaluate
+from ..models.layers.linear import pack_linears
 from . import checkpoint
 from .config import TrainConfig
 from .logs import MetricsLog, Progress
@@ -106,6 +107,8 @@ def _load_teacher(cfg: TrainConfig, device: torch.device) -> nn.Module | None:
     teacher = load(cfg.distill.teacher).to(device).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
+    if cfg.run.fast_gemm:
+        pack_linears(teacher)  # its fp32 CPU inference on the fastest GEMM (no effect elsewhere)
     return teacher
 
 
@@ -229,6 +232,8 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
             p.requires_grad = n_.startswith(("head.", "fc_norm."))
     if r.activation_checkpointing:
         model.set_grad_checkpointing(True)
+    if r.fast_gemm and device.type == "cpu" and r.precision == "fp32" and not r.compile:
+        pack_linears(model, training=True)  # sharded (FSDP2) weights fall back to F.linear by themselves
     teacher = _load_teacher(cfg, device)
     if getattr(model.config, "distilled", False):
         model.distilled_training = True  # both heads' logits in training: label loss and distillation loss

@@ -1,12 +1,15 @@
-"""nn.Linear with an optional pre-packed weight for float32 inference on CPU.
+"""nn.Linear on the fastest float32 CPU GEMM of this machine, from a weight packed once (`gemm.py`).
 
-Every call of `F.linear` on CPU hands MKL the weight in PyTorch's layout, and MKL re-packs it into its
-blocked GEMM layout on each call: a full read and write of the weight that the arithmetic does not need.
-`pack_linears(model)` has each Linear pack its weight once (`torch.ops.mkl._mkl_reorder_linear_weight`, the
-op that `torch.compile`'s freezing pass uses); afterwards float32 CPU calls without gradients run the
-packed GEMM (`torch.ops.mkl._mkl_linear`), with bit-identical outputs (measured in benchmarks/NOTES.md,
-section 16). Everything else (training, autocast, bf16, GPU, a weight changed after packing) takes the
-plain `F.linear` path. The packed copy costs as much memory as the weights it packs.
+`pack_linears(model)` lets every vitkit Linear (the attention and MLP projections, the heads, the patch
+embedding's matmul and a hybrid's 1x1 patch embedding) run float32 CPU calls on the path `gemm.choose` measured
+fastest for its shape:
+- inference (no gradients): from the weight packed once, repacked when the weight changes;
+- training (`training=True`): the forward and the input gradient dX = dY W both run from packed weights (W and
+  W^T), repacked once per optimizer step (when the weight's version counter moves); the weight gradient
+  dW = dY^T X, whose operands are both activations, is one plain matmul. Gradients equal the plain path to fp32
+  rounding (tests/test_gemm.py).
+Everything else (autocast, bf16, GPUs, torch.compile and fx tracing, sharded weights) takes the plain `F.linear`
+path. The packed copies cost as much memory as the weights they pack (twice in training).
 """
 from __future__ import annotations
 
@@ -14,52 +17,95 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import gemm
 from .tracing import is_fx_tracing
 
 
 def packing_available() -> bool:
-    """Whether this torch build has MKL's packed sgemm (x86 CPU builds do; ARM and some source builds not)."""
-    return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear")
+    """Whether this torch build has a packed float32 GEMM (MKL's or oneDNN's)."""
+    return gemm.available("mkl-packed") or gemm.available("onednn-packed")
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, state dict and initialisation) that can run from a packed weight."""
+class _PackedLinear(torch.autograd.Function):
+    """y = x W^T + b on a packed GEMM path, with dX also from a packed W^T."""
 
-    packable: bool = False  # set by `pack_linears`: pack at the first float32 CPU call without gradients
-    _packed: tuple[torch.Tensor, int, int, int] | None = None  # (packed weight, rows it was packed for, weight version, data_ptr)
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, path, packed, packed_t, rows):
+        ctx.save_for_backward(x2d, weight)
+        ctx.path, ctx.packed_t, ctx.rows, ctx.has_bias = path, packed_t, rows, bias is not None
+        return gemm.run(path, x2d, packed, weight, bias, rows)
 
-    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
-        if not self.packable or is_fx_tracing() or torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+    @staticmethod
+    def backward(ctx, gy):
+        x2d, weight = ctx.saved_tensors
+        gy = gy.contiguous()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:  # dX = dY W: a linear layer with weight W^T (k, n)
+            gx = gemm.run(ctx.path, gy, ctx.packed_t, weight.t(), None, ctx.rows)
+        if ctx.needs_input_grad[1]:
+            gw = gy.t().mm(x2d)  # (n, rows) @ (rows, k)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = gy.sum(0)
+        return gx, gw, gb, None, None, None, None
+
+
+class FastGemm:
+    """Mixin for modules whose forward is a matmul y = x W^T + b with a weight they own (`Linear`, `PatchEmbed`):
+    `_linear` runs it on the packed fast path where `pack_linears` allowed it, on `F.linear` otherwise."""
+
+    packable: bool = False  # set by `pack_linears`: inference calls use the packed path
+    train_fast: bool = False  # set by `pack_linears(training=True)`: training calls too
+    _packed: tuple | None = None  # (path, packed W, packed W^T or None, rows, weight version, data_ptr)
+
+    def _fast(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, grad: bool) -> tuple | None:
+        if not (self.train_fast if grad else self.packable) or is_fx_tracing() or torch.compiler.is_compiling():
             return None
-        if torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling() or x.numel() == 0:
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0 or torch.is_autocast_enabled("cpu"):
             return None
-        w = self.weight.detach()
-        if w.dtype != torch.float32 or w.device.type != "cpu":
+        if param.dtype != torch.float32 or param.device.type != "cpu" or hasattr(param, "to_local"):
             return None
+        rows = x.numel() // x.shape[-1]
         p = self._packed
-        if p is None or w._version != p[2] or w.data_ptr() != p[3]:  # not packed yet, or the weight changed since
-            rows = x.numel() // x.shape[-1]  # batch x tokens; the packed weight serves any row count
-            p = self._packed = (torch.ops.mkl._mkl_reorder_linear_weight(w, rows), rows, w._version, w.data_ptr())
-        return p[0]
+        if p is None or param._version != p[4] or param.data_ptr() != p[5] or (grad and p[2] is None and p[0] != "mkl") \
+                or (p[0] == "mkl-packed" and p[3] != rows):  # MKL's packed GEMM holds for the row count it was packed for
+            path = gemm.choose(w2d.shape[1], w2d.shape[0], rows)
+            wd = w2d.detach()
+            packed_t = gemm.pack(path, wd.t().contiguous(), rows) if grad else None
+            p = self._packed = (path, gemm.pack(path, wd, rows), packed_t, rows, param._version, param.data_ptr())
+        return p
+
+    def _linear(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (..., k) @ w2d (n, k)^T + bias -> (..., n); `param` is the parameter w2d is (a view of)."""
+        grad = torch.is_grad_enabled() and (x.requires_grad or param.requires_grad)
+        p = self._fast(x, param, w2d, grad)
+        if p is None or p[0] == "mkl":
+            return F.linear(x, w2d, bias)
+        path, packed, packed_t, rows = p[:4]
+        if not grad:
+            return gemm.run(path, x, packed, w2d, bias, rows)
+        lead = x.shape[:-1]
+        y = _PackedLinear.apply(x.reshape(-1, x.shape[-1]), w2d, bias, path, packed, packed_t, rows)  # (rows, n)
+        return y.view(*lead, w2d.shape[0])
 
     def __getstate__(self) -> dict:
-        # copies (copy.deepcopy, pickling) leave the packed weight behind: an opaque MKL tensor, rebuilt on demand
-        return {k: v for k, v in super().__getstate__().items() if k != "_packed"}
+        # copies (copy.deepcopy, pickling) leave the packed weights behind: opaque tensors, rebuilt on demand
+        return {k: v for k, v in super().__getstate__().items() if k != "_packed"}  # type: ignore[misc]
+
+
+class Linear(FastGemm, nn.Linear):
+    """`nn.Linear` (same parameters, state dict and initialisation) that can run on a packed fast GEMM."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wp = self._packed_weight(x)
-        if wp is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkl._mkl_linear(x, wp, self.weight, self.bias, self._packed[1])
+        return self._linear(x, self.weight, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, enable: bool = True) -> int:
-    """Let the model's `vitkit` Linear layers (the attention and MLP projections) pack their weights at their
-    first float32 CPU call without gradients, and run from the packed copy after that (repacked if the weight
-    changes). Returns how many layers will pack: 0 when this torch build has no MKL. `enable=False` undoes it
-    and frees the copies."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+def pack_linears(model: nn.Module, enable: bool = True, training: bool = False) -> int:
+    """Let the model's matmul layers (vitkit `Linear`s, the patch embedding) run float32 CPU calls on this
+    machine's fastest GEMM (`gemm.choose`, measured once per CPU and shape), from weights packed at their first
+    call and repacked when they change: inference calls, and with `training` the training forward and input
+    gradient too. Returns how many layers will. `enable=False` undoes it and frees the packed copies."""
+    layers = [m for m in model.modules() if isinstance(m, FastGemm)]
     on = enable and packing_available()
     for m in layers:
-        m.packable, m._packed = on, None
+        m.packable, m.train_fast, m._packed = on, on and training, None
     return len(layers) if on else 0

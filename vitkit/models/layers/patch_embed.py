@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .linear import FastGemm
 from .mlp import lecun_normal_
 from .tracing import is_fx_tracing
 from ...errors import UsageError
@@ -19,7 +19,7 @@ def to_2tuple(x: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return t  # type: ignore[return-value]
 
 
-class PatchEmbed(nn.Module):
+class PatchEmbed(FastGemm, nn.Module):
     """(B, C, H, W) -> (B, N, D) with N = (H / P) * (W / P), row-major over the grid.
 
     With a `backbone` (the hybrid of Sec. 3.1), the conv runs on the backbone's feature map and
@@ -81,16 +81,20 @@ class PatchEmbed(nn.Module):
             # flatten + transpose to tokens is then free (benchmarks/NOTES.md, section 7)
             x = x.contiguous(memory_format=torch.channels_last)
             x = self.backbone(x)  # (B, C, H, W) -> (B, C', H/s, W/s)
-        elif not tracing and x.device.type == "cpu":
+        if not tracing and x.device.type == "cpu":
             return self._patches_matmul(x)
         x = self.proj(x)  # (B, D, gh, gw)
         return x.flatten(2).transpose(1, 2)  # (B, D, gh, gw) -> (B, N, D)
 
     def _patches_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The same map as `proj` (kernel = stride = P), as the paper writes Eq. 1: cut the image into flattened
-        patches, then one matmul. On a CPU 1.1-1.5x faster than the conv forward and 1.2-2.9x with backward
-        (`python benchmarks/ops.py patch-embed`, NOTES.md section 8); the weights keep the conv's layout."""
+        """The same map as `proj` (kernel = stride), as the paper writes Eq. 1: cut the image (or a hybrid's feature
+        map) into flattened patches, then one matmul, on the packed fast GEMM where `pack_linears` allows. On a CPU
+        1.1-1.5x faster than the conv forward and 1.2-2.9x with backward (`python benchmarks/ops.py patch-embed`,
+        NOTES.md section 8); the weights keep the conv's layout. A hybrid's 1x1 embedding on its channels-last
+        feature map is a matmul with no copy at all."""
         B, C, H, W = x.shape
-        (gh, gw), (ph, pw) = self.grid_for(x), self.patch_size
-        x = x.reshape(B, C, gh, ph, gw, pw).permute(0, 2, 4, 1, 3, 5).reshape(B, gh * gw, C * ph * pw)  # (B, N, C*P*P)
-        return F.linear(x, self.proj.weight.reshape(self.proj.out_channels, -1), self.proj.bias)  # (B, N, D)
+        kh, kw = self.proj.kernel_size
+        gh, gw = H // kh, W // kw
+        x = x.reshape(B, C, gh, kh, gw, kw).permute(0, 2, 4, 1, 3, 5).reshape(B, gh * gw, C * kh * kw)  # (B, N, C*kh*kw)
+        w = self.proj.weight
+        return self._linear(x, w, w.reshape(w.shape[0], -1), self.proj.bias)  # (B, N, D)

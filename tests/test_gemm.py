@@ -1,0 +1,172 @@
+"""The fast float32 CPU GEMM (`vitkit.models.layers.gemm`, `linear.py`): chosen by measurement, packed weights
+for inference and training, the same logits and gradients as the plain path, clean fallbacks."""
+import copy
+import json
+import platform
+
+import pytest
+import torch
+
+import vitkit
+from vitkit.models.layers import Linear, gemm, pack_linears
+from vitkit.models.layers.linear import FastGemm, packing_available
+from vitkit.stats import count_flops
+
+from conftest import tiny_kwargs
+
+
+def _model(name: str = "vit_ti16") -> torch.nn.Module:
+    torch.manual_seed(0)
+    kw = tiny_kwargs(name) if name != "vit_ti16" else dict(num_classes=10, img_size=32)
+    m = vitkit.create_model(name, **kw).eval()
+    torch.nn.init.normal_(m.head.weight, std=0.1)  # the zero-initialised head would hide every difference
+    return m
+
+
+def _packed_layers(m: torch.nn.Module) -> list:
+    return [x for x in m.modules() if isinstance(x, FastGemm) and x._packed is not None]
+
+
+PATHS = [p for p in gemm.PATHS if gemm.available(p)]
+_real_measure = gemm.measure
+
+
+def test_packing_is_available_on_x86():
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert packing_available() and gemm.available("onednn-packed")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", ["vit_ti16", "r26_vit_s32", "bit_r50x1"])
+def test_fast_path_logits_and_gradients_equal_the_plain_path(name, path, monkeypatch):
+    """Every path a machine may choose, forced in turn, on ViT, a hybrid (its 1x1 patch embedding a packed matmul
+    too) and BiT: inference logits, training logits and every parameter's gradient equal the plain path's to fp32
+    rounding, through two optimizer steps (the packed weights follow the updates)."""
+    monkeypatch.setattr(gemm, "FORCE", path)
+    plain = _model(name)
+    fast = copy.deepcopy(plain)
+    n = pack_linears(fast, training=True)
+    assert n == len([m for m in fast.modules() if isinstance(m, FastGemm)]) and n >= 1
+    size = plain.config.img_size
+    x = torch.randn(3, 3, *size)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast(x[:1]), plain(x[:1]), rtol=1e-5, atol=1e-5)  # another row count
+    if path != "mkl":
+        assert _packed_layers(fast)
+    if name != "bit_r50x1":
+        assert fast.patch_embed._packed is not None or path == "mkl"
+    fast.train(), plain.train()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, fast)]
+    for step in range(2):
+        outs = []
+        for m, opt in zip((plain, fast), opts):
+            opt.zero_grad()
+            torch.manual_seed(step)  # the same dropout / drop-path draws
+            y = m(x)
+            (y.logsumexp(-1).sum() + (y ** 2).mean()).backward()
+            outs.append(y)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        grads = {k: p.grad for k, p in plain.named_parameters() if p.grad is not None}
+        fgrads = {k: p.grad for k, p in fast.named_parameters() if p.grad is not None}
+        assert grads.keys() == fgrads.keys() and grads
+        for k in grads:
+            torch.testing.assert_close(fgrads[k], grads[k], rtol=1e-4, atol=1e-5, msg=k)
+        for opt in opts:
+            opt.step()
+    fast.eval(), plain.eval()
+    with torch.inference_mode():  # the weights moved: the packed copies are rebuilt from them
+        torch.testing.assert_close(fast(x), plain(x), rtol=1e-5, atol=1e-5)
+    if path != "mkl":
+        layer = next(m for m in fast.modules() if isinstance(m, Linear) and m._packed is not None)
+        assert layer._packed[4] == layer.weight._version
+
+
+def test_packed_inference_matches_and_falls_back():
+    m, x = _model(), torch.randn(3, 3, 32, 32)
+    with torch.inference_mode():
+        plain = m(x)
+    n = pack_linears(m)
+    if not packing_available():
+        assert n == 0
+        return
+    assert n == 4 * m.config.depth + 2  # qkv, proj, fc1, fc2 per block; the head; the patch embedding
+    keys = set(m.state_dict())
+    with torch.inference_mode():
+        packed = m(x)
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+    assert set(m.state_dict()) == keys  # the packed copy is not state
+
+    # a weight changed after packing: the stale copy is not used
+    with torch.no_grad():
+        m.blocks[0].mlp.fc1.weight.mul_(2)
+    with torch.inference_mode():
+        changed = m(x)
+    assert (changed - plain).abs().max() > 1e-3
+    fresh = copy.deepcopy(m)  # copies drop the opaque packed tensor and stay packable
+    assert not _packed_layers(fresh)
+    pack_linears(fresh, enable=False)
+    with torch.inference_mode():
+        torch.testing.assert_close(fresh(x), changed, rtol=1e-5, atol=1e-5)
+    assert not _packed_layers(fresh)
+
+    # without training=True gradients take the plain path; autocast too; FLOPs are counted the same
+    m.train()
+    pack_linears(m)
+    m(x).logsumexp(-1).sum().backward()
+    assert m.blocks[0].attn.qkv.weight.grad is not None and not _packed_layers(m)
+    m.eval()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m(x).dtype == torch.bfloat16 and not _packed_layers(m)
+    unpacked = count_flops(fresh, (32, 32))
+    assert count_flops(m, (32, 32)) == unpacked and _packed_layers(m)
+
+
+def test_the_choice_is_measured_cached_and_falls_back(tmp_path, monkeypatch):
+    """choose() measures the paths this build has, keeps the fastest on disk per CPU and torch version, and when an
+    op is missing or fails it is no candidate: plain MKL (F.linear) always is."""
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path))
+    monkeypatch.setattr(gemm, "FORCE", None)
+    monkeypatch.setattr(gemm, "_CHOICES", {})
+    monkeypatch.setattr(gemm, "_RATES", {})
+    monkeypatch.setattr(gemm, "_LOADED", False)
+    rates = gemm.measure(64, 96, 50, seconds=0.01)
+    assert set(rates) == set(PATHS) and all(r > 0 for r in rates.values())
+    path = gemm.choose(64, 96, 50)
+    assert path in PATHS
+    (saved,) = json.loads(next((tmp_path / "gemm").glob("*.json")).read_text())
+    assert saved["shape"][:3] == [64, 96, 64] and saved["path"] == path and set(saved["gflops"]) == set(PATHS)
+    assert "64 x 96 @ 64 rows" in next(iter(gemm.choices()))
+    # a fresh process reads the file instead of measuring again
+    monkeypatch.setattr(gemm, "_CHOICES", {})
+    monkeypatch.setattr(gemm, "_LOADED", False)
+    monkeypatch.setattr(gemm, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert gemm.choose(64, 96, 50) == path
+
+    # the packed ops missing from this build: nothing to choose but plain MKL, and the model still runs
+    monkeypatch.setattr(gemm, "_CHOICES", {})
+    monkeypatch.setattr(gemm, "measure", _real_measure)
+    monkeypatch.setattr(gemm, "available", lambda p: p == "mkl")
+    assert gemm.choose(64, 96, 50) == "mkl" and not packing_available()
+    m, x = _model(), torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        ref = m(x)
+    assert pack_linears(m, training=True) == 0
+    with torch.inference_mode():
+        torch.testing.assert_close(m(x), ref)
+    assert not _packed_layers(m)
+
+
+def test_a_failing_path_is_no_candidate(monkeypatch):
+    """An op that exists but raises (a build that refuses the shape) or computes something else is skipped."""
+    real_run = gemm.run
+
+    def broken(path, x, packed, w, b, rows):
+        if path == "onednn-packed":
+            raise RuntimeError("no kernel for this shape")
+        if path == "mkl-packed":
+            return real_run(path, x, packed, w, b, rows) + 1.0  # wrong answer
+        return real_run(path, x, packed, w, b, rows)
+
+    monkeypatch.setattr(gemm, "run", broken)
+    assert set(gemm.measure(32, 48, 16, seconds=0.01)) == {"mkl"}

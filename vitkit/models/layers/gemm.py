@@ -1,0 +1,174 @@
+"""The fastest float32 GEMM this CPU runs, picked by measurement (and remembered per CPU model and torch version).
+
+`F.linear` on a CPU goes to MKL, which on some CPUs runs far below the machine's peak (AMD Zen 5: its AVX2 code,
+~200 GFLOP/s on 2 cores, where oneDNN reaches ~470). torch ships three paths for y = x W^T + b:
+
+    mkl            F.linear: MKL's sgemm, the weight re-packed inside every call
+    mkl-packed     torch.ops.mkl._mkl_linear on a weight packed once (_mkl_reorder_linear_weight)
+    onednn-packed  torch.ops.mkldnn._linear_pointwise on a weight reordered once (_reorder_linear_weight), the
+                   path Inductor's freezing uses
+
+`choose(k, n, rows)` times the available ones on a (rows, k) x (k, n) problem and returns the fastest; the choice
+never makes a machine slower, since plain MKL is a candidate. A path whose op is missing (a build without MKL or
+oneDNN) or fails is simply not a candidate. The choices are cached in memory and in
+$VITKIT_HOME/gemm/<cpu>-<torch>.json, so each shape is measured once per machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+PATHS = ("mkl", "mkl-packed", "onednn-packed")
+_CHOICES: dict[tuple, str] = {}
+_RATES: dict[tuple, dict[str, float]] = {}
+_LOADED = False
+FORCE = os.environ.get("VITKIT_GEMM")  # "mkl" | "mkl-packed" | "onednn-packed": skip the measurement (tests, A/Bs)
+
+
+def available(path: str) -> bool:
+    if path == "mkl":
+        return True
+    if path == "mkl-packed":
+        return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear")
+    if path == "onednn-packed":
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return False
+
+
+def pack(path: str, w: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The weight (n, k) in the path's own layout (None for plain MKL)."""
+    if path == "mkl-packed":
+        return torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+    if path == "onednn-packed":
+        return torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    return None
+
+
+def run(path: str, x: torch.Tensor, packed: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """x (..., k) -> (..., n) on `path` with its packed weight."""
+    if path == "mkl-packed":
+        return torch.ops.mkl._mkl_linear(x, packed, w, b, rows)
+    if path == "onednn-packed":
+        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if ":" in line:
+                    k, v = line.split(":", 1)
+                    info.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    return info
+
+
+def cpu_name() -> str:
+    """Vendor, family, model and name: what the choice of path depends on."""
+    info = cpu_info()
+    if not info:
+        return platform.processor() or platform.machine()
+    return "-".join(info.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name"))
+
+
+def _cache_file() -> Path:
+    from ...checkpoints.catalog import cache_dir
+
+    key = "".join(c if c.isalnum() or c in "-." else "_" for c in f"{cpu_name()}-{torch.__version__}-t{torch.get_num_threads()}")
+    return cache_dir() / "gemm" / f"{key}.json"
+
+
+def _load() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    try:
+        data = json.loads(_cache_file().read_text())
+        for row in data:
+            key = tuple(row["shape"])
+            _CHOICES[key], _RATES[key] = row["path"], row["gflops"]
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+def _save() -> None:
+    try:
+        path = _cache_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = [{"shape": list(k), "path": p, "gflops": _RATES.get(k, {})} for k, p in _CHOICES.items()]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measure again next time
+
+
+def _bucket(rows: int) -> int:
+    """Row counts grouped by powers of two: a choice holds for batches of the same order."""
+    return 1 << max(0, (rows - 1).bit_length())
+
+
+def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3) -> dict[str, float]:
+    """GFLOP/s of every available path on a (rows, k) x (k, n) problem, its packing excluded: the best of `rounds`
+    interleaved rounds per path, so that a neighbour's burst of load does not decide the choice."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    calls: dict[str, Callable[[], torch.Tensor]] = {}
+    # a FLOP counter or any other dispatch mode around the first call must not see (or count) the measurement
+    with _disable_current_modes(), torch.no_grad():
+        ref = F.linear(x, w, b)
+        for path in PATHS:
+            if not available(path):
+                continue
+            try:
+                p = pack(path, w, rows)
+                fn = (lambda path=path, p=p: run(path, x, p, w, b, rows))
+                if (fn() - ref).abs().max() > 1e-3 * ref.abs().max():
+                    continue  # a path that computes something else is no candidate
+                calls[path] = fn
+            except (RuntimeError, AttributeError):  # an op this build lacks, or one that refuses the shape
+                continue
+        best = {path: 0.0 for path in calls}
+        for _ in range(rounds):
+            for path, fn in calls.items():
+                done, t0 = 0, time.perf_counter()
+                while done < 2 or time.perf_counter() - t0 < seconds / rounds:
+                    fn()
+                    done += 1
+                best[path] = max(best[path], 2 * rows * k * n * done / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def choose(k: int, n: int, rows: int) -> str:
+    """The fastest path for y = x W^T + b with x (rows, k), W (n, k), measured once per machine."""
+    if FORCE in PATHS and available(FORCE):
+        return FORCE
+    _load()
+    key = (k, n, _bucket(rows), torch.get_num_threads())
+    if key not in _CHOICES:
+        rates = measure(k, n, _bucket(rows))
+        _RATES[key] = rates
+        _CHOICES[key] = max(rates, key=rates.get) if rates else "mkl"
+        _save()
+    return _CHOICES[key]
+
+
+def choices() -> dict[str, dict]:
+    """What was chosen in this process: {"k x n @ rows": {"path", "gflops": {path: rate}}}."""
+    return {f"{k} x {n} @ {r} rows, {t} threads": {"path": p, "gflops": _RATES.get((k, n, r, t), {})}
+            for (k, n, r, t), p in _CHOICES.items()}

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 PATHS = ("mkl", "mkl-packed", "onednn-packed")
+WGRAD_PATHS = ("mkl", "onednn")  # the weight gradient dW = dY^T X: both operands activations, nothing to prepack
 _CHOICES: dict[tuple, str] = {}
 _RATES: dict[tuple, dict[str, float]] = {}
 _LOADED = False
@@ -41,6 +42,20 @@ def available(path: str) -> bool:
         return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     return False
+
+
+def wgrad_available(path: str) -> bool:
+    if path == "onednn":
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return path == "mkl"
+
+
+def wgrad(path: str, gy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = gy^T x, (n, rows) @ (rows, k) -> (n, k), on `path`: "mkl" is `torch.mm`; "onednn" is oneDNN's GEMM
+    called as a linear layer with input gy^T and weight x^T (transposed views: oneDNN reads the strides)."""
+    if path == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(gy.t(), x.t(), None, "none", [], "")
+    return gy.t().mm(x)
 
 
 def pack(path: str, w: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -99,7 +114,8 @@ def _load() -> None:
         data = json.loads(_cache_file().read_text())
         for row in data:
             key = tuple(row["shape"])
-            _CHOICES[key], _RATES[key] = row["path"], row["gflops"]
+            if len(key) == 5:  # (kind, k, n, rows, threads); anything else is from another version: measured again
+                _CHOICES[key], _RATES[key] = row["path"], row["gflops"]
     except (OSError, ValueError, KeyError):
         pass
 
@@ -121,9 +137,10 @@ def _bucket(rows: int) -> int:
     return 1 << max(0, (rows - 1).bit_length())
 
 
-def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3) -> dict[str, float]:
-    """GFLOP/s of every available path on a (rows, k) x (k, n) problem, its packing excluded: the best of `rounds`
-    interleaved rounds per path, so that a neighbour's burst of load does not decide the choice."""
+def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3, kind: str = "linear") -> dict[str, float]:
+    """GFLOP/s of every available path on a problem, its packing excluded: the best of `rounds` interleaved rounds
+    per path, so that a neighbour's burst of load does not decide the choice.
+    kind "linear": y = x W^T + b with x (rows, k), W (n, k); "wgrad": dW = dY^T X with dY (rows, n), X (rows, k)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     g = torch.Generator().manual_seed(0)
@@ -131,18 +148,26 @@ def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3) -
     calls: dict[str, Callable[[], torch.Tensor]] = {}
     # a FLOP counter or any other dispatch mode around the first call must not see (or count) the measurement
     with _disable_current_modes(), torch.no_grad():
-        ref = F.linear(x, w, b)
-        for path in PATHS:
-            if not available(path):
-                continue
+        if kind == "wgrad":
+            gy = torch.randn(rows, n, generator=g)
+            ref = gy.t().mm(x)
+            cands = {p: (lambda p=p: wgrad(p, gy, x)) for p in WGRAD_PATHS if wgrad_available(p)}
+        else:
+            ref = F.linear(x, w, b)
+            cands = {}
+            for path in PATHS:
+                if available(path):
+                    try:
+                        cands[path] = (lambda path=path, p=pack(path, w, rows): run(path, x, p, w, b, rows))
+                    except (RuntimeError, AttributeError):  # an op this build lacks, or one that refuses the shape
+                        continue
+        for path, fn in cands.items():
             try:
-                p = pack(path, w, rows)
-                fn = (lambda path=path, p=p: run(path, x, p, w, b, rows))
                 if (fn() - ref).abs().max() > 1e-3 * ref.abs().max():
                     continue  # a path that computes something else is no candidate
-                calls[path] = fn
-            except (RuntimeError, AttributeError):  # an op this build lacks, or one that refuses the shape
+            except (RuntimeError, AttributeError):
                 continue
+            calls[path] = fn
         best = {path: 0.0 for path in calls}
         for _ in range(rounds):
             for path, fn in calls.items():
@@ -154,14 +179,18 @@ def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3) -
     return best
 
 
-def choose(k: int, n: int, rows: int) -> str:
-    """The fastest path for y = x W^T + b with x (rows, k), W (n, k), measured once per machine."""
-    if FORCE in PATHS and available(FORCE):
+def choose(k: int, n: int, rows: int, kind: str = "linear") -> str:
+    """The fastest path for y = x W^T + b with x (rows, k), W (n, k) (kind "linear", one of PATHS), or for its
+    weight gradient dW = dY^T X (kind "wgrad", one of WGRAD_PATHS); measured once per machine, shape and thread
+    count (row counts grouped by powers of two)."""
+    if kind == "linear" and FORCE in PATHS and available(FORCE):
         return FORCE
+    if kind == "wgrad" and FORCE in PATHS and available(FORCE):
+        return "mkl" if FORCE == "mkl" else "onednn" if wgrad_available("onednn") else "mkl"
     _load()
-    key = (k, n, _bucket(rows), torch.get_num_threads())
+    key = (kind, k, n, _bucket(rows), torch.get_num_threads())
     if key not in _CHOICES:
-        rates = measure(k, n, _bucket(rows))
+        rates = measure(k, n, _bucket(rows), kind=kind)
         _RATES[key] = rates
         _CHOICES[key] = max(rates, key=rates.get) if rates else "mkl"
         _save()
@@ -169,6 +198,6 @@ def choose(k: int, n: int, rows: int) -> str:
 
 
 def choices() -> dict[str, dict]:
-    """What was chosen in this process: {"k x n @ rows": {"path", "gflops": {path: rate}}}."""
-    return {f"{k} x {n} @ {r} rows, {t} threads": {"path": p, "gflops": _RATES.get((k, n, r, t), {})}
-            for (k, n, r, t), p in _CHOICES.items()}
+    """What was chosen in this process: {"[dW of ]k x n @ rows": {"path", "gflops": {path: rate}}}."""
+    return {f"{'dW of ' if kind == 'wgrad' else ''}{k} x {n} @ {r} rows, {t} threads": {"path": p, "gflops": _RATES.get((kind, k, n, r, t), {})}
+            for (kind, k, n, r, t), p in _CHOICES.items()}

@@ -6,8 +6,8 @@ fastest for its shape:
 - inference (no gradients): from the weight packed once, repacked when the weight changes;
 - training (`training=True`): the forward and the input gradient dX = dY W both run from packed weights (W and
   W^T), repacked once per optimizer step (when the weight's version counter moves); the weight gradient
-  dW = dY^T X, whose operands are both activations, is one plain matmul. Gradients equal the plain path to fp32
-  rounding (tests/test_gemm.py).
+  dW = dY^T X, whose operands are both activations, on the path measured fastest for it (oneDNN reading the
+  transposed views, or MKL). Gradients equal the plain path to fp32 rounding (tests/test_gemm.py).
 Everything else (autocast, bf16, GPUs, torch.compile and fx tracing, sharded weights) takes the plain `F.linear`
 path. The packed copies cost as much memory as the weights they pack (twice in training).
 """
@@ -27,12 +27,12 @@ def packing_available() -> bool:
 
 
 class _PackedLinear(torch.autograd.Function):
-    """y = x W^T + b on a packed GEMM path, with dX also from a packed W^T."""
+    """y = x W^T + b on a packed GEMM path; dX from a packed W^T and dW, each on its own fastest path."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, bias, path, packed, packed_t, rows):
+    def forward(ctx, x2d, weight, bias, path, packed, packed_t, rows, wpath, tpath):
         ctx.save_for_backward(x2d, weight)
-        ctx.path, ctx.packed_t, ctx.rows, ctx.has_bias = path, packed_t, rows, bias is not None
+        ctx.tpath, ctx.packed_t, ctx.rows, ctx.wpath, ctx.has_bias = tpath, packed_t, rows, wpath, bias is not None
         return gemm.run(path, x2d, packed, weight, bias, rows)
 
     @staticmethod
@@ -41,12 +41,12 @@ class _PackedLinear(torch.autograd.Function):
         gy = gy.contiguous()
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:  # dX = dY W: a linear layer with weight W^T (k, n)
-            gx = gemm.run(ctx.path, gy, ctx.packed_t, weight.t(), None, ctx.rows)
+            gx = gemm.run(ctx.tpath, gy, ctx.packed_t, weight.t(), None, ctx.rows)
         if ctx.needs_input_grad[1]:
-            gw = gy.t().mm(x2d)  # (n, rows) @ (rows, k)
+            gw = gemm.wgrad(ctx.wpath, gy, x2d)  # (n, rows) @ (rows, k)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = gy.sum(0)
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None, None
 
 
 class FastGemm:
@@ -55,7 +55,8 @@ class FastGemm:
 
     packable: bool = False  # set by `pack_linears`: inference calls use the packed path
     train_fast: bool = False  # set by `pack_linears(training=True)`: training calls too
-    _packed: tuple | None = None  # (path, packed W, packed W^T or None, rows, weight version, data_ptr)
+    # (path, packed W, packed W^T or None, rows, weight version, data_ptr, dW path or None, dX path or None)
+    _packed: tuple | None = None
 
     def _fast(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, grad: bool) -> tuple | None:
         if not (self.train_fast if grad else self.packable) or is_fx_tracing() or torch.compiler.is_compiling():
@@ -66,25 +67,29 @@ class FastGemm:
             return None
         rows = x.numel() // x.shape[-1]
         p = self._packed
-        if p is None or param._version != p[4] or param.data_ptr() != p[5] or (grad and p[2] is None and p[0] != "mkl") \
-                or (p[0] == "mkl-packed" and p[3] != rows):  # MKL's packed GEMM holds for the row count it was packed for
+        if p is None or param._version != p[4] or param.data_ptr() != p[5] or (grad and p[6] is None) \
+                or ("mkl-packed" in (p[0], p[7]) and p[3] != rows):  # MKL's packed GEMM: only the row count packed for
             path = gemm.choose(w2d.shape[1], w2d.shape[0], rows)
             wd = w2d.detach()
-            packed_t = gemm.pack(path, wd.t().contiguous(), rows) if grad else None
-            p = self._packed = (path, gemm.pack(path, wd, rows), packed_t, rows, param._version, param.data_ptr())
+            # training: dX = dY W is a linear layer (n -> k) with weight W^T, on its own fastest path
+            tpath = gemm.choose(w2d.shape[0], w2d.shape[1], rows) if grad else None
+            packed_t = gemm.pack(tpath, wd.t().contiguous(), rows) if grad else None
+            wpath = gemm.choose(w2d.shape[1], w2d.shape[0], rows, kind="wgrad") if grad else None
+            p = self._packed = (path, gemm.pack(path, wd, rows), packed_t, rows, param._version, param.data_ptr(), wpath,
+                                tpath)
         return p
 
     def _linear(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x (..., k) @ w2d (n, k)^T + bias -> (..., n); `param` is the parameter w2d is (a view of)."""
         grad = torch.is_grad_enabled() and (x.requires_grad or param.requires_grad)
         p = self._fast(x, param, w2d, grad)
-        if p is None or p[0] == "mkl":
+        if p is None or (p[0] == "mkl" and (not grad or p[6] == p[7] == "mkl")):
             return F.linear(x, w2d, bias)
         path, packed, packed_t, rows = p[:4]
         if not grad:
             return gemm.run(path, x, packed, w2d, bias, rows)
         lead = x.shape[:-1]
-        y = _PackedLinear.apply(x.reshape(-1, x.shape[-1]), w2d, bias, path, packed, packed_t, rows)  # (rows, n)
+        y = _PackedLinear.apply(x.reshape(-1, x.shape[-1]), w2d, bias, path, packed, packed_t, rows, p[6], p[7])  # (rows, n)
         return y.view(*lead, w2d.shape[0])
 
     def __getstate__(self) -> dict:

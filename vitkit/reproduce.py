@@ -115,6 +115,8 @@ def _pooling(variant: str, seed: int, scale: Scale, work: Path) -> dict:
 
 
 UPSTREAM, DOWNSTREAM = [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]
+# a small BiT ResNet-v2 (3 stages of one unit each); ResNet-v2 takes 32 px at least: the 28-px images are resized
+BIT = {"img_size": 32, "in_chans": 1, "layers": (1, 1, 1), "channels": (128, 256, 512), "stem_width": 32}
 
 
 def _data_scale(variant: str, seed: int, scale: Scale, work: Path) -> dict:
@@ -123,7 +125,7 @@ def _data_scale(variant: str, seed: int, scale: Scale, work: Path) -> dict:
     models = {
         "ViT": ("vit_ti16", _vit()),
         "hybrid": ("r26_vit_s32", _vit(hybrid_layers=(1,), hybrid_width=0.5, depth=3)),
-        "BiT": ("bit_r50x1", {"img_size": 28, "in_chans": 1, "layers": (1, 1, 1), "channels": (128, 256, 512), "stem_width": 32}),
+        "BiT": ("bit_r50x1", BIT),
     }
     name, ov = models[arch]
     # the same number of steps whatever the upstream size: only the data grows
@@ -151,8 +153,7 @@ def _mpp(variant: str, seed: int, scale: Scale, work: Path) -> dict:
 def _distill(variant: str, seed: int, scale: Scale, work: Path) -> dict:
     teacher = work.parent / f"teacher-s{seed}"
     if not (teacher / "final.safetensors").exists():  # a BiT ResNet, trained once per seed for the students
-        _train(_config(teacher, seed, scale, name="bit_r50x1", overrides={"img_size": 28, "in_chans": 1, "layers": (1, 1, 1),
-                                                                          "channels": (128, 256, 512), "stem_width": 32}))
+        _train(_config(teacher, seed, scale, name="bit_r50x1", overrides=BIT))
     settings = {} if variant == "no teacher" else {"distill.teacher": str(teacher / "final.safetensors"), "distill.kind": variant.split()[0]}
     res = _train(_config(work, seed, scale, overrides=_vit(distilled=variant != "no teacher"), **settings))
     from .checkpoints import load

@@ -8,10 +8,15 @@
     onednn-packed  torch.ops.mkldnn._linear_pointwise on a weight reordered once (_reorder_linear_weight), the
                    path Inductor's freezing uses
 
-`choose(k, n, rows)` times the available ones on a (rows, k) x (k, n) problem and returns the fastest; the choice
-never makes a machine slower, since plain MKL is a candidate. A path whose op is missing (a build without MKL or
-oneDNN) or fails is simply not a candidate. The choices are cached in memory and in
-$VITKIT_HOME/gemm/<cpu>-<torch>.json, so each shape is measured once per machine.
+and two for a training step's weight gradient dW = dY^T X, whose operands are both activations (nothing to pack):
+
+    mkl            torch.mm
+    onednn         oneDNN's GEMM called as a linear layer on the transposed views (it reads the strides)
+
+`choose(k, n, rows[, kind])` times the available ones on the problem and returns the fastest; the choice never
+makes a machine slower, since plain MKL is a candidate. A path whose op is missing (a build without MKL or
+oneDNN), fails or computes something else is simply not a candidate. The choices are cached in memory and in
+$VITKIT_HOME/gemm/<cpu>-<torch>-t<threads>.json, so each shape is measured once per machine (0.15 s a path).
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ Every case builds the peer's model, writes its weights, loads them into vitkit t
 implementations (alternating which goes first) and prints img/s and the vitkit/peer ratio (median of the
 rounds, each round timed by its median call).
 
-    python benchmarks/peers.py                      # the default cases (2-core CPU: a few minutes)
-    python benchmarks/peers.py --cases vit_s16:infer:fp32 --rounds 5 --json out.json
+    python benchmarks/peers.py                      # the default cases (2-core CPU: ~20 minutes)
+    python benchmarks/peers.py --cases vit_s16:infer:fp32:1 --rounds 5 --json out.json   # model:mode:dtype[:batch]
     python benchmarks/peers.py --device cuda --cases vit_b16:infer:bf16 vit_l16:train:bf16 \
         --batch-infer 256 --batch-train 64                    # a GPU (bf16 autocast; fp16 adds a grad scaler)
 
@@ -16,15 +16,19 @@ under `torch.compile` (vitkit with `fullgraph=True`; the peers without, so graph
 Both sides' % of the matmul peak divide the same FLOPs, the model's (`vitkit.stats.count_flops`: every token
 through every block), although vitkit's forward runs the last block on the class token alone
 (`model.last_block_cls_only`), as the head reads nothing else.
-In fp32 CPU inference vitkit runs its Linear layers from MKL-packed weights, as `vitkit bench`, `eval`
-and `predict` do (`--no-pack`: from the plain weights, as the peers). `--lowp-stream` also times vitkit with its bf16/fp16 token stream between blocks (`run.lowp_stream`), as
+In fp32 on a CPU vitkit runs its Linear layers on the fastest GEMM measured on this machine
+(`vitkit.models.layers.gemm`), inference and training, as `vitkit bench`, `train`, `eval` and `predict` do
+(`--no-pack`: PyTorch's own GEMM, as the peers). The `ort` peer is vitkit's own model exported to ONNX
+(`vitkit export`'s exporter, dynamic batch) in ONNX Runtime's CPU provider with as many threads: fp32 inference
+cases only. The % of peak divides by the fastest GEMM path measured in this process (`vitkit.bench.gemm_rates`),
+not by `torch.mm`'s rate. `--lowp-stream` also times vitkit with its bf16/fp16 token stream between blocks (`run.lowp_stream`), as
 an extra row, and prints how far its logits are from the fp32 model next to autocast's own error.
 
 Environment. HF transformers works with the CPU build of torch. timm needs torchvision, which loads only
 with the CUDA build of torch, so for timm make a separate environment:
 
     python3 -m venv /tmp/peers
-    /tmp/peers/bin/pip install torch torchvision timm transformers safetensors pyyaml matplotlib
+    /tmp/peers/bin/pip install torch torchvision timm transformers safetensors pyyaml matplotlib onnx onnxscript onnxruntime
     /tmp/peers/bin/pip install --no-deps -e .        # vitkit itself, from the repository root
     /tmp/peers/bin/python benchmarks/peers.py
 
@@ -46,14 +50,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitkit  # noqa: E402
-from vitkit.bench import DTYPES, make_step, matmul_peak  # noqa: E402
+from vitkit.bench import DTYPES, cpu_model, gemm_rates, make_step  # noqa: E402
 from vitkit.stats import count_flops  # noqa: E402
 
 SIZES = {"vit_s16": dict(hidden=384, depth=12, heads=6, mlp=1536, timm="vit_small_patch16_224"),
          "vit_b16": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch16_224"),
          "vit_l16": dict(hidden=1024, depth=24, heads=16, mlp=4096, timm="vit_large_patch16_224")}
-DEFAULT_CASES = ["vit_s16:infer:fp32", "vit_s16:infer:bf16", "vit_b16:infer:fp32", "vit_b16:infer:bf16",
-                 "vit_s16:train:fp32", "vit_s16:train:bf16"]
+DEFAULT_CASES = ["vit_s16:infer:fp32:1", "vit_s16:infer:fp32:8", "vit_b16:infer:fp32:1", "vit_b16:infer:fp32:8",
+                 "vit_s16:train:fp32", "vit_b16:train:fp32", "vit_s16:infer:bf16", "vit_b16:infer:bf16", "vit_s16:train:bf16"]
 
 
 def build_hf(name: str, img: int, tmp: Path):
@@ -78,6 +82,26 @@ def build_timm(name: str, img: int, tmp: Path):
     return model, vitkit.load(tmp / f"timm_{name}.safetensors")
 
 
+class OrtSession:
+    """vitkit's model exported to ONNX (dynamic batch) and run by ONNX Runtime: called as a model is, x -> logits."""
+
+    config = SimpleNamespace(num_classes=1000)
+
+    def __init__(self, model: torch.nn.Module, tmp: Path, name: str) -> None:
+        import onnxruntime as ort
+
+        from vitkit.deploy import export_model
+
+        report = export_model(model, tmp / f"{name}.onnx", "onnx", dynamic_batch=True)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = torch.get_num_threads()
+        self.session = ort.InferenceSession(str(report.path), opts, providers=["CPUExecutionProvider"])
+        self.input = self.session.get_inputs()[0].name
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.session.run(None, {self.input: x.numpy()})[0])
+
+
 class PeerLogits(torch.nn.Module):
     """A peer's model called as vitkit's are: images in, logits out (HF takes `pixel_values=`, returns `.logits`)."""
 
@@ -96,6 +120,8 @@ def runner(model, kind: str, x: torch.Tensor, dtype: str, train: bool, compile_:
     (the same autocast, optimizer and scaler), vitkit compiled with a full graph, the peers without. In fp32
     CPU inference vitkit runs its Linear layers from MKL-packed weights unless `pack` is off (a peer model has
     no vitkit Linear, so make_step's packing changes nothing there)."""
+    if kind == "ort":
+        return lambda: model(x)
     if kind != "vitkit":
         model = PeerLogits(model, kind)
     return make_step(model, x, dtype, train, compile_, fullgraph=kind == "vitkit", pack=pack)
@@ -118,7 +144,7 @@ def measure(fn, batch: int, seconds: float, device: torch.device) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help="model:infer|train:fp32|bf16|fp16")
-    ap.add_argument("--peers", nargs="*", default=["timm", "hf"], choices=["timm", "hf"])
+    ap.add_argument("--peers", nargs="*", default=["timm", "hf", "ort"], choices=["timm", "hf", "ort"])
     ap.add_argument("--img-size", type=int, default=224)
     ap.add_argument("--batch-infer", type=int, default=8)
     ap.add_argument("--batch-train", type=int, default=16)
@@ -128,7 +154,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile both sides")
     ap.add_argument("--lowp-stream", action="store_true", help="also time vitkit with its low-precision token stream")
     ap.add_argument("--no-pack", action="store_true",
-                    help="fp32 CPU inference: vitkit's Linear layers from plain weights, not MKL-packed copies")
+                    help="fp32 on a CPU: vitkit's Linear layers on PyTorch's own GEMM, not the fastest measured here")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -139,26 +165,42 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print(f"timm not importable ({type(e).__name__}: {e}); skipping it. See this script's docstring.")
             peers.remove("timm")
+    if "ort" in peers:
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError as e:
+            print(f"onnxruntime not importable ({e}); skipping it. See this script's docstring.")
+            peers.remove("ort")
     torch.manual_seed(0)
     dtypes = sorted({c.split(":")[2] for c in args.cases})
-    peak = {d: matmul_peak(d, device) for d in dtypes}
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"torch {torch.__version__} on {name}; measured matmul peak: "
-          + ", ".join(f"{d} {v / 1e12:.2f} TFLOP/s" for d, v in peak.items()))
+    rates = {d: gemm_rates(d, device) for d in dtypes}
+    peak = {d: max(r.values()) for d, r in rates.items()}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_model()}, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__} on {name}; the GEMM paths measured here (1024^3), GFLOP/s: "
+          + "; ".join(f"{d}: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in r.items()) for d, r in rates.items()))
     rows = []
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
         for case in args.cases:
-            model_name, mode, dtype = case.split(":")
+            model_name, mode, dtype, *b = case.split(":")
             train = mode == "train"
-            batch = args.batch_train if train else args.batch_infer
+            batch = int(b[0]) if b else args.batch_train if train else args.batch_infer
             x = torch.randn(batch, 3, args.img_size, args.img_size, device=device)
             for peer in peers:
-                ref, ours = (build_hf if peer == "hf" else build_timm)(model_name, args.img_size, tmp)
-                ref, ours = ref.to(device), ours.to(device)
-                peer_logits = PeerLogits(ref, peer)
+                if peer == "ort" and (train or dtype != "fp32" or device.type != "cpu" or args.compile):
+                    continue  # ONNX Runtime: fp32 CPU inference
+                if peer == "ort":  # vitkit's own model (timm's weights), exported
+                    _, ours = build_timm(model_name, args.img_size, tmp) if "timm" in peers else build_hf(model_name, args.img_size, tmp)
+                    ours = ours.eval()
+                    ref = OrtSession(ours, tmp, model_name)
+                else:
+                    ref, ours = (build_hf if peer == "hf" else build_timm)(model_name, args.img_size, tmp)
+                    ref, ours = ref.to(device), ours.to(device)
+                peer_logits = ref if peer == "ort" else PeerLogits(ref, peer)
                 with torch.no_grad():
-                    ref.eval(), ours.eval()
+                    if peer != "ort":
+                        ref.eval()
+                    ours.eval()
                     diff = (peer_logits(x[:2]) - ours(x[:2])).abs().max().item()
                 impls = {"vitkit": ours, peer: ref}
                 if args.lowp_stream:
@@ -194,16 +236,17 @@ def main() -> None:
                            "round_ratios": [a / b for a, b in zip(speeds[k], speeds[peer])]}
                     ahead = sum(r > 1 for r in row["round_ratios"])
                     rows.append(row)
-                    print(f"{case:<18}{' compiled' if args.compile else ''} {k:<11} vs {peer:<4} batch {batch:>3}: "
+                    print(f"{case:<21}{' compiled' if args.compile else ''} {k:<11} vs {peer:<4} batch {batch:>3}: "
                           f"{med[k]:8.2f} vs {med[peer]:8.2f} img/s, ratio {row['ratio']:.3f}, ahead in {ahead}/"
                           f"{args.rounds} rounds  ({k} "
-                          f"{row['vitkit_fraction_of_peak']:.0%} / {peer} {row['peer_fraction_of_peak']:.0%} of the {dtype} "
-                          f"matmul peak; outputs agree to {diff:.1e})", flush=True)
+                          f"{row['vitkit_fraction_of_peak']:.0%} / {peer} {row['peer_fraction_of_peak']:.0%} of the fastest {dtype} "
+                          f"GEMM; outputs agree to {diff:.1e})", flush=True)
                 del ref, ours, impls, fns
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": name, "peak": peak, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": name, "torch": torch.__version__, "peak": peak,
+                                               "gemm_rates": rates, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -156,20 +156,26 @@ def time_fn(fn, device: torch.device, warmup: int, iters: int, min_seconds: floa
 
 
 def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compile_: bool, compile_mode: str = "default",
-              fullgraph: bool = True, pack: bool = True):
+              fullgraph: bool = True, pack: bool = True, freezing: bool = False):
     """A closure running one inference forward, or one training step (forward, backward, fused/foreach AdamW).
     `model` maps images to logits and has `config.num_classes`; `benchmarks/peers.py` times its peers with it too.
     pack: for fp32 on CPU, run vitkit's Linear layers on the fastest GEMM measured here, from packed weights
-    (`pack_linears`; the training forward and input gradient too); a peer's model has none of them."""
+    (`pack_linears`; the training forward and input gradient too); a peer's model has none of them.
+    freezing: with compile_, inference only: Inductor's freezing (weights folded in as constants, prepacked for
+    oneDNN on a CPU, as `torch._inductor.config.freezing`)."""
     device = x.device
     amp = dtype != "fp32"
+    if compile_ and freezing and not train:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
     fwd = torch.compile(model, fullgraph=fullgraph, mode=compile_mode) if compile_ else model
     if not train:
         model.eval()
         pack_linears(model, enable=pack and dtype == "fp32" and device.type == "cpu" and not compile_)
 
-        def infer() -> None:
-            with torch.inference_mode(), torch.autocast(device.type, dtype=DTYPES[dtype], enabled=amp):
+        def infer() -> None:  # compiled: no_grad, which Inductor's freezing needs
+            with torch.no_grad() if compile_ else torch.inference_mode(), torch.autocast(device.type, dtype=DTYPES[dtype], enabled=amp):
                 fwd(x)
 
         return infer
@@ -193,14 +199,15 @@ def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compil
 
 def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, dtype: str = "fp32", train: bool = False,
                 compile_: bool = False, compile_mode: str = "default", device: str | torch.device = "cpu", warmup: int = 2, iters: int = 5,
-                min_seconds: float = 3.0, latency: bool = True, peak: float | None = None, pack: bool = True) -> BenchResult:
+                min_seconds: float = 3.0, latency: bool = True, peak: float | None = None, pack: bool = True,
+                freezing: bool = False) -> BenchResult:
     from .stats import count_flops
 
     device = torch.device(device)
     model = model.to(device)
     c = model.config
     x = torch.randn(batch_size, c.in_chans, *c.img_size, device=device)
-    step = make_step(model, x, dtype, train, compile_, compile_mode, pack=pack)
+    step = make_step(model, x, dtype, train, compile_, compile_mode, pack=pack, freezing=freezing)
     # before any other forward: on CPU, memory an earlier forward freed stays in the process and would hide the peak
     with PeakMemory(device) as mem:
         times = time_fn(step, device, warmup, iters, min_seconds)
@@ -208,7 +215,7 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
     ips = batch_size / statistics.median(times)
     lat = None
     if latency and not train:
-        one = make_step(model, x[:1], dtype, False, compile_, compile_mode, pack=pack)
+        one = make_step(model, x[:1], dtype, False, compile_, compile_mode, pack=pack, freezing=freezing)
         lat = statistics.median(time_fn(one, device, 2, 10, 1.0)) * 1e3
     work = flops * (3 if train else 1)  # backward ~ 2x forward
     from .models.layers import gemm
@@ -231,6 +238,7 @@ def bench(
     dtype: str = "fp32",
     compile: bool = False,
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default",
+    freezing: bool = False,
     train: bool = False,
     lowp_stream: bool = False,
     device: str = "auto",
@@ -250,6 +258,7 @@ def bench(
         dtype: fp32 | bf16 | fp16 (bf16/fp16 via autocast; fp16 on GPU).
         compile: torch.compile the model (full graph).
         compile_mode: torch.compile's mode; reduce-overhead replays CUDA graphs (for launch-bound small batches on a GPU).
+        freezing: with --compile, inference: Inductor's freezing (weights as constants, prepacked for oneDNN).
         train: time a training step (forward, backward, AdamW) instead of inference.
         lowp_stream: with bf16/fp16, keep a ViT's tokens between blocks in that dtype (`run.lowp_stream`).
         device: auto | cpu | cuda.
@@ -273,14 +282,15 @@ def bench(
             raise UsageError("--lowp-stream needs --dtype bf16 or fp16 and a ViT (a CNN has no token stream)")
         net.lowp_stream = True
     res = bench_model(net, model, batch_size=batch_size, dtype=dtype, train=train, compile_=compile,
-                      compile_mode=compile_mode, device=dev, min_seconds=min_seconds, pack=not no_pack)
-    d = res.to_dict() | {"compile_mode": compile_mode if compile else None}
+                      compile_mode=compile_mode, device=dev, min_seconds=min_seconds, pack=not no_pack, freezing=freezing)
+    d = res.to_dict() | {"compile_mode": compile_mode if compile else None, "freezing": freezing and compile and not train}
     if json_out:
         print(json.dumps(d, indent=1))
     else:
         mem = "n/a" if res.peak_mem_mb is None else f"{res.peak_mem_mb:.0f} MB"
+        comp = f" compiled ({compile_mode}{', freezing' if d['freezing'] else ''})" if compile else ""
         lat = "" if res.latency_ms_b1 is None else f", latency (batch 1) {res.latency_ms_b1:.1f} ms"
-        print(f"{model} {res.mode} {res.img_size}px batch {batch_size} {dtype}{f' compiled ({compile_mode})' if compile else ''} on {res.device} "
+        print(f"{model} {res.mode} {res.img_size}px batch {batch_size} {dtype}{comp} on {res.device} "
               f"({res.threads} threads, {cpu_model() if res.device == 'cpu' else res.device}): {res.img_per_s:.2f} img/s{lat}, "
               f"peak memory {mem}, {res.gflops_per_img:.2f} GFLOP/img, {res.achieved_tflops * 1e3:.1f} GFLOP/s = "
               f"{res.fraction_of_peak:.0%} of the fastest {dtype} GEMM measured here ({res.peak_path}, "

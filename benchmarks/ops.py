@@ -1,7 +1,10 @@
-"""Single-op choices on a CPU (NOTES.md, section 8): the patch embedding's op, and foreach vs fused AdamW.
+"""Single-op choices on a CPU (NOTES.md, sections 8 and 20): the patch embedding's op, foreach vs fused AdamW, the
+GEMM paths for the Linear shapes, and attention's fused kernel against explicit matmuls.
 
     python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
     python benchmarks/ops.py adamw         # one AdamW step over ViT-S/16 and ViT-B/16 parameters: foreach vs fused
+    python benchmarks/ops.py gemm          # GFLOP/s of every GEMM path (vitkit.models.layers.gemm) on S/16 and B/16 shapes
+    python benchmarks/ops.py attention     # fp32/bf16 attention core: F.scaled_dot_product_attention vs matmul-softmax-matmul
 
 Rounds alternate between the candidates; each number is the median over rounds, in ms.
 """
@@ -78,9 +81,53 @@ def adamw() -> None:
               f"fused {res['fused']:.1f} ms", flush=True)
 
 
+def gemm_paths() -> None:
+    """Every path for the Linear shapes of S/16 and B/16 (qkv, proj, fc1, fc2) at batch 1 and 8 (197 tokens), and for
+    a training step's dW at batch 16: GFLOP/s, best of interleaved rounds (`gemm.measure`)."""
+    from vitkit.models.layers import gemm
+
+    for name, d in (("S/16", 384), ("B/16", 768)):
+        for kind, rows in (("linear", 197), ("linear", 8 * 197), ("wgrad", 16 * 197)):
+            for k, n, what in ((d, 3 * d, "qkv"), (d, d, "proj"), (d, 4 * d, "fc1"), (4 * d, d, "fc2")):
+                rates = gemm.measure(k, n, rows, seconds=0.6, kind=kind)
+                best = max(rates, key=rates.get)
+                print(f"{name} {what:<4} {'dW of ' if kind == 'wgrad' else ''}{rows:>4} x {k} x {n}: "
+                      + ", ".join(f"{p} {r:.0f}" for p, r in rates.items()) + f" GFLOP/s; fastest {best} "
+                      f"({rates[best] / rates['mkl']:.2f}x mkl)", flush=True)
+
+
+def attention() -> None:
+    """The attention core of S/16 and B/16 (197 tokens, head dim 64): the fused kernel against q k^T, softmax, @ v."""
+    for B, H, dtype, train in [(1, 6, torch.float32, False), (8, 6, torch.float32, False), (8, 12, torch.float32, False),
+                               (16, 6, torch.float32, True), (16, 12, torch.float32, True), (8, 12, torch.bfloat16, False)]:
+        T, hd = 197, 64
+        q, k, v = (torch.randn(B, H, T, hd, dtype=dtype, requires_grad=train) for _ in range(3))
+
+        def fused():
+            return F.scaled_dot_product_attention(q, k, v)
+
+        def explicit():
+            return ((q * hd**-0.5) @ k.transpose(-2, -1)).softmax(-1) @ v
+
+        def run(f):
+            def go():
+                if train:
+                    f().sum().backward()
+                else:
+                    with torch.no_grad():
+                        f()
+            return go
+
+        res = compare({"fused": run(fused), "explicit": run(explicit)})
+        print(f"B {B:>2} H {H:>2} {str(dtype)[6:]:>8} {'fwd+bwd' if train else 'fwd':>7}: fused {res['fused']:6.2f} ms, "
+              f"explicit {res['explicit']:6.2f} ms", flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["patch-embed", "adamw"])
+    ap.add_argument("what", choices=["patch-embed", "adamw", "gemm", "attention"])
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    {"patch-embed": patch_embed, "adamw": adamw}[args.what]()
+    from vitkit.bench import cpu_model
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}")
+    {"patch-embed": patch_embed, "adamw": adamw, "gemm": gemm_paths, "attention": attention}[args.what]()

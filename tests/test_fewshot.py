@@ -64,6 +64,9 @@ def test_reproduce_smoke_writes_a_table_and_a_plot(tmp_path, capsys):
     res = json.loads((tmp_path / "posemb-smoke.json").read_text())
     assert len(res["rows"]) == 5 and all(0 < r["fine-tuned"] <= 1 for r in res["rows"])
     assert Image.open(tmp_path / "posemb-smoke.png").size[0] > 400
+    (tmp_path / "posemb-smoke.png").unlink()
+    assert main(["reproduce", "posemb", "--smoke", "--replot", "--out", str(tmp_path)]) == 0  # from the JSON, no training
+    assert (tmp_path / "posemb-smoke.png").exists() and (tmp_path / "posemb-smoke.md").read_text() == md
 
 
 def test_data_classes_selects_and_relabels():

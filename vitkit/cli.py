@@ -386,7 +386,7 @@ def fewshot(
     return res.to_dict()
 
 
-def reproduce(name: str, seeds: int = 3, smoke: bool = False, out: str = "docs/reproductions") -> dict:
+def reproduce(name: str, seeds: int = 3, smoke: bool = False, out: str = "docs/reproductions", replot: bool = False) -> dict:
     """Reproduce one of the paper's findings at laptop scale: posemb (Table 8), pooling (Fig. 9), data-scale
     (Fig. 3-5), mpp (Sec. 4.6) or distill (DeiT). Trains every variant with every seed on Fashion-MNIST / digits and
     writes a markdown table (mean ± std) and a plot to OUT/NAME.md and .png. A full study takes up to ~30 minutes
@@ -397,10 +397,11 @@ def reproduce(name: str, seeds: int = 3, smoke: bool = False, out: str = "docs/r
         seeds: how many seeds per variant.
         smoke: a seconds-per-run version (tiny subsets) that checks everything runs.
         out: the folder for the table, plot and raw results.
+        replot: write the table and the plot again from OUT/NAME.json, without training.
     """
-    from .reproduce import reproduce as _reproduce
+    from .reproduce import replot as _replot, reproduce as _reproduce
 
-    res = _reproduce(name, seeds=seeds, smoke=smoke, out=out)
+    res = _replot(name, out, smoke) if replot else _reproduce(name, seeds=seeds, smoke=smoke, out=out)
     print(Path(out, name + ("-smoke" if smoke else "") + ".md").read_text())
     return res
 

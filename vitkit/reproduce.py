@@ -91,6 +91,7 @@ class Study:
     run: Callable  # (variant, seed, scale, workdir) -> {metric: value}
     metrics: list[str]
     plot: str = "bars"  # "bars" over variants, or "lines" over a numeric part of the variant name
+    xlabel: str = ""  # the lines' x axis
     epochs: float = 2  # the full study's training length (upstream epochs of Fashion-MNIST)
     notes: Callable[[dict], str] = field(default=lambda agg: "")
 
@@ -169,12 +170,13 @@ STUDIES = {
                     epochs=4),
     "pooling": Study("pooling", "Class token against global average pooling (App. D.3, Fig. 9)",
                      "Fig. 9: both reach the same accuracy, but need different learning rates (GAP fails at the class token's)",
-                     [f"{p} lr {lr}" for p in ("token", "gap") for lr in ("3e-4", "1e-3", "3e-3")], _pooling, ["fine-tuned"], "lines", epochs=3),
+                     [f"{p} lr {lr}" for p in ("token", "gap") for lr in ("3e-4", "1e-3", "3e-3")], _pooling, ["fine-tuned"], "lines", "peak learning rate",
+                     epochs=3),
     "data-scale": Study("data-scale", "ViT, hybrid and ResNet as the upstream data grows (Fig. 3-5 in shape)",
                         "Fig. 3-4: ResNets (BiT) win on small pre-training sets, ViT overtakes as the data grows; Fig. 5: "
                         "hybrids beat ViT at small budgets, the gap closes with scale",
                         [f"{a} {n}" for a in ("ViT", "hybrid", "BiT") for n in (1000, 5000, 30000)], _data_scale,
-                        ["upstream", "5-shot unseen classes", "5-shot digits"], "lines"),
+                        ["upstream", "5-shot unseen classes", "5-shot digits"], "lines", "upstream training images"),
     "mpp": Study("mpp", "Masked patch prediction (Sec. 4.6)",
                  "Sec. 4.6: MPP pre-training on JFT then fine-tuning: 79.9% on ImageNet, +2% over training from scratch, "
                  "4% below supervised pre-training", ["from scratch", "mpp + fine-tune"], _mpp, ["fine-tuned", "5-shot digits"],
@@ -210,6 +212,15 @@ def reproduce(name: str, seeds: int = 3, smoke: bool = False, out: str | Path = 
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     _plot(study, agg, out / f"{stem}.png")
     (out / f"{stem}.md").write_text(_markdown(study, result, stem))
+    return result
+
+
+def replot(name: str, out: str | Path = OUT, smoke: bool = False) -> dict:
+    """Write NAME.md and NAME.png again from NAME.json (no training): after a change to the table or the plot."""
+    study, stem = STUDIES[name], name + ("-smoke" if smoke else "")
+    result = json.loads((Path(out) / f"{stem}.json").read_text())
+    _plot(study, result["mean_std"], Path(out) / f"{stem}.png")
+    (Path(out) / f"{stem}.md").write_text(_markdown(study, result, stem))
     return result
 
 
@@ -251,8 +262,13 @@ def _plot(study: Study, agg: dict, path: Path) -> None:
                 groups.setdefault(g, []).append((float(x), *agg[v][m]))
             for g, pts in groups.items():
                 xs, ys, es = zip(*pts)
-                ax.errorbar(xs, [100 * y for y in ys], yerr=[100 * e for e in es], marker="o", capsize=3, label=g)
+                ax.errorbar(xs, [100 * y for y in ys], yerr=[100 * e for e in es], marker="o", capsize=3,
+                            label=g.removesuffix(" lr"))
             ax.set_xscale("log")
+            ticks = sorted({float(v.rsplit(" ", 1)[1]) for v in study.variants})
+            ax.minorticks_off()
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=8)
+            ax.set_xlabel(study.xlabel, fontsize=9)
             ax.legend(fontsize=8)
         else:
             ys = [100 * agg[v][m][0] for v in study.variants]

@@ -25,7 +25,9 @@ TINY = ["fashion-mnist", "data.dataset=digits", "data.batch_size=64", "model.nam
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # one GEMM path for every process and run: a rank at half the rows (or a run under another load) may measure
+    # another path fastest, whose fp32 rounding differs; the packed path, so that DDP/FSDP2 run it
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VITKIT_GEMM": "onednn-packed"}
 
 
 def _train(out: Path, *extra: str, nproc: int = 1, check: bool = True, **kw) -> subprocess.CompletedProcess:

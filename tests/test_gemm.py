@@ -57,7 +57,8 @@ def test_fast_path_logits_and_gradients_equal_the_plain_path(name, path, monkeyp
     if name != "bit_r50x1":
         assert fast.patch_embed._packed is not None or path == "mkl"
     fast.train(), plain.train()
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, fast)]
+    # fused: the trainer's default on CPUs; its kernel writes the weights without moving their version counter
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, fused=True) for m in (plain, fast)]
     for step in range(2):
         outs = []
         for m, opt in zip((plain, fast), opts):
@@ -71,8 +72,11 @@ def test_fast_path_logits_and_gradients_equal_the_plain_path(name, path, monkeyp
         grads = {k: p.grad for k, p in plain.named_parameters() if p.grad is not None}
         fgrads = {k: p.grad for k, p in fast.named_parameters() if p.grad is not None}
         assert grads.keys() == fgrads.keys() and grads
-        for k in grads:
-            torch.testing.assert_close(fgrads[k], grads[k], rtol=1e-4, atol=10 * tol, msg=k)
+        for k in grads:  # relative to the gradient's norm: elementwise, a standardised conv's weight gradient (WS
+            # divides by the filter's std) amplifies the rounding past any fixed atol on some CPUs; a wrong
+            # gradient is off by O(1), the rounding measured 1e-6 to 7e-6 (Zen 5)
+            err = ((fgrads[k] - grads[k]).norm() / grads[k].norm().clamp_min(1e-12)).item()
+            assert err < 1e-4, (k, err)
         for opt in opts:
             opt.step()
     fast.eval(), plain.eval()

@@ -381,7 +381,7 @@ class VisionTransformer(nn.Module):
         """Image (B, C, H, W) -> logits (B, num_classes), or pooled features if num_classes == 0.
         With `mpp_pixels` (the images in [0, 1]): masked patch prediction, `forward_mpp` (through forward, so that
         DDP and FSDP2 see the call)."""
-        if mpp_pixels is not None:
+        if mpp_pixels is not None and not is_fx_tracing():  # fx traces the classifier; mpp through forward_mpp
             return self.forward_mpp(x, mpp_pixels, mpp_generator)
         if not self._cls_only_last_block():
             return self.forward_head(self.forward_features(x))

@@ -233,7 +233,7 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
     if r.activation_checkpointing:
         model.set_grad_checkpointing(True)
     if r.fast_gemm and device.type == "cpu" and r.precision == "fp32" and not r.compile:
-        pack_linears(model, training=True)  # sharded (FSDP2) weights fall back to F.linear by themselves
+        pack_linears(model, training=True)  # repacked after every optimizer step (fused ones and FSDP2 included)
     teacher = _load_teacher(cfg, device)
     if getattr(model.config, "distilled", False):
         model.distilled_training = True  # both heads' logits in training: label loss and distillation loss

@@ -5,20 +5,36 @@ embedding's matmul and a hybrid's 1x1 patch embedding) run float32 CPU calls on 
 fastest for its shape:
 - inference (no gradients): from the weight packed once, repacked when the weight changes;
 - training (`training=True`): the forward and the input gradient dX = dY W both run from packed weights (W and
-  W^T), repacked once per optimizer step (when the weight's version counter moves); the weight gradient
-  dW = dY^T X, whose operands are both activations, on the path measured fastest for it (oneDNN reading the
-  transposed views, or MKL). Gradients equal the plain path to fp32 rounding (tests/test_gemm.py).
-Everything else (autocast, bf16, GPUs, torch.compile and fx tracing, sharded weights) takes the plain `F.linear`
-path. The packed copies cost as much memory as the weights they pack (twice in training).
+  W^T), repacked once per optimizer step (after any torch optimizer's step, or when the weight's version counter
+  or storage moves); the weight gradient dW = dY^T X, whose operands are both activations, on the path measured
+  fastest for it (oneDNN reading the transposed views, or MKL). Gradients equal the plain path to fp32 rounding
+  (tests/test_gemm.py).
+Everything else (autocast, bf16, GPUs, torch.compile and fx tracing, DTensor weights) takes the plain `F.linear`
+path. A weight written in place outside an optimizer and past autograd's version counter (`p.data.copy_(...)`)
+is not seen: call `pack_linears` again after such a write. The packed copies cost as much memory as the weights
+they pack (twice in training).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import gemm
 from .tracing import is_fx_tracing
+
+
+# Every optimizer step moves this counter (a global post-step hook, registered by `pack_linears`): the fused
+# optimizers (torch.optim's fused=True, vitkit's default on CPUs) and FSDP2's all-gathers write the weights
+# without moving their version counter, which alone would leave a stale packed copy in use.
+_step = 0
+_hook = None
+
+
+def _optimizer_stepped(*_args) -> None:
+    global _step
+    _step += 1
 
 
 def packing_available() -> bool:
@@ -55,7 +71,8 @@ class FastGemm:
 
     packable: bool = False  # set by `pack_linears`: inference calls use the packed path
     train_fast: bool = False  # set by `pack_linears(training=True)`: training calls too
-    # (path, packed W, packed W^T or None, rows, weight version, data_ptr, dW path or None, dX path or None)
+    # (path, packed W, packed W^T or None, rows, weight version, data_ptr, dW path or None, dX path or None,
+    #  optimizer steps so far)
     _packed: tuple | None = None
 
     def _fast(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, grad: bool) -> tuple | None:
@@ -67,7 +84,7 @@ class FastGemm:
             return None
         rows = x.numel() // x.shape[-1]
         p = self._packed
-        if p is None or param._version != p[4] or param.data_ptr() != p[5] or (grad and p[6] is None) \
+        if p is None or param._version != p[4] or param.data_ptr() != p[5] or p[8] != _step or (grad and p[6] is None) \
                 or ("mkl-packed" in (p[0], p[7]) and p[3] != rows):  # MKL's packed GEMM: only the row count packed for
             path = gemm.choose(w2d.shape[1], w2d.shape[0], rows)
             wd = w2d.detach()
@@ -76,7 +93,7 @@ class FastGemm:
             packed_t = gemm.pack(tpath, wd.t().contiguous(), rows) if grad else None
             wpath = gemm.choose(w2d.shape[1], w2d.shape[0], rows, kind="wgrad") if grad else None
             p = self._packed = (path, gemm.pack(path, wd, rows), packed_t, rows, param._version, param.data_ptr(), wpath,
-                                tpath)
+                                tpath, _step)
         return p
 
     def _linear(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -109,8 +126,11 @@ def pack_linears(model: nn.Module, enable: bool = True, training: bool = False) 
     machine's fastest GEMM (`gemm.choose`, measured once per CPU and shape), from weights packed at their first
     call and repacked when they change: inference calls, and with `training` the training forward and input
     gradient too. Returns how many layers will. `enable=False` undoes it and frees the packed copies."""
+    global _hook
     layers = [m for m in model.modules() if isinstance(m, FastGemm)]
     on = enable and packing_available()
+    if on and _hook is None:
+        _hook = register_optimizer_step_post_hook(_optimizer_stepped)
     for m in layers:
         m.packable, m.train_fast, m._packed = on, on and training, None
     return len(layers) if on else 0

@@ -39,7 +39,7 @@ demo: $(STAMP) data
 	$(VENV)/bin/vitkit demo
 
 test: $(STAMP) data browser
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -234,7 +234,10 @@ def test_config_overrides_files_and_errors(tmp_path):
 
     c2 = TrainConfig.from_dict(load_config_file(tmp_path / "c.yaml"))
     assert c2.optim.lr == 0.005 and c2.schedule.epochs == 1.0
-    for name in ("fashion-mnist", "fashion-mnist-long", "cifar10-scratch", "cifar10-finetune"):
+    from vitkit.training.presets import PRESETS
+
+    assert {"fashion-mnist", "fashion-mnist-long", "fashion-mnist-mpp", "cifar10-scratch", "cifar10-finetune"} <= set(PRESETS)
+    for name in PRESETS:
         smoke = get_preset(name, smoke=True)
         assert smoke.data.subset and smoke.schedule.epochs <= 2
 
@@ -249,6 +252,18 @@ def test_cli_train_smoke_writes_the_resolved_config(tmp_path):
 
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["data"]["dataset"] == "digits" and saved["model"]["overrides"]["embed_dim"] == 32
+
+
+def test_mpp_preset_pretrains_and_fine_tunes_as_its_docstring_says(tmp_path):
+    from vitkit.cli import main
+
+    common = ["--smoke", "data.dataset=digits", "run.progress=false", "model.overrides.img_size=16"]
+    assert main(["train", "fashion-mnist-mpp", *common, f"run.out_dir={tmp_path / 'pre'}"]) == 0
+    assert vitkit.load(tmp_path / "pre" / "final.safetensors").config.mpp
+    assert main(["train", "fashion-mnist-mpp", *common, "model.objective=classify", f"run.out_dir={tmp_path / 'ft'}",
+                 f"model.checkpoint={tmp_path / 'pre' / 'final.safetensors'}"]) == 0
+    m = vitkit.load(tmp_path / "ft" / "final.safetensors")
+    assert not m.config.mpp and m.config.num_classes == 10
 
 
 def test_demo_trains_evaluates_and_predicts_on_fashion_mnist(tmp_path, capsys):

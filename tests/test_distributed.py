@@ -30,8 +30,11 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VITKIT_GEMM": "onednn-packed"}
 
 
-def _train(out: Path, *extra: str, nproc: int = 1, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "vitkit", "train", *TINY, f"run.out_dir={out}", *extra] + (["--nproc", str(nproc)] if nproc > 1 else [])
+def _train(out: Path, *extra: str, nproc: int = 1, check: bool = True, torchrun: bool = False, **kw) -> subprocess.CompletedProcess:
+    # torchrun itself runs any number of processes (1 too); `vitkit train --nproc N` relaunches under it for N > 1
+    launch = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if torchrun else []) + ["-m", "vitkit"]
+    cmd = [sys.executable, *launch, "train", *TINY, f"run.out_dir={out}", *extra]
+    cmd += ["--nproc", str(nproc)] if nproc > 1 and not torchrun else []
     res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=300, **kw)
     if check:
         assert res.returncode == 0, res.stderr[-3000:]
@@ -55,9 +58,12 @@ def test_ddp_and_fsdp_match_one_process_at_the_global_batch(tmp_path):
     _train(tmp_path / "fsdp", "--max-steps", "6", "run.strategy=fsdp", *sgd, nproc=2)
     _train(tmp_path / "accum", "--max-steps", "6", "data.batch_size=32", "run.accumulate=2", "run.activation_checkpointing=true",
            *sgd, nproc=2)
+    # torchrun at one process: DDP and FSDP2 run alone in a group of one (what their overhead is measured on)
+    _train(tmp_path / "ddp1", "--max-steps", "6", "run.strategy=ddp", *sgd, torchrun=True)
+    _train(tmp_path / "fsdp1", "--max-steps", "6", "run.strategy=fsdp", *sgd, torchrun=True)
     one = tmp_path / "one" / "final.safetensors"
     assert load_file(one)["head.weight"].abs().max() > 0  # it trained
-    for name in ("ddp", "fsdp", "accum"):
+    for name in ("ddp", "fsdp", "accum", "ddp1", "fsdp1"):
         assert _max_diff(one, tmp_path / name / "final.safetensors") <= 1e-5, name
     result = json.loads((tmp_path / "fsdp" / "result.json").read_text())
     assert result["world_size"] == 2 and result["step"] == 6

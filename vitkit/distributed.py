@@ -43,9 +43,10 @@ class Dist:
 
     @classmethod
     def from_env(cls, device: torch.device) -> "Dist":
-        """Join torchrun's process group if the environment names one (WORLD_SIZE > 1), on `device`'s backend."""
+        """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE, MASTER_ADDR), on
+        `device`'s backend; a world of one under torchrun is a group too (DDP or FSDP2 can run alone in it)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1:
+        if world <= 1 and not ("RANK" in os.environ and "MASTER_ADDR" in os.environ):
             return cls(device=device)
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         if device.type == "cuda":
@@ -138,8 +139,9 @@ def wrap_model(model: nn.Module, dist: Dist, strategy: str, precision: str) -> n
     parameters."""
     if strategy == "none":
         return model
-    if not dist.enabled:
-        raise UsageError(f"run.strategy={strategy} needs several processes: launch with torchrun or `vitkit train --nproc N`")
+    if not tdist.is_initialized():
+        raise UsageError(f"run.strategy={strategy} needs a process group: launch with torchrun (`torchrun --nproc-per-node N "
+                         "-m vitkit train ...`, N = 1 too) or `vitkit train --nproc N`")
     if strategy == "ddp":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)

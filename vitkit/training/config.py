@@ -131,9 +131,9 @@ class RunConfig:
     fast_gemm: fp32 on a CPU: the Linear layers' forward and input gradient on the fastest GEMM this machine has,
         chosen by measurement once per CPU (`vitkit.models.layers.gemm`; oneDNN's packed GEMM runs 2x MKL's on
         AMD Zen 5); false: PyTorch's own (MKL). The same gradients to fp32 rounding.
-    strategy: with several processes (torchrun, `vitkit train --nproc N`): "ddp" (DistributedDataParallel) or
-        "fsdp" (FSDP2: parameters, gradients and optimizer state sharded per block); "auto" is ddp under torchrun
-        and none in one process.
+    strategy: under torchrun (or `vitkit train --nproc N`): "ddp" (DistributedDataParallel) or
+        "fsdp" (FSDP2: parameters, gradients and optimizer state sharded per block); "auto" is ddp with several
+        processes and none in one (torchrun at one process runs either strategy alone, to measure its overhead).
     activation_checkpointing: recompute each block's activations in the backward instead of storing them.
     accumulate: gradient accumulation steps (no gradient all-reduce on the accumulating ones).
     ema: EMA decay of the weights (e.g. 0.9998); None: off.

@@ -107,7 +107,8 @@ class FastGemm:
             return gemm.run(path, x, packed, w2d, bias, rows)
         lead = x.shape[:-1]
         y = _PackedLinear.apply(x.reshape(-1, x.shape[-1]), w2d, bias, path, packed, packed_t, rows, p[6], p[7])  # (rows, n)
-        return y.view(*lead, w2d.shape[0])
+        # a 2-D input's output is the function's own tensor, not a view of it (FSDP2 warns of a root returning a view)
+        return y if x.dim() == 2 else y.view(*lead, w2d.shape[0])
 
     def __getstate__(self) -> dict:
         # copies (copy.deepcopy, pickling) leave the packed weights behind: opaque tensors, rebuilt on demand

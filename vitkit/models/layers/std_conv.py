@@ -1,8 +1,6 @@
 """Weight-standardised convolution (Qiao et al. 2019) as used by BiT and the ViT hybrid (Sec. 3.1, 4.1)."""
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,8 +10,9 @@ from ...errors import UsageError
 def pad_same(x: torch.Tensor, kernel: int, stride: int, value: float = 0.0) -> torch.Tensor:
     """TensorFlow/flax 'SAME' padding: output = ceil(input / stride), the extra pixel at the bottom/right."""
     ih, iw = x.shape[-2:]
-    ph = max((math.ceil(ih / stride) - 1) * stride + kernel - ih, 0)
-    pw = max((math.ceil(iw / stride) - 1) * stride + kernel - iw, 0)
+    # (ceil(i / s) - 1) * s + k - i, written with the remainder i % s alone: a constant wherever the size is a known
+    # multiple of the stride, also for the symbolic sizes of an export (no ceil/max expressions to reason about)
+    ph, pw = (max(kernel - (i % stride or stride), 0) for i in (ih, iw))
     if ph or pw:
         x = F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2), value=value)
     return x

@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/gpu.sh peers     # the device; vitkit vs timm and HF (B/16, L/16, bf16, eager); every
 #                                    # registered model (`vitkit bench`); the Fashion-MNIST preset on CUDA
+#   bash benchmarks/gpu.sh strategies # one GPU: the plain loop vs DDP and FSDP2 at world size 1 (B/16, bf16),
+#                                    # activation checkpointing's memory and speed for L/16 and H/14, MFU
 #   bash benchmarks/gpu.sh scaling   # where a step's time goes (gpu_profile.py); the scaling table (B/16, L/16,
 #                                    # bf16); vitkit vs timm, both compiled; B/16 training at batch 128
 #
@@ -39,5 +41,11 @@ scaling)
   timeout 150 "$py" benchmarks/peers.py --device cuda --lowp-stream --rounds 5 --seconds 3 --batch-train 128 \
     --cases vit_b16:train:bf16 --json "$out/peers_b16_train_b128.json" 2>&1 | grep -v "model shards" | tee "$out/peers_b16_train_b128.log"
   ;;
-*) echo "usage: $0 peers|scaling" >&2; exit 2 ;;
+strategies)
+  timeout 280 "$py" benchmarks/train_step.py --device cuda --precision bf16 --models vit_b16 --batch 64 --checkpointing off \
+    --steps 20 --rounds 3 --json "$out/train_step_b16.json" 2>&1 | tee "$out/train_step_b16.log"
+  timeout 300 "$py" benchmarks/train_step.py --device cuda --precision bf16 --models vit_l16 vit_h14 --batch 32 \
+    --variants plain fsdp --steps 10 --rounds 2 --json "$out/train_step_l16_h14.json" 2>&1 | tee "$out/train_step_l16_h14.log"
+  ;;
+*) echo "usage: $0 peers|scaling|strategies" >&2; exit 2 ;;
 esac

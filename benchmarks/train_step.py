@@ -129,13 +129,16 @@ def run_case(name: str, variant: str, ckpt: bool, args, dist: Dist, steps: int |
            "img_per_s": args.batch * dist.world / step_s, "step_peak_mb": None if mem.peak is None else mem.peak / 2**20,
            "activations_mb": held / 2**20,
            "gflops_per_img": flops / 1e9}
-    del net, model, opt, step
+    return out
+
+
+def release(device: torch.device) -> None:
+    """Free what the last case left: CUDA's cached blocks, or glibc's heap (a child measuring memory runs next)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    elif sys.platform.startswith("linux"):  # hand the freed heap back (a child measuring memory runs next)
+    elif sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return out
 
 
 def main() -> None:
@@ -182,6 +185,7 @@ def main() -> None:
                 # on a CPU once per case, in a child process (see the top), while this one holds no model
                 mem = cpu_step_memory(*case) if device.type == "cpu" and rnd == 0 and dist.world == 1 else None
                 r = run_case(*case, args, dist)
+                release(device)
                 if device.type == "cpu":
                     r.update(mem or {"step_peak_mb": None, "activations_mb": None})
                 results[case].append(r)

@@ -128,7 +128,8 @@ def test_every_sample_once_across_ranks_and_workers_and_exact_resume(tmp_path, s
         assert run["resumed"] == run["all"][10:]
 
 
-def test_training_from_shards_resumes_exactly(tmp_path, shards):
+@pytest.mark.parametrize("crop", ["pad", "rrc"])  # rrc: random-resized crops cut in the DataLoader workers
+def test_training_from_shards_resumes_exactly(tmp_path, shards, crop):
     from vitkit.training import apply_overrides, get_preset, train
 
     def cfg(out, **extra):
@@ -136,7 +137,7 @@ def test_training_from_shards_resumes_exactly(tmp_path, shards):
         c.model.overrides = {}
         apply_overrides(c, {"data.dataset": str(shards), "data.batch_size": 50, "data.num_workers": 2, "model.name": "vit_ti16",
                             "model.overrides": {"img_size": 8, "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2,
-                                                "mlp_dim": 64}, "aug.pad": 1, "run.tta": "none", "run.progress": False,
+                                                "mlp_dim": 64}, "aug.pad": 1, "aug.crop": crop, "run.tta": "none", "run.progress": False,
                             "run.out_dir": str(out), "schedule.epochs": 1, "run.ckpt_every": 7, "run.eval_every": 1, **extra})
         return c
 

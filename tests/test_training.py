@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -161,6 +162,46 @@ def test_image_folder_end_to_end(tmp_path, capsys):
     cfg.run.out_dir = str(tmp_path / "strict")
     with pytest.raises(Exception, match="broken.png"):
         train(cfg)
+
+
+def test_random_resized_crops_of_files_are_cut_at_full_resolution(tmp_path):
+    """aug.crop=rrc on files: each crop is cut from the decoded full-resolution image in the DataLoader workers,
+    drawn from (seed, epoch, index) alone, so a small crop keeps the file's detail (a crop of the model-size image
+    would be upsampled blur), and the training batch is not cropped again."""
+    import random
+
+    from vitkit.data.datasets import image_folder
+    from vitkit.data.image import random_resized_crop_box
+    from vitkit.distributed import Dist
+    from vitkit.training.trainer import _prepare
+
+    rng = random.Random(0)
+    boxes = [random_resized_crop_box(375, 500, (0.1, 0.3), (3 / 4, 4 / 3), rng) for _ in range(2000)]
+    for top, left, h, w in boxes:  # inside the image, area and aspect ratio in range up to rounding
+        assert 0 <= top <= 375 - h and 0 <= left <= 500 - w
+        assert 0.099 <= h * w / (375 * 500) <= 0.302 and 0.74 <= w / h <= 1.345
+    assert abs(np.mean([h * w for _, _, h, w in boxes]) / (375 * 500) - 0.2) < 0.01  # U(0.1, 0.3): every draw fits
+    assert random_resized_crop_box(375, 500, (2.0, 2.0), (1.0, 1.0), rng) == (0, 62, 375, 375)  # none fits: centre
+
+    root = tmp_path / "noise"
+    for cls in ("a", "b"):
+        (root / "train" / cls).mkdir(parents=True)
+        (root / "val" / cls).mkdir(parents=True)
+        for i in range(4):
+            noise = np.random.default_rng(i).integers(0, 256, (480, 480, 3), dtype=np.uint8)
+            Image.fromarray(noise).save(root / "train" / cls / f"{i}.png")
+            Image.fromarray(noise).save(root / "val" / cls / f"{i}.png")
+    ds = image_folder(root / "train", img_size=(32, 32)).with_train_crop((0.01, 0.01), (1.0, 1.0), seed=0)
+    x = ds.for_epoch(0)[0][0]
+    assert x.shape == (3, 32, 32) and torch.equal(x, ds.for_epoch(0)[0][0]) and not torch.equal(x, ds.for_epoch(1)[0][0])
+    # a 48-px crop of the noise resized to 32: neighbours differ as noise does (~85 grey levels before resizing)
+    assert (x[:, :, 1:].int() - x[:, :, :-1].int()).abs().float().mean() > 25
+
+    cfg = tiny_cfg(tmp_path / "run", **{"data.dataset": str(root), "data.batch_size": 4, "data.num_workers": 0,
+                                        "aug.crop": "rrc", "model.overrides": {"img_size": 16, "in_chans": 3}})
+    run = _prepare(cfg, Dist())
+    assert run.spec.train.train_crop[:3] == (tuple(cfg.aug.scale), tuple(cfg.aug.ratio), cfg.run.seed)
+    assert run.aug.cfg.crop == "none" and run.spec.test.train_crop is None  # evaluation keeps its geometry
 
 
 def test_finetune_a_fixture_checkpoint_at_a_new_resolution(tmp_path):

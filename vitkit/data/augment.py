@@ -21,7 +21,8 @@ class AugConfig:
 
     Args:
         crop: "pad" (pad-and-crop by `pad` pixels, for small images), "rrc" (random-resized-crop with
-            area `scale`), or "none".
+            area `scale` and aspect `ratio`: of image files, cut from the full-resolution image in the DataLoader
+            workers; of in-memory data, on the batch), or "none".
         hflip: random horizontal flips.
         randaugment: "n,m": n ops per image at magnitude m (0-10), e.g. "2,9"; empty for none.
         mixup, cutmix: Beta alphas (0 disables); when both are on, one of them per batch.

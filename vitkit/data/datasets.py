@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..models.layers.patch_embed import to_2tuple
-from .image import ImageDecodeError, load_image, resize_crop, to_uint8_tensor
+from .image import ImageDecodeError, load_image, sample_geometry, to_uint8_tensor
 from ..errors import UsageError, VitkitError
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -209,7 +209,8 @@ def load_cifar(name: str = "cifar10", split: str = "train", data_dir: str | Path
 @dataclass
 class FileDataset(Dataset):
     """(path, label) pairs decoded in DataLoader workers to uint8 (C, H, W) at the model's size, with the model's
-    evaluation geometry (`vitkit.data.image.resize_crop`: shorter side to img_size / crop_pct, centre crop).
+    evaluation geometry (`vitkit.data.image.resize_crop`: shorter side to img_size / crop_pct, centre crop), or
+    for training with `with_train_crop` random-resized crops of the full-resolution image (`sample_geometry`).
 
     A file that cannot be decoded (or declares more than `image.MAX_IMAGE_PIXELS`) gives None and is counted by
     the collate function, unless `strict`. `configured(model_config)` sets the size and geometry from a model.
@@ -223,6 +224,7 @@ class FileDataset(Dataset):
     name: str = ""
     crop_pct: float = 1.0
     interpolation: str = "bilinear"
+    train_crop: tuple | None = None  # (scale, ratio, seed, epoch): random-resized crops at full resolution
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -235,12 +237,19 @@ class FileDataset(Dataset):
             if self.strict:
                 raise ImageDecodeError(f"{path}: {e}") from e
             return None
-        return to_uint8_tensor(resize_crop(img, tuple(self.img_size), self.crop_pct, self.interpolation)), label
+        return to_uint8_tensor(sample_geometry(img, self, i)), label
 
     def configured(self, config) -> "FileDataset":
         """This list of files, decoded as `config` (a model's) asks: its img_size, crop_pct and interpolation."""
         return dataclasses.replace(self, img_size=tuple(config.img_size), crop_pct=getattr(config, "crop_pct", 1.0),
                                    interpolation=getattr(config, "interpolation", "bilinear"))
+
+    def with_train_crop(self, scale: tuple[float, float], ratio: tuple[float, float], seed: int) -> "FileDataset":
+        """Training crops: each image random-resized-cropped at its full resolution, then resized to img_size."""
+        return dataclasses.replace(self, train_crop=(tuple(scale), tuple(ratio), seed, 0))
+
+    def for_epoch(self, epoch: int) -> "FileDataset":
+        return self if self.train_crop is None else dataclasses.replace(self, train_crop=(*self.train_crop[:3], epoch))
 
     @property
     def labels(self) -> torch.Tensor:
@@ -371,6 +380,8 @@ def iterate_batches(
     steps = n // batch_size if drop_last else -(-n // batch_size)
     order = order[start_step * batch_size : steps * batch_size if drop_last else n]
     batches = [order[i : i + batch_size][rank * per_rank : (rank + 1) * per_rank] for i in range(0, len(order), batch_size)]
+    if hasattr(data, "for_epoch"):  # files cropped at full resolution: this epoch's crops
+        data = data.for_epoch(epoch)
     yield from _load_batches(data, batches, num_workers, device)
 
 

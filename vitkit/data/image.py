@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -96,6 +97,42 @@ def resize_crop(img: Image.Image, img_size: tuple[int, int], crop_pct: float = 1
     if (rh, rw) != (img.height, img.width):
         img = img.resize((rw, rh), _PIL_INTERP.get(interpolation, Image.BILINEAR))
     return img.crop((left, top, left + img_size[1], top + img_size[0]))
+
+
+def random_resized_crop_box(height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
+                            rng: random.Random) -> tuple[int, int, int, int]:
+    """Inception-style random-resized-crop on a (height, width) image: a box (top, left, h, w) of area fraction
+    U(scale) and log-uniform aspect ratio w/h in `ratio`, at a uniform position; after 10 misses the centre crop of
+    the largest box whose ratio is in range (torchvision's algorithm)."""
+    area = height * width
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def sample_geometry(img: Image.Image, ds, index: int) -> Image.Image:
+    """A file dataset's sample at its model's size: the evaluation geometry, or, for a training set given a
+    `train_crop` (scale, ratio, seed, epoch), a random-resized crop of the full-resolution image, drawn from
+    (seed, epoch, index) alone: the same crop whatever the number of processes or workers, and on a resume."""
+    if ds.train_crop is None:
+        return resize_crop(img, tuple(ds.img_size), ds.crop_pct, ds.interpolation)
+    scale, ratio, seed, epoch = ds.train_crop
+    rng = random.Random((seed * 1_000_003 + epoch) * 1_000_000_007 + index)
+    top, left, h, w = random_resized_crop_box(img.height, img.width, scale, ratio, rng)
+    return img.resize((ds.img_size[1], ds.img_size[0]), _PIL_INTERP.get(ds.interpolation, Image.BILINEAR),
+                      box=(left, top, left + w, top + h))
 
 
 def to_uint8_tensor(img: Image.Image) -> torch.Tensor:

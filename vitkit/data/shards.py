@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from ..errors import UsageError
-from .image import ImageDecodeError, load_image, resize_crop, to_uint8_tensor
+from .image import ImageDecodeError, load_image, sample_geometry, to_uint8_tensor
 
 FORMAT = "vitkit-shards"
 IMAGE_EXT = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
@@ -190,6 +190,7 @@ class ShardDataset(torch.utils.data.Dataset):
     name: str = ""
     crop_pct: float = 1.0
     interpolation: str = "bilinear"
+    train_crop: tuple | None = None  # (scale, ratio, seed, epoch): random-resized crops at full resolution
     indices: np.ndarray | None = field(default=None, repr=False)  # a subset of the split (a held-out part)
 
     def __post_init__(self) -> None:
@@ -241,11 +242,18 @@ class ShardDataset(torch.utils.data.Dataset):
             if self.strict:
                 raise ImageDecodeError(f"{self.name} sample {i}: {e}") from e
             return None
-        return to_uint8_tensor(resize_crop(img, tuple(self.img_size), self.crop_pct, self.interpolation)), label
+        return to_uint8_tensor(sample_geometry(img, self, i)), label
 
     def configured(self, config) -> "ShardDataset":
         return dataclasses.replace(self, img_size=tuple(config.img_size), crop_pct=getattr(config, "crop_pct", 1.0),
                                    interpolation=getattr(config, "interpolation", "bilinear"))
+
+    def with_train_crop(self, scale: tuple[float, float], ratio: tuple[float, float], seed: int) -> "ShardDataset":
+        """Training crops: each image random-resized-cropped at its full resolution, then resized to img_size."""
+        return dataclasses.replace(self, train_crop=(tuple(scale), tuple(ratio), seed, 0))
+
+    def for_epoch(self, epoch: int) -> "ShardDataset":
+        return self if self.train_crop is None else dataclasses.replace(self, train_crop=(*self.train_crop[:3], epoch))
 
     def subset(self, keep: np.ndarray, name: str | None = None) -> "ShardDataset":
         base = self.indices if self.indices is not None else np.arange(len(self))

@@ -17,6 +17,7 @@ step, and only rank 0 writes logs and weights.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import signal
 import time
@@ -246,6 +247,12 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
                         3 if fs.in_chans == 1 and mc.in_chans == 3 else None)
     # files are decoded at the model's size with its evaluation geometry (a 384-px checkpoint reads at 384)
     spec.train, spec.test, val = (ds.configured(mc) if decodes_files(ds) else ds for ds in (spec.train, spec.test, val))
+    aug_cfg = cfg.aug
+    if decodes_files(spec.train) and aug_cfg.crop == "rrc":
+        # random-resized crops of files are cut from the full-resolution image in the DataLoader workers, not from
+        # the model-size batch (a small crop of it would be upsampled blur); flips and the rest stay on the batch
+        spec.train = spec.train.with_train_crop(aug_cfg.scale, aug_cfg.ratio, r.seed)
+        aug_cfg = dataclasses.replace(aug_cfg, crop="none")
     ema = copy.deepcopy(model).eval() if r.ema else None  # before sharding: the EMA is a whole model on every rank
     if ema is not None:
         for p in ema.parameters():
@@ -256,7 +263,7 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
         net = torch.compile(net)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(r.precision)
     # the augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
-    aug = BatchAugment(cfg.aug, tuple(mc.img_size), mc.mean, mc.std, len(spec.classes), spec.extra.get("replicate_channels"))
+    aug = BatchAugment(aug_cfg, tuple(mc.img_size), mc.mean, mc.std, len(spec.classes), spec.extra.get("replicate_channels"))
     steps_per_epoch = len(spec.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     return _Run(cfg, dist, Path(r.out_dir), spec, val, split, model, net, strategy, opt, ema,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import math
 import os
 import random
 import sys
@@ -59,16 +58,11 @@ def make_jpegs(folder: Path, n: int, classes: int = 0) -> list[Path]:
 
 
 def rrc_box(rng: random.Random, w: int, h: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
-    """torchvision's RandomResizedCrop box (left, top, width, height), with its 10 tries and centre fallback."""
-    area = w * h
-    for _ in range(10):
-        target = area * rng.uniform(*scale)
-        aspect = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
-        cw, ch = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
-        if 0 < cw <= w and 0 < ch <= h:
-            return rng.randint(0, w - cw), rng.randint(0, h - ch), cw, ch
-    side = min(w, h)
-    return (w - side) // 2, (h - side) // 2, side, side
+    """The trainer's random-resized-crop box (torchvision's algorithm) as (left, top, width, height)."""
+    from vitkit.data.image import random_resized_crop_box
+
+    top, left, ch, cw = random_resized_crop_box(h, w, scale, ratio, rng)
+    return left, top, cw, ch
 
 
 def _reduction(cw: int, ch: int, limit: int = 8) -> int:

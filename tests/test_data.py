@@ -90,7 +90,7 @@ def test_eval_predict_and_explain_see_the_same_input(tmp_path, capsys):
 def test_finetuning_decodes_folders_at_the_checkpoint_size(tmp_path, monkeypatch):
     """A 48-px checkpoint fine-tuned on a folder of 64-px images: the files are decoded at 48, not at a default size
     and then resampled."""
-    import vitkit.data.datasets as datasets
+    import vitkit.data.image as image
     from test_training import tiny_cfg
     from vitkit.training import train
 
@@ -99,8 +99,8 @@ def test_finetuning_decodes_folders_at_the_checkpoint_size(tmp_path, monkeypatch
     root = tmp_path / "imgs"
     _write_folder(root, {"train": 4, "val": 1}, size=(64, 64))
     sizes = set()
-    real = datasets.resize_crop
-    monkeypatch.setattr(datasets, "resize_crop", lambda img, size, *a: (sizes.add(tuple(size)), real(img, size, *a))[1])
+    real = image.resize_crop  # what every file sample is decoded by (image.sample_geometry), seen passing through
+    monkeypatch.setattr(image, "resize_crop", lambda img, size, *a: (sizes.add(tuple(size)), real(img, size, *a))[1])
     cfg = tiny_cfg(tmp_path / "run", **{"data.dataset": str(root), "data.batch_size": 4, "data.num_workers": 0,
                                         "model.checkpoint": str(ckpt), "model.overrides": {}, "schedule.epochs": 1})
     train(cfg)

@@ -276,6 +276,27 @@ def test_hooks_and_fx_see_the_full_last_block():
         assert outputs[fc1.name].shape == (2, m.config.num_tokens, m.config.mlp_dim)
 
 
+@pytest.mark.parametrize("name,kw", [
+    ("vit_ti16", dict(img_size=32, patch_size=8, depth=2)),
+    ("r26_vit_s32", dict(img_size=64, hybrid_layers=(1, 1, 1), hybrid_width=0.5, depth=1, embed_dim=48, num_heads=3, mlp_dim=96)),
+    ("r_vit_ti16", dict(img_size=64, depth=1)),  # the stem alone: 'SAME' conv and max-pool
+    ("bit_r50x1", dict(img_size=64)),
+])
+def test_every_family_traces_with_torch_fx(name, kw):
+    """torch.fx symbolic tracing (feature extraction, graph rewrites) of every family, with gradients on: the traced
+    module computes the model's logits. 'SAME' padding is one traced call (its size is read when it runs)."""
+    m = vitkit.create_model(name, num_classes=5, **kw).eval()
+    with torch.no_grad():
+        for p in m.parameters():  # no zero-initialised head: the logits must depend on every layer
+            if not p.any():
+                p.normal_(std=0.1)
+    gm = torch.fx.symbolic_trace(m)
+    x = torch.randn(2, 3, *m.config.img_size)
+    torch.testing.assert_close(gm(x), m(x), rtol=1e-5, atol=1e-5)
+    if name.startswith("r"):
+        assert any(n.op == "call_function" and n.target.__name__ == "pad_same" for n in gm.graph.nodes)
+
+
 def test_gap_models_run_every_block_on_every_token():
     m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=2, classifier="gap", num_classes=10).eval()
     seen = []

@@ -17,7 +17,10 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .layers import DropPath, Linear, StdConv2d, pad_same
+from .layers.tracing import is_fx_tracing
 from ..errors import UsageError
+
+torch.fx.wrap("pad_same")  # one node in a torch.fx trace (its padding depends on the input's size)
 
 
 def _gn(chans: int, eps: float) -> nn.GroupNorm:
@@ -118,6 +121,8 @@ class ResNetBackbone(nn.Module):
         return self.stages(x)  # (B, C', H/s, W/s)
 
     def _max_pool(self, x: torch.Tensor) -> torch.Tensor:
+        if is_fx_tracing():  # no shapes or layouts to read: the general 'SAME' path (one `pad_same` node)
+            return F.max_pool2d(pad_same(x, 3, 2, value=float("-inf")), 3, 2) if self.same else F.max_pool2d(x, 3, 2, padding=1)
         # The CPU max-pool is 14x faster channels-last than NCHW (benchmarks/NOTES.md, section 8), while GroupNorm is
         # much slower channels-last: a 1-channel input leaves the stem NCHW, so only the pool switches layout.
         nchw = not x.is_contiguous(memory_format=torch.channels_last)
@@ -236,6 +241,8 @@ class ResNetV2(nn.Module):
             nn.init.zeros_(self.head.bias)
 
     def check_input(self, x: torch.Tensor) -> None:
+        if is_fx_tracing():
+            return
         expected = (self.config.in_chans, *self.config.img_size)
         if x.ndim != 4 or x.shape[1] != expected[0]:
             raise UsageError(f"expected input of shape (B, {expected[0]}, H, W) (default H, W = {expected[1:]}), got {tuple(x.shape)}")

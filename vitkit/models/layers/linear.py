@@ -98,6 +98,8 @@ class FastGemm:
 
     def _linear(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x (..., k) @ w2d (n, k)^T + bias -> (..., n); `param` is the parameter w2d is (a view of)."""
+        if is_fx_tracing():  # proxies: nothing to read (requires_grad included), the plain op is traced
+            return F.linear(x, w2d, bias)
         grad = torch.is_grad_enabled() and (x.requires_grad or param.requires_grad)
         p = self._fast(x, param, w2d, grad)
         if p is None or (p[0] == "mkl" and (not grad or p[6] == p[7] == "mkl")):

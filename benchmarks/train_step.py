@@ -208,9 +208,10 @@ def main() -> None:
     say("|---|---|---|---:|---:|---:|---:|---:|---:|")
     mb = lambda v: "n/a" if v is None else f"{v:.0f}"  # noqa: E731
     for r in rows:
-        ref = no_ckpt.get((r["model"], r["variant"]))
+        ref = no_ckpt.get((r["model"], r["variant"]))  # none when only checkpointing on was asked for
+        vs_off = f"{r['img_per_s'] / ref['img_per_s']:.3f}" if ref else "n/a"
         say(f"| {r['model']} | {r['variant']} | {'on' if r['checkpointing'] else 'off'} | {r['img_per_s']:.2f} | "
-            f"{r['img_per_s'] / base[(r['model'], r['checkpointing'])]:.3f} | {r['img_per_s'] / ref['img_per_s']:.3f} | "
+            f"{r['img_per_s'] / base[(r['model'], r['checkpointing'])]:.3f} | {vs_off} | "
             f"{mb(r['activations_mb'])} | {mb(r['step_peak_mb'])} | {100 * r['mfu']:.1f}% |")
     if args.json and dist.main:
         Path(args.json).write_text(json.dumps({"device": dev_name, "torch": torch.__version__, "world_size": dist.world,

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..models.layers.patch_embed import to_2tuple
-from .image import ImageDecodeError, load_image, sample_geometry, to_uint8_tensor
+from .image import ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 from ..errors import UsageError, VitkitError
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -207,7 +207,7 @@ def load_cifar(name: str = "cifar10", split: str = "train", data_dir: str | Path
 # ---- files on disk: ImageFolder trees and CSV lists --------------------------------------------------
 
 @dataclass
-class FileDataset(Dataset):
+class FileDataset(TrainCrops, Dataset):
     """(path, label) pairs decoded in DataLoader workers to uint8 (C, H, W) at the model's size, with the model's
     evaluation geometry (`vitkit.data.image.resize_crop`: shorter side to img_size / crop_pct, centre crop), or
     for training with `with_train_crop` random-resized crops of the full-resolution image (`sample_geometry`).
@@ -243,13 +243,6 @@ class FileDataset(Dataset):
         """This list of files, decoded as `config` (a model's) asks: its img_size, crop_pct and interpolation."""
         return dataclasses.replace(self, img_size=tuple(config.img_size), crop_pct=getattr(config, "crop_pct", 1.0),
                                    interpolation=getattr(config, "interpolation", "bilinear"))
-
-    def with_train_crop(self, scale: tuple[float, float], ratio: tuple[float, float], seed: int) -> "FileDataset":
-        """Training crops: each image random-resized-cropped at its full resolution, then resized to img_size."""
-        return dataclasses.replace(self, train_crop=(tuple(scale), tuple(ratio), seed, 0))
-
-    def for_epoch(self, epoch: int) -> "FileDataset":
-        return self if self.train_crop is None else dataclasses.replace(self, train_crop=(*self.train_crop[:3], epoch))
 
     @property
     def labels(self) -> torch.Tensor:

@@ -9,6 +9,7 @@ same-sized uint8 images (the in-memory datasets).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -120,6 +121,18 @@ def random_resized_crop_box(height: int, width: int, scale: tuple[float, float],
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
+
+
+class TrainCrops:
+    """For a file dataset (a dataclass with `train_crop`): random-resized training crops, per epoch."""
+
+    def with_train_crop(self, scale: tuple[float, float], ratio: tuple[float, float], seed: int):
+        """Training crops: each image random-resized-cropped at its full resolution, then resized to img_size."""
+        return dataclasses.replace(self, train_crop=(tuple(scale), tuple(ratio), seed, 0))
+
+    def for_epoch(self, epoch: int):
+        """This epoch's crops (the same dataset when it has none)."""
+        return self if self.train_crop is None else dataclasses.replace(self, train_crop=(*self.train_crop[:3], epoch))
 
 
 def sample_geometry(img: Image.Image, ds, index: int) -> Image.Image:

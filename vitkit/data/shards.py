@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from ..errors import UsageError
-from .image import ImageDecodeError, load_image, sample_geometry, to_uint8_tensor
+from .image import ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 
 FORMAT = "vitkit-shards"
 IMAGE_EXT = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
@@ -175,7 +175,7 @@ def _join(base: str, name: str) -> str:
 
 
 @dataclass
-class ShardDataset(torch.utils.data.Dataset):
+class ShardDataset(TrainCrops, torch.utils.data.Dataset):
     """One split of a shard set, by sample index. Decodes like `FileDataset`: at the model's size with its
     evaluation geometry (`configured`), a corrupt or oversized image is None (skipped and counted) unless strict."""
 
@@ -247,13 +247,6 @@ class ShardDataset(torch.utils.data.Dataset):
     def configured(self, config) -> "ShardDataset":
         return dataclasses.replace(self, img_size=tuple(config.img_size), crop_pct=getattr(config, "crop_pct", 1.0),
                                    interpolation=getattr(config, "interpolation", "bilinear"))
-
-    def with_train_crop(self, scale: tuple[float, float], ratio: tuple[float, float], seed: int) -> "ShardDataset":
-        """Training crops: each image random-resized-cropped at its full resolution, then resized to img_size."""
-        return dataclasses.replace(self, train_crop=(tuple(scale), tuple(ratio), seed, 0))
-
-    def for_epoch(self, epoch: int) -> "ShardDataset":
-        return self if self.train_crop is None else dataclasses.replace(self, train_crop=(*self.train_crop[:3], epoch))
 
     def subset(self, keep: np.ndarray, name: str | None = None) -> "ShardDataset":
         base = self.indices if self.indices is not None else np.arange(len(self))

@@ -121,14 +121,13 @@ class ResNetBackbone(nn.Module):
         return self.stages(x)  # (B, C', H/s, W/s)
 
     def _max_pool(self, x: torch.Tensor) -> torch.Tensor:
-        if is_fx_tracing():  # no shapes or layouts to read: the general 'SAME' path (one `pad_same` node)
-            return F.max_pool2d(pad_same(x, 3, 2, value=float("-inf")), 3, 2) if self.same else F.max_pool2d(x, 3, 2, padding=1)
+        tracing = is_fx_tracing()  # torch.fx: no shapes or layouts to read, the general paths (one `pad_same` node)
         # The CPU max-pool is 14x faster channels-last than NCHW (benchmarks/NOTES.md, section 8), while GroupNorm is
         # much slower channels-last: a 1-channel input leaves the stem NCHW, so only the pool switches layout.
-        nchw = not x.is_contiguous(memory_format=torch.channels_last)
+        nchw = not tracing and not x.is_contiguous(memory_format=torch.channels_last)
         if nchw:
             x = x.contiguous(memory_format=torch.channels_last)
-        if self.same and x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0:
+        if self.same and not tracing and x.shape[-2] % 2 == 0 and x.shape[-1] % 2 == 0:
             # 'SAME' pads one row/column at the bottom/right only: exactly ceil_mode, without a padded copy
             x = F.max_pool2d(x, 3, 2, ceil_mode=True)
         elif self.same:

@@ -53,7 +53,7 @@ def test_cli_bench_low_precision_stream(capsys):
     assert main(args + ["--dtype", "bf16", "--lowp-stream", "--json-out"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["dtype"] == "bf16" and out["compiled"] is False and out["compile_mode"] is None
-    assert main(args + ["--lowp-stream"]) == 2  # fp32: there is no low-precision stream to keep
+    assert main(args + ["--dtype", "fp32", "--lowp-stream"]) == 2  # fp32: there is no low-precision stream to keep
     assert "--lowp-stream needs --dtype bf16" in capsys.readouterr().err
     assert main(["bench", "bit_r50x1", "--img-size", "64", "--dtype", "bf16", "--lowp-stream"]) == 2  # a CNN has none
 

@@ -27,6 +27,7 @@ TINY = {
     "aug.hflip": False, "aug.pad": 0, "run.tta": "none",
     "optim.lr": 3e-3, "schedule.epochs": 4, "schedule.warmup_epochs": 0.5,
     "run.progress": False, "run.log_every": 1, "run.threads": 1, "run.deterministic": True,
+    "run.precision": "fp32",  # runs compared bitwise compute alike on any machine (auto: tests/test_precision.py)
 }
 
 
@@ -67,9 +68,9 @@ def _cli(out, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
 
 
-def _wait_for_step(out: Path, step: int, proc, timeout=120):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
+def _wait_for_step(out: Path, step: int, proc) -> None:
+    """Until the run has logged `step` (no time limit: a slow machine is no failure; a run that ends first is)."""
+    while True:
         f = out / "metrics.jsonl"
         if f.exists():
             steps = [json.loads(x).get("step", 0) for x in f.read_text().splitlines() if x.strip().endswith("}")]
@@ -78,7 +79,6 @@ def _wait_for_step(out: Path, step: int, proc, timeout=120):
         if proc.poll() is not None:
             raise AssertionError(f"the run ended before step {step}: {proc.stderr.read().decode()[-2000:]}")
         time.sleep(0.02)
-    raise AssertionError("timeout")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,9 @@ def reference_run(tmp_path_factory) -> Path:
     """The uninterrupted run both kill tests compare with (made once)."""
     out = tmp_path_factory.mktemp("reference") / "ref"
     ref = _cli(out)
-    assert ref.wait(300) == 0, ref.stderr.read().decode()[-2000:]
+    _, err = ref.communicate()
+    assert ref.returncode == 0, err.decode()[-2000:]
+    assert b"model vit_ti16: plain ViT, D 64, depth 2" in err  # the model named, not the preset's hybrid
     return out
 
 
@@ -95,11 +97,12 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, sig, reference_run):
     run = _cli(tmp_path / "cut")
     _wait_for_step(tmp_path / "cut", 40, run)
     run.send_signal(sig)
-    code = run.wait(60)
+    code = run.wait()
     assert code == (-9 if sig == signal.SIGKILL else 143), run.stderr.read().decode()[-1000:]
     assert 0 < checkpoint.read_meta(checkpoint.latest(tmp_path / "cut"))["step"] < 230  # stopped in the middle
     resumed = _cli(tmp_path / "cut")
-    assert resumed.wait(300) == 0, resumed.stderr.read().decode()[-2000:]
+    _, err = resumed.communicate()
+    assert resumed.returncode == 0, err.decode()[-2000:]
     lines = [x for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     whole = [x for x in lines if x.endswith("}")]
     assert len(lines) - len(whole) <= 1  # at most the line being written at the kill is partial
@@ -223,11 +226,10 @@ def test_finetune_a_fixture_checkpoint_at_a_new_resolution(tmp_path):
 
 
 def test_low_precision_token_stream_trains(tmp_path):
-    cfg = tiny_cfg(tmp_path / "lowp", **{"schedule.epochs": 8, "run.lowp_stream": True})
-    assert cfg.run.precision == "bf16"
+    cfg = tiny_cfg(tmp_path / "lowp", **{"schedule.epochs": 8, "run.lowp_stream": True, "run.precision": "bf16"})
     assert train(cfg)["acc1"] > 0.9
-    with pytest.raises(ValueError, match="lowp_stream needs"):
-        train(tiny_cfg(tmp_path / "lowp32", **{"run.lowp_stream": True, "run.precision": "fp32"}))
+    # in fp32 (asked for, or chosen by auto) the option has nothing to keep low: the preset's lowp_stream=true stays valid
+    assert train(tiny_cfg(tmp_path / "lowp32", **{"run.lowp_stream": True, "run.precision": "fp32"}), max_steps=2)["step"] == 2
 
 
 def test_nan_loss_stops_with_the_last_good_checkpoint_intact(tmp_path):

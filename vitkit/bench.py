@@ -3,6 +3,7 @@ matmul peak, for inference or a training step. Performance is measured here, nev
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -235,7 +236,7 @@ def bench(
     model: str,
     img_size: int | None = None,
     batch_size: int = 8,
-    dtype: str = "fp32",
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
     compile: bool = False,
     compile_mode: Literal["default", "reduce-overhead", "max-autotune"] = "default",
     freezing: bool = False,
@@ -255,7 +256,8 @@ def bench(
         model: a registered model name (see `vitkit models`) or a checkpoint path.
         img_size: input resolution (default: the model's).
         batch_size: images per call.
-        dtype: fp32 | bf16 | fp16 (bf16/fp16 via autocast; fp16 on GPU).
+        dtype: auto (bf16 where a short probe measures it faster than fp32 here for this model, batch and mode,
+            else fp32; `vitkit.precision`) | fp32 | bf16 | fp16 (bf16/fp16 via autocast; fp16 on GPU).
         compile: torch.compile the model (full graph).
         compile_mode: torch.compile's mode; reduce-overhead replays CUDA graphs (for launch-bound small batches on a GPU).
         freezing: with --compile, inference: Inductor's freezing (weights as constants, prepacked for oneDNN).
@@ -277,6 +279,14 @@ def bench(
     dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}
     net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
+    if dtype == "auto":
+        from .precision import resolve
+
+        choice = resolve("auto", net.to(dev), dev, batch=batch_size, training=train, lowp_stream=lowp_stream,
+                         fast_gemm=not no_pack and not compile)
+        dtype = choice.precision
+        lowp_stream = lowp_stream and dtype != "fp32"  # no token stream to keep low in fp32
+        print(f"vitkit: precision {choice.reason}", file=sys.stderr, flush=True)
     if lowp_stream:
         if dtype == "fp32" or not hasattr(net, "lowp_stream"):
             raise UsageError("--lowp-stream needs --dtype bf16 or fp16 and a ViT (a CNN has no token stream)")

@@ -169,6 +169,7 @@ def serve(
     max_pixels: int = 40_000_000,
     timeout_s: float = 30.0,
     threads: int | None = None,
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
 ) -> int:
     """Serve a checkpoint over HTTP: POST /predict and /explain, GET /healthz, /model, /metrics, and a web page at /
     to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
@@ -185,12 +186,15 @@ def serve(
         max_pixels: the largest image (width x height), checked before it is decoded.
         timeout_s: a request's time limit (504 beyond).
         threads: CPU threads for the model.
+        precision: backend torch: auto (bf16 where measured faster than fp32 here for this model at max_batch) |
+            fp32 | bf16 | fp16 (GPU).
     """
     from .serve import Limits, serve as _serve
 
     print(f"vitkit: serving {checkpoint} ({backend}) on http://{host}:{port}/", flush=True)
     _serve(checkpoint, host, port, backend, Limits(max_upload_mb=max_upload_mb, max_pixels=max_pixels, timeout_s=timeout_s,
-                                                   max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue), threads)
+                                                   max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue), threads,
+           precision)
     return 0
 
 
@@ -242,6 +246,7 @@ def train(
         nproc: run this many processes on this machine (torchrun --standalone --nproc-per-node N).
     """
     from .training import apply_overrides, get_preset, load_config_file, train as _train
+    from .training.presets import shrink_for_smoke
     from .training.config import _flatten
 
     overrides = list(overrides)
@@ -263,7 +268,10 @@ def train(
             raise UsageError(f"override {item!r} is not key=value")
         k, v = item.split("=", 1)
         pairs[k] = v
+    preset_model = cfg.model.name
     apply_overrides(cfg, pairs)
+    if smoke and cfg.model.name != preset_model:  # another model than the preset's: the smoke run shrinks it too
+        shrink_for_smoke(cfg)
     result = _train(cfg, resume=resume, max_steps=max_steps, force=force)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result, indent=1))
@@ -280,6 +288,7 @@ def evaluate(
     num_workers: int = 2,
     tta: Literal["none", "flip", "flip-shift"] = "none",
     device: str = "auto",
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
 ) -> dict:
     """Evaluate a checkpoint on a test set: top-1, top-5, per-class accuracy, a confusion-matrix PNG and a JSON report.
 
@@ -294,6 +303,8 @@ def evaluate(
         tta: test-time augmentation: the mean probabilities of the image and its mirror (flip), and of both
             moved by one pixel each way (flip-shift, 10 views). For models trained with flips.
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
+        precision: auto (bf16 where measured faster than fp32 on this machine for this model, else fp32) | fp32 |
+            bf16 | fp16 (GPU).
     """
     from .checkpoints import load
     from .data.datasets import csv_list, decodes_files, folder_test_split, image_folder, load_dataset
@@ -301,11 +312,11 @@ def evaluate(
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
 
     from .device import resolve_device
-    from .models.layers.linear import pack_linears
+    from .precision import for_inference
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
-    pack_linears(model)  # float32 on CPU: the fastest GEMM measured here, weights packed (no effect elsewhere)
+    choice = for_inference(model, dev, precision, batch_size)
     c = model.config
     names = c.class_names
     replicate = None
@@ -328,9 +339,10 @@ def evaluate(
         test = test.configured(c)  # decoded with the checkpoint's own size, crop and interpolation
     transform = EvalTransform.for_model(c, replicate_to=replicate, geometry=not decodes_files(test))
     res = _evaluate(model, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta,
-                      device=dev)
+                    device=dev, precision=choice.precision)
     out_dir = Path(out) if out else Path(checkpoint).parent
-    write_report(res, out_dir / "eval_report.json", {"checkpoint": str(checkpoint), "data": data, "tta": tta})
+    write_report(res, out_dir / "eval_report.json", {"checkpoint": str(checkpoint), "data": data, "tta": tta,
+                                                     "precision": choice.reason})
     save_confusion_png(res, out_dir / "confusion.png")
     print(f"{checkpoint} on {data}: top-1 {res.acc1:.4f}  top-5 {res.acc5:.4f}  loss {res.loss:.4f}  (n = {res.n}, skipped {res.skipped})")
     width = max(len(n) for n in res.classes)
@@ -350,6 +362,7 @@ def fewshot(
     train_subset: int | None = None,
     json_out: bool = False,
     device: str = "auto",
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
 ) -> dict:
     """Few-shot linear accuracy of a checkpoint's frozen features, as the paper reports it: k training images per
     class, a closed-form regularised least-squares fit to {-1, 1} targets, the test set scored; mean ± std over
@@ -365,20 +378,22 @@ def fewshot(
         train_subset: draw the shots (and the held-out images) from only this many training images (faster).
         json_out: print JSON.
         device: auto | cpu | cuda | cuda:N.
+        precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
     from .checkpoints import load
     from .data.datasets import InMemoryDataset, load_dataset
-    from .models.layers.linear import pack_linears
     from .device import resolve_device
     from .evaluation import fewshot as _fewshot
+    from .precision import for_inference
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
-    pack_linears(model)  # float32 on CPU: the fastest GEMM measured here
+    choice = for_inference(model, dev, precision, 500)
     spec = load_dataset(data, data_dir, in_chans=None)
     train_set = spec.train.subset(train_subset) if train_subset and isinstance(spec.train, InMemoryDataset) else spec.train
     replicate = 3 if spec.in_chans == 1 and model.config.in_chans == 3 else None
-    res = _fewshot(model, train_set, spec.test, shots=tuple(shots), draws=draws, seed=seed, replicate_to=replicate, device=dev)
+    res = _fewshot(model, train_set, spec.test, shots=tuple(shots), draws=draws, seed=seed, replicate_to=replicate, device=dev,
+                   precision=choice.precision)
     if json_out:
         print(json.dumps(res.to_dict(), indent=1))
     else:
@@ -413,6 +428,7 @@ def predict(
     format: Literal["table", "json", "csv"] = "table",
     tta: Literal["none", "flip", "flip-shift"] = "none",
     device: str = "auto",
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
 ) -> int:
     """Classify image files with a checkpoint's own preprocessing and class names. A file that cannot be read is
     reported in the output and the others are still classified; the exit status is then 1.
@@ -424,15 +440,17 @@ def predict(
         format: table, json or csv.
         tta: test-time augmentation, as for `vitkit eval`.
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
+        precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
     from .checkpoints import load
     from .inference import predict as _predict
     from .device import resolve_device
-    from .models.layers.linear import pack_linears
+    from .precision import for_inference
 
-    model = load(checkpoint).to(resolve_device(device))
-    pack_linears(model)  # float32 on CPU: the fastest GEMM measured here, weights packed (no effect elsewhere)
-    records = _predict(model, images, top_k, tta=tta)
+    dev = resolve_device(device)
+    model = load(checkpoint).to(dev)
+    choice = for_inference(model, dev, precision, min(len(images), 32))
+    records = _predict(model, images, top_k, tta=tta, precision=choice.precision)
     if format == "json":
         print(json.dumps(records, indent=1))
     elif format == "csv":

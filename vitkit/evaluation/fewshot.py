@@ -98,10 +98,12 @@ def fewshot_from_features(train_x: torch.Tensor, train_y: torch.Tensor, test_x: 
 
 
 @torch.no_grad()
-def features(model: nn.Module, data, transform, batch_size: int = 500, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def features(model: nn.Module, data, transform, batch_size: int = 500, device="cpu", precision: str = "fp32"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pooled representation (the head's input: `forward_head(..., pre_logits=True)`) of every image of a
-    dataset, and the labels."""
+    dataset, and the labels; computed in `precision` (fp32 | bf16 | fp16 autocast), returned in float32."""
     from ..data.datasets import _load_batches, eval_index_batches
+    from ..precision import autocast
 
     was = model.training
     model.eval()
@@ -109,14 +111,16 @@ def features(model: nn.Module, data, transform, batch_size: int = 500, device="c
     plan = [b for b, _ in eval_index_batches(len(data), batch_size)]
     for x, y, _ in _load_batches(data, plan, 0, torch.device(device)):
         if len(y):
-            xs.append(model.forward_head(model.forward_features(transform(x)), pre_logits=True).float().cpu())
+            with autocast(precision, device):
+                xs.append(model.forward_head(model.forward_features(transform(x)), pre_logits=True).float().cpu())
             ys.append(y.cpu())
     model.train(was)
     return torch.cat(xs), torch.cat(ys)
 
 
 def fewshot(model: nn.Module, train_data, test_data, *, shots=(1, 5, 10, 25), draws: int = 5, seed: int = 0,
-            replicate_to: int | None = None, device="cpu", batch_size: int = 500, val_per_class: int = 10) -> FewShotResult:
+            replicate_to: int | None = None, device="cpu", batch_size: int = 500, val_per_class: int = 10,
+            precision: str = "fp32") -> FewShotResult:
     """Few-shot linear accuracy of a frozen model on a downstream dataset (its train split for the shots, its test
     split for the score), with the model's own evaluation preprocessing.
 
@@ -124,6 +128,7 @@ def fewshot(model: nn.Module, train_data, test_data, *, shots=(1, 5, 10, 25), dr
         shots: images per class to fit on.
         draws: random draws of the shots; the result is their mean and standard deviation.
         replicate_to: repeat a grey channel this many times (grey data, an RGB model).
+        precision: fp32 | bf16 | fp16 (autocast) for the features.
     """
     from ..data.datasets import decodes_files
     from ..data.image import EvalTransform
@@ -133,6 +138,6 @@ def fewshot(model: nn.Module, train_data, test_data, *, shots=(1, 5, 10, 25), dr
     for data in (train_data, test_data):
         tfs.append(EvalTransform.for_model(c, replicate_to=replicate_to, geometry=not decodes_files(data)))
     train_data, test_data = (d.configured(c) if decodes_files(d) else d for d in (train_data, test_data))
-    tx, ty = features(model, train_data, tfs[0], batch_size, device)
-    vx, vy = features(model, test_data, tfs[1], batch_size, device)
+    tx, ty = features(model, train_data, tfs[0], batch_size, device, precision)
+    vx, vy = features(model, test_data, tfs[1], batch_size, device, precision)
     return fewshot_from_features(tx, ty, vx, vy, shots, draws, seed, val_per_class)

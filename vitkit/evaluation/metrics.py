@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
+from ..precision import autocast
 
 
 @dataclass
@@ -90,7 +91,7 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
         if len(y) == 0:
             skipped += s if counts else 0
             continue
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with autocast(precision, dev):
             logits = tta_log_probs(model, transform(x), tta)  # log-probabilities: top-k and the loss as from logits
         if not counts:
             continue

@@ -8,13 +8,16 @@ from torch import nn
 
 from ..data.image import EvalTransform, ImageDecodeError, decode_for
 from ..evaluation.metrics import check_tta, tta_log_probs
+from ..precision import autocast
 
 
 @torch.no_grad()
-def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_size: int = 32, tta: str = "none") -> list[dict]:
+def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_size: int = 32, tta: str = "none",
+            precision: str = "fp32") -> list[dict]:
     """One record per image: {"image", "top": [(label, probability), ...]} or {"image", "error"} if unreadable.
 
     tta: test-time augmentation (`vitkit.evaluation.tta_views`): probabilities averaged over the views.
+    precision: fp32 | bf16 | fp16 (autocast), as resolved by `vitkit.precision`.
     """
     check_tta(tta)  # before any image is read
     c = model.config
@@ -28,7 +31,8 @@ def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_si
         if not pending:
             return
         x = torch.stack([t for _, t in pending]).to(device)
-        probs = tta_log_probs(model, x, tta).exp()  # (B, K)
+        with autocast(precision, device):
+            probs = tta_log_probs(model, x, tta).float().exp()  # (B, K)
         top = probs.topk(min(top_k, probs.shape[1]), dim=1)
         for (i, _), v, idx in zip(pending, top.values.tolist(), top.indices.tolist()):
             records[i]["top"] = [(names[j], p) for j, p in zip(idx, v)]

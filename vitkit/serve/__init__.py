@@ -11,11 +11,13 @@ __all__ = ["Limits", "create_app", "MicroBatcher", "OnnxPredictor", "TorchPredic
 
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: str = "torch", limits: Limits | None = None,
-          threads: int | None = None) -> None:
+          threads: int | None = None, precision: str = "auto") -> None:
     """Run the service until interrupted."""
     import uvicorn
 
     from pathlib import Path
 
-    app = create_app(load_predictor(checkpoint, backend, threads), limits, name=Path(checkpoint).stem)
+    limits = limits or Limits()
+    app = create_app(load_predictor(checkpoint, backend, threads, precision, limits.max_batch), limits,
+                     name=Path(checkpoint).stem)
     uvicorn.run(app, host=host, port=port, log_level="warning")

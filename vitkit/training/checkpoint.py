@@ -31,7 +31,7 @@ CKPT_DIR = "checkpoints"
 # Settings that do not change what a training step computes: a run may resume with them changed.
 RESUME_SAFE = {"preset", "data.data_dir", "data.num_workers", "data.eval_batch_size", "run.out_dir", "run.device",
                "run.threads", "run.progress", "run.log_every", "run.ckpt_every", "run.eval_every", "run.tta", "run.compile",
-               "run.strategy", "run.activation_checkpointing"}
+               "run.strategy", "run.activation_checkpointing", "run.precision_choice"}
 RUN_FILES = (CKPT_DIR, "last.ckpt", "best.safetensors", "final.safetensors", "metrics.jsonl", "result.json", "config.yaml", "tb")
 
 
@@ -45,8 +45,21 @@ def config_differences(before: dict, now: dict) -> list[str]:
         return f
 
     a, b = flat(before), flat(now)
+    if b.get("run.precision") == "auto" and resolved_precision(before):
+        a["run.precision"] = "auto"  # auto resumes in what the saved run computed in: the same steps
     return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b))
             if k not in RESUME_SAFE and a.get(k) != b.get(k)]
+
+
+def resolved_precision(config: dict) -> str | None:
+    """What a saved run computed in: run.precision, or what its `auto` resolved to (run.precision_choice,
+    "auto -> bf16: ..."); None where the config does not say."""
+    run = config.get("run") or {}
+    if run.get("precision") in ("fp32", "bf16", "fp16"):
+        return run["precision"]
+    choice = str(run.get("precision_choice") or "")
+    head = choice.split(":", 1)[0].split()
+    return head[-1] if head and head[-1] in ("fp32", "bf16", "fp16") else None
 
 
 def set_aside(out: Path) -> Path | None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -124,9 +125,14 @@ class RunConfig:
     out_dir: the run directory (checkpoints, metrics.jsonl, TensorBoard events, config).
     seed: everything random derives from it.
     device: "auto", "cpu", "cuda", ...
-    precision: "fp32", "bf16" (autocast, CPU or GPU) or "fp16" (autocast + grad scaler, GPU).
-    lowp_stream: with bf16/fp16, keep the tokens between blocks in that dtype too, not fp32: no casts around
-        every Linear (faster, most on CPUs); weights, gradients and optimizer stay fp32. ViTs only; no effect on a CNN.
+    precision: "auto" (bf16 where a short probe measures it faster than fp32 for this model on this device, else
+        fp32; measured once per machine and cached, `vitkit.precision`), "fp32", "bf16" (autocast, CPU or GPU) or
+        "fp16" (autocast + grad scaler, GPU). A resumed run keeps what its auto chose.
+    precision_choice: written by the run: what precision resolved to and why (e.g. "auto -> fp32: bf16 0.10x
+        fp32 on this CPU ..."); not read.
+    lowp_stream: when the run computes in bf16/fp16 (asked for, or chosen by auto), keep the tokens between blocks
+        in that dtype too, not fp32: no casts around every Linear (faster, most on CPUs); weights, gradients and
+        optimizer stay fp32. ViTs only; no effect on a CNN or in fp32.
     compile: torch.compile the model.
     fast_gemm: fp32 on a CPU: the Linear layers' forward and input gradient on the fastest GEMM this machine has,
         chosen by measurement once per CPU (`vitkit.models.layers.gemm`; oneDNN's packed GEMM runs 2x MKL's on
@@ -153,7 +159,8 @@ class RunConfig:
     out_dir: str = "runs/default"
     seed: int = 0
     device: str = "auto"
-    precision: str = "fp32"
+    precision: str = "auto"
+    precision_choice: str | None = None
     lowp_stream: bool = False
     compile: bool = False
     fast_gemm: bool = True
@@ -228,7 +235,18 @@ def _coerce(value: Any, tp: Any) -> Any:
 
 
 def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
-    """Set fields by dotted key: {"optim.lr": "2e-3", "model.overrides.depth": 4}. Unknown keys raise."""
+    """Set fields by dotted key: {"optim.lr": "2e-3", "model.overrides.depth": 4}. Unknown keys raise.
+
+    Model overrides: `model.overrides=<dict>` replaces them all (`null`: none), `model.overrides.KEY=V` edits one,
+    and a `model.name` other than the config's drops the overrides it had (they describe the other model: a preset's
+    hybrid stages would otherwise silently change the model asked for), before the other keys apply, whatever their
+    order; the dropped ones are printed."""
+    name = overrides.get("model.name")
+    if name is not None and str(name) != cfg.model.name and cfg.model.overrides:
+        dropped = ", ".join(f"{k}={v!r}" for k, v in cfg.model.overrides.items())
+        print(f"vitkit: model.name={name} replaces {cfg.model.name}: its model overrides are dropped ({dropped}); "
+              f"set model.overrides.KEY=V for any you want", file=sys.stderr)
+        cfg.model.overrides = {}
     for key, value in overrides.items():
         parts = key.split(".")
         if parts[0] == "preset" and len(parts) == 1:
@@ -248,10 +266,11 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
             raise UsageError(f"unknown config key {key!r}; {parts[0]} has {sorted(hints)}")
         if parts[1] == "overrides" and (value is None or isinstance(value, (dict, str))):
             value = yaml.safe_load(value) if isinstance(value, str) else value
-            if value is None:  # model.overrides=null: none of the preset's (e.g. to fine-tune a checkpoint as it is)
-                cfg.model.overrides = {}
-            else:
-                cfg.model.overrides.update(value)
+            if not isinstance(value, (dict, type(None))):
+                raise UsageError(f"{key}={value!r}: not a mapping; use {key}='{{depth: 4, embed_dim: 192}}' or "
+                                 f"{key}.KEY=VALUE")
+            # model.overrides=null or {}: none of the preset's (e.g. to fine-tune a checkpoint as it is)
+            cfg.model.overrides = dict(value or {})
             continue
         try:
             setattr(section, parts[1], _coerce(value, hints[parts[1]]))

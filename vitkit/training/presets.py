@@ -22,7 +22,8 @@ def fashion_mnist() -> TrainConfig:
     The model is the paper's hybrid (Sec. 3.1) sized for 28x28 images: a ResNet stem and four bottlenecks turn
     the image into a 7x7 grid of 49 tokens for one ViT layer (D 192, 6 heads, MLP 384) with global average
     pooling; at small compute budgets hybrids beat plain ViTs (Fig. 5), and here a bottleneck at 7x7 costs less
-    than a ViT layer. bf16 autocast with the token stream kept in bf16 (`run.lowp_stream`), flips and random
+    than a ViT layer. `run.precision=auto`: bf16 autocast with the token stream kept in bf16 (`run.lowp_stream`)
+    where this machine runs it faster (AVX-512 BF16, AMX, GPUs), fp32 where it does not (AVX2-only CPUs); flips and random
     erasing, AdamW 2e-3, a short warmup and linear decay to zero, 10 epochs, evaluated with flip test-time
     augmentation (`run.tta`). How each choice was measured: benchmarks/NOTES.md, sections 6-10, 13 and 14.
     """
@@ -35,7 +36,7 @@ def fashion_mnist() -> TrainConfig:
                                                              classifier="gap")),
         optim=OptimConfig(name="adamw", lr=2e-3, weight_decay=0.05, clip_grad=1.0),
         schedule=ScheduleConfig(epochs=10, warmup_epochs=0.5, decay="linear"),
-        run=RunConfig(out_dir="runs/fashion-mnist", ckpt_every=200, precision="bf16", lowp_stream=True, eval_every=5,
+        run=RunConfig(out_dir="runs/fashion-mnist", ckpt_every=200, precision="auto", lowp_stream=True, eval_every=5,
                       tta="flip"),
     )
 
@@ -74,7 +75,7 @@ def fashion_mnist_mpp() -> TrainConfig:
                                          hybrid_layers=None, classifier="token")),
         optim=OptimConfig(name="adamw", lr=2e-3, weight_decay=0.05, clip_grad=1.0),
         schedule=ScheduleConfig(epochs=4, warmup_epochs=0.3, decay="linear"),
-        run=RunConfig(out_dir="runs/fashion-mnist-mpp", precision="bf16", eval_every=1000, tta="none"),
+        run=RunConfig(out_dir="runs/fashion-mnist-mpp", precision="auto", eval_every=1000, tta="none"),
     )
 
 
@@ -103,8 +104,11 @@ def cifar10_finetune() -> TrainConfig:
         model=ModelConfig(name="vit_b16", checkpoint="ViT-B_16-i21k", overrides=dict(img_size=224)),
         optim=OptimConfig(name="sgd", lr=0.01, weight_decay=0.0, momentum=0.9, clip_grad=1.0),
         schedule=ScheduleConfig(epochs=10, warmup_epochs=0.5, decay="cosine"),
-        run=RunConfig(out_dir="runs/cifar10-finetune", precision="bf16"),
+        run=RunConfig(out_dir="runs/cifar10-finetune", precision="auto"),
     )
+
+
+SMOKE_MODEL = dict(embed_dim=32, depth=2, num_heads=2, mlp_dim=64)  # a smoke run's transformer
 
 
 def get_preset(name: str, smoke: bool = False) -> TrainConfig:
@@ -115,8 +119,15 @@ def get_preset(name: str, smoke: bool = False) -> TrainConfig:
     if smoke:
         cfg.data.subset, cfg.data.test_subset, cfg.data.batch_size = 512, 256, 64
         cfg.schedule.epochs, cfg.schedule.warmup_epochs = 2, 0.5
-        if not cfg.model.checkpoint:
-            cfg.model.overrides.update(embed_dim=32, depth=2, num_heads=2, mlp_dim=64)
+        shrink_for_smoke(cfg, replace=True)
         cfg.run.out_dir = cfg.run.out_dir + "-smoke"
         cfg.run.ckpt_every, cfg.run.log_every = 4, 2
     return cfg
+
+
+def shrink_for_smoke(cfg: TrainConfig, replace: bool = False) -> None:
+    """A smoke run's tiny transformer (SMOKE_MODEL) over the preset's sizes (`replace`), or only where the model
+    overrides do not size it already (after the user's own); a model trained from a checkpoint keeps its own."""
+    if not cfg.model.checkpoint:
+        for k, v in SMOKE_MODEL.items():
+            cfg.model.overrides[k] = v if replace else cfg.model.overrides.get(k, v)

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import json
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from ..distributed import Dist, full_state_dict, gradient_sync, resolve_strategy
 from ..errors import UsageError, VitkitError
 from ..evaluation import EvalResult, check_tta, evaluate
 from ..models.layers.linear import pack_linears
+from .. import precision as precision_mod
 from . import checkpoint
 from .config import TrainConfig
 from .logs import MetricsLog, Progress
@@ -169,6 +171,7 @@ class _Run:
     spec: DataSpec
     val: object  # the held-out part of the training set, or None
     split: str  # what the periodic evaluations use: "test" or "val"
+    precision: str  # what run.precision resolved to: fp32 | bf16 | fp16
     model: nn.Module  # the model itself (sharded in place under FSDP2)
     net: nn.Module  # what the loop calls: the model, DDP around it, or torch.compile of either
     strategy: str
@@ -188,12 +191,14 @@ class _Run:
         return self.dist.device
 
 
-def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
-    """Data, model (wrapped for the strategy), optimizer, EMA and augmentation of a run, checked on every rank."""
+def _prepare(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None) -> _Run:
+    """Data, model (wrapped for the strategy), optimizer, EMA and augmentation of a run, checked on every rank.
+    resumed_precision: what the run being resumed computed in (run.precision=auto then keeps it)."""
     r, d = cfg.run, cfg.data
     device = dist.device
+    precision_mod.check(r.precision, "run.precision")
     if r.precision == "fp16" and device.type != "cuda":
-        raise UsageError("fp16 needs a GPU (it relies on a grad scaler); use bf16 on CPU")
+        raise UsageError("fp16 needs a GPU (it relies on a grad scaler); use bf16 or auto on a CPU")
     if check_tta(r.tta, "run.tta") != "none" and not cfg.aug.hflip:
         raise UsageError(f"run.tta={r.tta} averages over mirrored images, for models trained with flips: "
                          "set aug.hflip=true or run.tta=none")
@@ -221,11 +226,6 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
                              "labels": int(spec.train.labels.sum())})
     model = build_model_for(cfg, spec).to(device)
     mc = model.config
-    if r.lowp_stream:
-        if r.precision not in ("bf16", "fp16"):
-            raise UsageError(f"run.lowp_stream needs run.precision bf16 or fp16 (got {r.precision}): set run.lowp_stream=false")
-        if hasattr(model, "lowp_stream"):  # a ViT; a CNN (BiT) has no token stream, so the option changes nothing there
-            model.lowp_stream = True
     if len(spec.train) < d.batch_size * r.accumulate:
         raise UsageError(f"{len(spec.train)} training images are fewer than one batch of {d.batch_size * r.accumulate}")
     if cfg.model.linear_probe:
@@ -233,7 +233,10 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
             p.requires_grad = n_.startswith(("head.", "fc_norm."))
     if r.activation_checkpointing:
         model.set_grad_checkpointing(True)
-    if r.fast_gemm and device.type == "cpu" and r.precision == "fp32" and not r.compile:
+    precision = _choose_precision(cfg, model, dist, resumed_precision)
+    if r.lowp_stream and precision != "fp32" and hasattr(model, "lowp_stream"):
+        model.lowp_stream = True  # a ViT; a CNN (BiT) has no token stream, so the option changes nothing there
+    if r.fast_gemm and device.type == "cpu" and precision == "fp32" and not r.compile:
         pack_linears(model, training=True)  # repacked after every optimizer step (fused ones and FSDP2 included)
     teacher = _load_teacher(cfg, device)
     if getattr(model.config, "distilled", False):
@@ -257,19 +260,56 @@ def _prepare(cfg: TrainConfig, dist: Dist) -> _Run:
     if ema is not None:
         for p in ema.parameters():
             p.requires_grad_(False)
-    net = wrap_model(model, dist, strategy, r.precision)
+    net = wrap_model(model, dist, strategy, precision)
     opt = build_optimizer(model, cfg.optim)  # after FSDP2 has sharded the parameters
     if r.compile:
         net = torch.compile(net)
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(r.precision)
+    amp = precision_mod.AMP_DTYPES.get(precision)
     # the augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
     aug = BatchAugment(aug_cfg, tuple(mc.img_size), mc.mean, mc.std, len(spec.classes), spec.extra.get("replicate_channels"))
     steps_per_epoch = len(spec.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
-    return _Run(cfg, dist, Path(r.out_dir), spec, val, split, model, net, strategy, opt, ema,
-                torch.amp.GradScaler(device.type, enabled=r.precision == "fp16"), aug,
+    return _Run(cfg, dist, Path(r.out_dir), spec, val, split, precision, model, net, strategy, opt, ema,
+                torch.amp.GradScaler(device.type, enabled=precision == "fp16"), aug,
                 None if strategy == "fsdp" else amp,  # FSDP2 computes in low precision by its policy instead
                 teacher, fewshot_data, steps_per_epoch, total, warmup)
+
+
+def _choose_precision(cfg: TrainConfig, model: nn.Module, dist: Dist, resumed: str | None) -> str:
+    """run.precision as asked, or for auto the faster of fp32 and bf16 for this model on this device (measured by
+    rank 0, the same for every rank; a resumed run keeps its first choice). Printed, and recorded in
+    run.precision_choice (config.yaml)."""
+    r = cfg.run
+    if r.precision == "auto" and resumed in ("fp32", "bf16", "fp16"):
+        choice = precision_mod.Choice(resumed, f"auto -> {resumed}: the choice of the run being resumed")
+    else:
+        choice = None
+        if dist.main:
+            choice = precision_mod.resolve(r.precision, model, dist.device, batch=cfg.data.batch_size // dist.world,
+                                           training=True, lowp_stream=r.lowp_stream, fast_gemm=r.fast_gemm and not r.compile)
+        choice = dist.broadcast(choice)
+    r.precision_choice = choice.reason
+    if dist.main:
+        print(f"vitkit: precision {choice.reason}", file=sys.stderr, flush=True)
+    return choice.precision
+
+
+def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
+    """One line on the model a run built: name, architecture, parameters and GFLOPs per image."""
+    from ..stats import count_flops
+
+    c = model.config
+    kind = "CNN" if not hasattr(model, "blocks") else \
+        ("plain ViT" if getattr(c, "hybrid_layers", None) is None else f"hybrid (ResNet stages {tuple(c.hybrid_layers)})")
+    params = sum(p.numel() for p in model.parameters())
+    try:
+        gflops = f"{count_flops(model, tuple(c.img_size), c.in_chans) / 1e9:.3g} GFLOPs"
+    except Exception:  # counting is informative only; a model it cannot trace still trains
+        gflops = "GFLOPs not counted"
+    arch = f", D {c.embed_dim}, depth {c.depth}, {c.num_heads} heads, patch {tuple(c.patch_size)}" if hasattr(c, "embed_dim") else ""
+    src = f" from {cfg.model.checkpoint}" if cfg.model.checkpoint else ""
+    return (f"model {cfg.model.name}{src}: {kind}{arch}, {tuple(c.img_size)} px, {params / 1e6:.3g}M parameters, "
+            f"{gflops} per image")
 
 
 def _evaluate_on(run: _Run, module: nn.Module, data) -> EvalResult:
@@ -281,7 +321,7 @@ def _evaluate_on(run: _Run, module: nn.Module, data) -> EvalResult:
                                         geometry=not decodes_files(data))
     # the model itself, not DDP around it (no collectives in an evaluation); FSDP2's shards all run every forward
     return evaluate(module, data, transform, batch_size=run.cfg.data.eval_batch_size, device=run.device,
-                    precision=r.precision, tta=r.tta, dist=run.dist, lockstep=run.strategy == "fsdp" and module is run.model)
+                    precision=run.precision, tta=r.tta, dist=run.dist, lockstep=run.strategy == "fsdp" and module is run.model)
 
 
 @torch.no_grad()
@@ -447,15 +487,20 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     ck = checkpoint.latest(out) if resume else None
+    resumed_precision = None
     if ck is not None:
-        diffs = checkpoint.config_differences(checkpoint.read_meta(ck)["config"], cfg.to_dict())
+        saved = checkpoint.read_meta(ck)["config"]
+        resumed_precision = checkpoint.resolved_precision(saved)
+        diffs = checkpoint.config_differences(saved, cfg.to_dict())
         if diffs and not force:
             raise TrainingError(f"{out} holds a run whose config differs in what a step means; resuming it would mix two "
                                 f"runs:\n  " + "\n  ".join(diffs) + "\nUse another run.out_dir, start fresh with --no-resume "
                                 f"(the old files move to {out}/previous-<time>/), or resume anyway with --force.")
     elif dist.main:  # a fresh start: whatever an earlier run left here moves aside, so its records do not mix with these
         checkpoint.set_aside(out)
-    run = _prepare(cfg, dist)
+    run = _prepare(cfg, dist, resumed_precision)
+    if dist.main:
+        print(f"vitkit: {_describe_model(cfg, run.model)}", file=sys.stderr, flush=True)
     if dist.main:
         (out / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
     step, best, elapsed = 0, -1.0, 0.0

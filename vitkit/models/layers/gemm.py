@@ -16,7 +16,7 @@ and two for a training step's weight gradient dW = dY^T X, whose operands are bo
 `choose(k, n, rows[, kind])` times the available ones on the problem and returns the fastest; the choice never
 makes a machine slower, since plain MKL is a candidate. A path whose op is missing (a build without MKL or
 oneDNN), fails or computes something else is simply not a candidate. The choices are cached in memory and in
-$VITKIT_HOME/gemm/<cpu>-<torch>-t<threads>.json, so each shape is measured once per machine (0.15 s a path).
+$VITKIT_HOME/gemm/<cpu>[-caps-<ISA caps>]-<torch>-t<threads>.json, so each shape is measured once per machine (0.15 s a path).
 """
 from __future__ import annotations
 
@@ -103,11 +103,27 @@ def cpu_name() -> str:
     return "-".join(info.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name"))
 
 
+# Environment variables that cap the instruction sets oneDNN, MKL and ATen use (`ONEDNN_MAX_CPU_ISA=AVX2` makes an
+# AVX-512 machine run as an AVX2-only one): a capped process measures its own choices.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+
+
+def isa_caps() -> str:
+    """The instruction-set caps in force, e.g. "ONEDNN_MAX_CPU_ISA=AVX2,ATEN_CPU_CAPABILITY=avx2" ("" for none)."""
+    return ",".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
+
+
+def machine_key() -> str:
+    """A file-name-safe key for measurements that hold on this machine: CPU, ISA caps, torch version, threads."""
+    caps = isa_caps()
+    raw = f"{cpu_name()}{'-caps-' + caps if caps else ''}-{torch.__version__}-t{torch.get_num_threads()}"
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in raw)
+
+
 def _cache_file() -> Path:
     from ...checkpoints.catalog import cache_dir
 
-    key = "".join(c if c.isalnum() or c in "-." else "_" for c in f"{cpu_name()}-{torch.__version__}-t{torch.get_num_threads()}")
-    return cache_dir() / "gemm" / f"{key}.json"
+    return cache_dir() / "gemm" / f"{machine_key()}.json"
 
 
 def _load() -> None:

@@ -1,0 +1,204 @@
+"""run.precision=auto: the measured choice, its cache, a probe that changes nothing, the AVX2 caps, hidden ops;
+and the model a run builds is the one it names."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitkit
+from vitkit import precision
+from vitkit.errors import UsageError
+from vitkit.training import apply_overrides, checkpoint, get_preset, train
+
+from test_training import tiny_cfg
+
+REPO = Path(__file__).resolve().parents[1]
+AVX2_CAPS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def _tiny_vit(**kw):
+    return vitkit.create_model("vit_ti16", img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4, mlp_dim=128,
+                               num_classes=10, **kw)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_explicit_precisions_are_obeyed_and_bad_ones_refused(home):
+    m = _tiny_vit()
+    for p in ("fp32", "bf16"):
+        c = precision.resolve(p, m, "cpu", batch=8, training=True)
+        assert (c.precision, c.reason) == (p, f"{p}: asked for")
+    assert not (home / "precision").exists()  # nothing measured
+    with pytest.raises(UsageError, match="fp16 needs a GPU"):
+        precision.resolve("fp16", m, "cpu", batch=8, training=True)
+    with pytest.raises(UsageError, match="use one of auto, fp32, bf16, fp16"):
+        precision.resolve("fp64", m, "cpu", batch=8, training=True)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_auto_takes_the_faster_measured_precision_and_caches_it(home, training):
+    m = _tiny_vit()
+    c = precision.resolve("auto", m, "cpu", batch=256, training=training, lowp_stream=True)
+    r32, r16 = c.rates["fp32"], c.rates["bf16"]
+    assert r32 > 0 and r16 > 0 and c.rates["batch"] == precision.PROBE_BATCH
+    assert c.precision == ("bf16" if r16 > precision.BF16_MARGIN * r32 else "fp32")
+    assert c.reason.startswith(f"auto -> {c.precision}: bf16 {r16 / r32:.2f}x fp32 on this CPU")
+    [cache] = (home / "precision").glob("*.json")
+    assert vitkit.models.layers.gemm.cpu_name().split("-")[0] in cache.name and f"t{torch.get_num_threads()}" in cache.name
+    # the next process reads the file: nothing measured again, the same choice, said so
+    precision._CHOICES.clear()
+    again = precision.resolve("auto", m, "cpu", batch=256, training=training, lowp_stream=True)
+    assert again.precision == c.precision and again.rates == c.rates and "measured earlier" in again.reason
+    # another batch size or mode is another measurement
+    other = precision.resolve("auto", m, "cpu", batch=4, training=not training)
+    assert other.rates["batch"] == 4 and len(json.loads(cache.read_text())) == 2
+
+
+def test_the_probe_changes_nothing_it_measures(home):
+    """Weights, gradients, train/eval mode, the token-stream flag, packing and the global random state are as before
+    the probe: a run that probed and one that read the cache take the same steps."""
+    m = _tiny_vit(drop_path_rate=0.1).eval()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    precision.measure(m, torch.device("cpu"), batch=4, training=True, lowp_stream=True)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert not m.training and m.lowp_stream is False
+    assert all(p.grad is None for p in m.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    from vitkit.models.layers.linear import FastGemm
+
+    assert not any(mod.packable or mod._packed for mod in m.modules() if isinstance(mod, FastGemm))
+
+
+def test_a_bf16_failure_makes_auto_fp32(home, monkeypatch):
+    """A build or device whose bf16 kernels fail is measured as having none: auto falls back to fp32, saying why."""
+    m = _tiny_vit()
+    real = torch.autocast
+
+    class Broken(real):
+        def __enter__(self):
+            if self.fast_dtype == torch.bfloat16:
+                raise RuntimeError("no bf16 kernels in this build")
+            return super().__enter__()
+
+    monkeypatch.setattr(torch, "autocast", Broken)
+    c = precision.resolve("auto", m, "cpu", batch=4, training=True)
+    assert c.precision == "fp32" and "bf16 does not run on this CPU (no bf16 kernels in this build)" in c.reason
+
+
+def _run_python(code: str, env_extra: dict, home: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VITKIT_HOME": str(home), "OMP_NUM_THREADS": "2", **env_extra}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+CHOICE_CODE = """
+import json, torch, vitkit
+from vitkit import precision
+from vitkit.models.layers import gemm
+m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4, mlp_dim=128, num_classes=10)
+c = precision.resolve("auto", m, "cpu", batch=32, training=True)
+paths = {p: gemm.choose(64, 128, 512) for p in ["linear"]} | {"wgrad": gemm.choose(64, 128, 512, kind="wgrad")}
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "caps": gemm.isa_caps(), "precision": c.precision,
+                  "reason": c.reason, "rates": c.rates, "gemm": paths, "gemm_rates": gemm.choices()}))
+"""
+
+
+def test_choices_under_the_avx2_caps_are_their_own(home):
+    """An AVX-512 machine capped to AVX2 (oneDNN, MKL and ATen) measures its own precision and GEMM choices, in
+    cache files of their own, and each choice is the fastest of its own measurements."""
+    capped = _run_python(CHOICE_CODE, AVX2_CAPS, home)
+    native = _run_python(CHOICE_CODE, {k: "" for k in AVX2_CAPS}, home)
+    assert capped["capability"] == "AVX2" and capped["caps"] == ",".join(f"{k}={v}" for k, v in AVX2_CAPS.items())
+    assert native["caps"] == ""
+    for res in (capped, native):
+        r = res["rates"]
+        assert res["precision"] == ("bf16" if r["bf16"] > precision.BF16_MARGIN * r["fp32"] else "fp32"), res
+        for shape, ch in res["gemm_rates"].items():
+            assert ch["path"] == max(ch["gflops"], key=ch["gflops"].get), (shape, ch)
+    for kind in ("precision", "gemm"):
+        names = sorted(p.name for p in (home / kind).glob("*.json"))
+        assert len(names) == 2 and sum("caps-ONEDNN_MAX_CPU_ISA_AVX2" in n for n in names) == 1, names
+
+
+HIDDEN_OPS_CODE = """
+import json, torch
+torch.backends.mkldnn.is_available = lambda: False   # as a build without oneDNN (some aarch64 wheels)
+torch.backends.mkl.is_available = lambda: False      # and without MKL
+from vitkit.models.layers import gemm, linear
+from vitkit.training import get_preset, apply_overrides, train
+cfg = get_preset("fashion-mnist", smoke=True)
+apply_overrides(cfg, {"data.dataset": "digits", "model.overrides.img_size": 16, "run.out_dir": OUT, "run.progress": False})
+res = train(cfg, max_steps=3)
+print(json.dumps({"packing": linear.packing_available(), "paths": [p for p in gemm.PATHS if gemm.available(p)],
+                  "step": res["step"], "choice": json.load(open(OUT + "/result.json")) and
+                  __import__("yaml").safe_load(open(OUT + "/config.yaml"))["run"]["precision_choice"]}))
+"""
+
+
+def test_a_torch_without_onednn_and_mkl_ops_falls_back_cleanly(home, tmp_path):
+    res = _run_python(f"OUT = {str(tmp_path / 'run')!r}\n" + HIDDEN_OPS_CODE, {}, home)
+    assert res["packing"] is False and res["paths"] == ["mkl"]  # plain F.linear alone
+    assert res["step"] == 3 and res["choice"].startswith("auto -> ")
+
+
+def test_a_run_records_its_auto_choice_and_resumes_in_it(tmp_path, home, capsys):
+    out = tmp_path / "run"
+    cfg = tiny_cfg(out, **{"run.precision": "auto", "schedule.epochs": 1})
+    train(cfg, max_steps=2)
+    import yaml
+
+    saved = yaml.safe_load((out / "config.yaml").read_text())["run"]
+    assert saved["precision"] == "auto" and saved["precision_choice"].startswith("auto -> ")
+    chosen = checkpoint.resolved_precision({"run": saved})
+    assert chosen in ("fp32", "bf16") and f"precision {saved['precision_choice']}" in capsys.readouterr().err
+    # the resumed run keeps the first choice, whatever a probe would say now
+    (home / "precision").rename(tmp_path / "moved")
+    train(tiny_cfg(out, **{"run.precision": "auto", "schedule.epochs": 1}), max_steps=3)
+    err = capsys.readouterr().err
+    assert f"precision auto -> {chosen}: the choice of the run being resumed" in err
+    assert not (home / "precision").exists()  # nothing probed
+    # a run saved with an explicit precision resumes under auto without counting it as a change
+    assert checkpoint.config_differences({"run": {"precision": "bf16"}}, {"run": {"precision": "auto"}}) == []
+    assert checkpoint.config_differences({"run": {"precision": "bf16"}}, {"run": {"precision": "fp32"}})
+
+
+def test_naming_a_model_drops_the_presets_model_overrides(capsys):
+    cfg = get_preset("fashion-mnist")
+    assert cfg.model.name == "r26_vit_s32" and cfg.model.overrides["hybrid_layers"] == (4,)
+    # edits before the name in the list still apply: the name's reset comes first
+    apply_overrides(cfg, {"model.overrides.depth": 3, "model.name": "vit_ti16"})
+    assert cfg.model.overrides == {"depth": 3}
+    assert "its model overrides are dropped (hybrid_layers=(4,)" in capsys.readouterr().err
+    # the same name keeps them; a dict replaces them; KEY=V edits one; null clears
+    cfg = get_preset("fashion-mnist")
+    apply_overrides(cfg, {"model.name": "r26_vit_s32", "model.overrides.depth": 2})
+    assert cfg.model.overrides["hybrid_layers"] == (4,) and cfg.model.overrides["depth"] == 2
+    apply_overrides(cfg, {"model.overrides": '{"embed_dim": 64}'})
+    assert cfg.model.overrides == {"embed_dim": 64}
+    apply_overrides(cfg, {"model.overrides": "null"})
+    assert cfg.model.overrides == {}
+    with pytest.raises(UsageError, match="not a mapping"):
+        apply_overrides(cfg, {"model.overrides": "[1, 2]"})
+
+
+def test_smoke_of_a_named_model_trains_that_model_small(tmp_path):
+    from vitkit.cli import main
+
+    out = tmp_path / "smoke"
+    assert main(["train", "fashion-mnist", "--smoke", "model.name=vit_ti16", "model.overrides.patch_size=4",
+                 "model.overrides.depth=1", "data.dataset=digits", "model.overrides.img_size=16", f"run.out_dir={out}",
+                 "run.progress=false", "--max-steps", "2"]) == 0
+    m = vitkit.load(out / "final.safetensors")
+    c = m.config
+    assert c.hybrid_layers is None and c.classifier == "token" and c.depth == 1 and c.embed_dim == 32  # smoke's width

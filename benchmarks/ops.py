@@ -99,7 +99,8 @@ def gemm_paths() -> None:
 def attention() -> None:
     """The attention core of S/16 and B/16 (197 tokens, head dim 64): the fused kernel against q k^T, softmax, @ v."""
     for B, H, dtype, train in [(1, 6, torch.float32, False), (8, 6, torch.float32, False), (8, 12, torch.float32, False),
-                               (16, 6, torch.float32, True), (16, 12, torch.float32, True), (8, 12, torch.bfloat16, False)]:
+                               (16, 6, torch.float32, True), (16, 12, torch.float32, True), (8, 12, torch.bfloat16, False),
+                               (16, 6, torch.bfloat16, True)]:
         T, hd = 197, 64
         q, k, v = (torch.randn(B, H, T, hd, dtype=dtype, requires_grad=train) for _ in range(3))
 

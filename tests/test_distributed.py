@@ -147,7 +147,9 @@ def test_distributed_evaluation_counts_every_sample_once(tmp_path):
         assert res.returncode == 0, res.stderr[-2000:]
         got = json.loads(res.stdout.split("RESULT", 1)[1])
         assert got["n"] == ref.n == 297 and got["confusion"] == ref.confusion.tolist() and got["acc1"] == ref.acc1
-        assert got["loss"] == pytest.approx(ref.loss, rel=1e-9)
+        # fp32 logits of the same images in other batches may round differently (MKL's AVX2 GEMM does): to 1e-6
+        # relative; a sample counted twice or missed would move the mean loss by ~1/297
+        assert got["loss"] == pytest.approx(ref.loss, rel=1e-6)
 
 
 def test_ranks_that_disagree_on_the_config_stop_with_a_clear_error(tmp_path):

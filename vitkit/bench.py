@@ -229,7 +229,7 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
     return BenchResult(name, "train" if train else "inference", c.img_size[0], batch_size, dtype, compile_, str(device),
                        torch.get_num_threads(), ips, lat, None if mem.peak is None else mem.peak / 2**20, flops / 1e9,
                        work * ips / 1e12, peak / 1e12, work * ips / peak, fast, peak_path,
-                       {k: round(v / 1e9, 1) for k, v in rates.items()}, gemm.choices() if fast else None)
+                       {k: float(f"{v / 1e9:.5g}") for k, v in rates.items()}, gemm.choices() if fast else None)
 
 
 def bench(

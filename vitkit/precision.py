@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from .models.layers import gemm
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BF16_MARGIN = 1.05  # bf16 must be measured this much faster than fp32 to be chosen
+MIN_ROUND_S = 0.05  # a timed round repeats a short call until it lasts this long
 PROBE_BATCH = 32  # images per probe call at most: representative GEMM shapes, a few seconds on a slow CPU
 _CHOICES: dict[Path, dict[str, dict]] = {}  # cache file -> {model/batch/mode key -> rates}
 # what the architecture's speed depends on; preprocessing, class names and regularisation rates do not change it
@@ -122,7 +124,8 @@ def for_inference(model: nn.Module, device: torch.device | str, precision: str =
 def measure(model: nn.Module, device: torch.device, *, batch: int, training: bool, lowp_stream: bool = False,
             fast_gemm: bool = True) -> dict:
     """Images per second of `model` in fp32 and in bf16 autocast: a warm-up call each, then the best of two timed
-    calls each, interleaved (one when a call takes over a second; none where bf16's warm-up is already 3x slower).
+    rounds each, interleaved (one when a call takes over a second; none where bf16's warm-up is already 3x slower),
+    a round repeating a short call until it lasts MIN_ROUND_S (a 1-ms forward timed once is noise).
     The model's weights, gradients, modes and the global random state are left as they were."""
     from .models.layers.linear import pack_linears
 
@@ -147,12 +150,13 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
                 p.grad = None
         return run
 
-    def timed(fn: Callable[[], None]) -> float:
+    def timed(fn: Callable[[], None], calls: int = 1) -> float:
         _sync(device)
         t0 = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         _sync(device)
-        return time.perf_counter() - t0
+        return (time.perf_counter() - t0) / calls
 
     rates: dict = {}
     devices = [device] if device.type == "cuda" else []
@@ -166,10 +170,12 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
             except (RuntimeError, NotImplementedError) as e:  # a build or device without bf16 kernels
                 rates["error"] = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             if "bf16" in best and best["bf16"] < 3 * best["fp32"]:
+                once = {"fp32": timed(fp32), "bf16": timed(bf16)}
+                calls = {p: max(1, math.ceil(MIN_ROUND_S / max(t, 1e-6))) for p, t in once.items()}
                 best = {p: float("inf") for p in best}
-                for _ in range(1 if max(timed(fp32), timed(bf16)) > 1.0 else 2):
-                    best["fp32"] = min(best["fp32"], timed(fp32))
-                    best["bf16"] = min(best["bf16"], timed(bf16))
+                for _ in range(1 if max(once.values()) > 1.0 else 2):
+                    best["fp32"] = min(best["fp32"], timed(fp32, calls["fp32"]))
+                    best["bf16"] = min(best["bf16"], timed(bf16, calls["bf16"]))
     finally:
         pack_linears(model, enable=False)
         model.train(was_training)

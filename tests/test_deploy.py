@@ -78,7 +78,12 @@ def test_cli_export(tmp_path, capsys):
 
     assert main(["export", str(FIXTURES / "jax_vit_gap" / "model.npz"), str(tmp_path / "g.onnx"), "--dynamic-size"]) == 0
     out = capsys.readouterr().out
-    assert "worst difference" in out and "(2, 3, 24, 12)" in out
+    assert "worst difference" in out and "(1, 3, 24, 12)" in out  # no --dynamic-batch: one image at a time
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx"]  # every weight inside, no stray g.onnx.data
     from vitkit.deploy import onnx_config
 
     assert onnx_config(tmp_path / "g.onnx")["classifier"] == "gap"
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(tmp_path / "g.onnx"), providers=["CPUExecutionProvider"])
+    assert sess.run(None, {"pixel_values": torch.zeros(1, 3, 16, 16).numpy()})[0].shape[0] == 1

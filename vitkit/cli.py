@@ -191,7 +191,6 @@ def serve(
     """
     from .serve import Limits, serve as _serve
 
-    print(f"vitkit: serving {checkpoint} ({backend}) on http://{host}:{port}/", flush=True)
     _serve(checkpoint, host, port, backend, Limits(max_upload_mb=max_upload_mb, max_pixels=max_pixels, timeout_s=timeout_s,
                                                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue), threads,
            precision)
@@ -216,7 +215,7 @@ def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None
 
 
 def train(
-    preset: str = "fashion-mnist",
+    preset: str | None = None,
     overrides: tuple[str, ...] = (),
     config: str | None = None,
     smoke: bool = False,
@@ -224,6 +223,7 @@ def train(
     force: bool = False,
     max_steps: int | None = None,
     nproc: int = 1,
+    print_config: bool = False,
 ) -> int:
     """Train or fine-tune a model from a preset, a YAML/JSON config and key=value overrides.
 
@@ -234,7 +234,8 @@ def train(
     --rdzv-endpoint), or --nproc N on this machine; run.strategy picks DDP (the default) or FSDP2.
 
     Args:
-        preset: fashion-mnist | fashion-mnist-long | cifar10-scratch | cifar10-finetune.
+        preset: {presets}. None: the config file's preset, else fashion-mnist for Fashion-MNIST (or no
+            dataset named), else none (plain defaults); the run says which.
         overrides: section.field=value pairs (sections: data, aug, model, distill, optim, schedule, run).
         config: a YAML or JSON file applied over the preset, before the overrides.
         smoke: a seconds-long version of the preset (tiny model, a few hundred images).
@@ -242,40 +243,68 @@ def train(
             move to run.out_dir/previous-<time>/).
         force: resume even if the config changed in a way that changes what a step means (batch size, schedule,
             data, model, optimizer); without it such a resume is refused with the list of differences.
-        max_steps: stop after this many optimizer steps (the schedule is unchanged).
+        max_steps: stop after this many optimizer steps (the schedule is unchanged; 0: none, only the evaluation
+            and the weights of the start).
         nproc: run this many processes on this machine (torchrun --standalone --nproc-per-node N).
+        print_config: print the resolved config as YAML (preset, config file and overrides applied) and exit
+            without training.
     """
     from .training import apply_overrides, get_preset, load_config_file, train as _train
-    from .training.presets import shrink_for_smoke
     from .training.config import _flatten
+    import yaml
+
+    from .training.presets import preset_for, shrink_for_smoke
 
     overrides = list(overrides)
     if overrides and "=" not in overrides[0]:
         preset = overrides.pop(0)
+    if max_steps is not None and max_steps < 0:
+        raise UsageError(f"--max-steps {max_steps}: give 0 or more")
     if nproc > 1 and "WORLD_SIZE" not in os.environ:  # relaunch under torchrun, one process per rank
-        args = [preset, *overrides] + (["--config", config] if config else []) + (["--smoke"] if smoke else []) \
-            + ([] if resume else ["--no-resume"]) + (["--force"] if force else []) \
-            + (["--max-steps", str(max_steps)] if max_steps else [])
+        args = ([preset] if preset else []) + overrides + (["--config", config] if config else []) \
+            + (["--smoke"] if smoke else []) + ([] if resume else ["--no-resume"]) + (["--force"] if force else []) \
+            + (["--max-steps", str(max_steps)] if max_steps is not None else [])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "vitkit", "train", *args]
         return subprocess.run(cmd).returncode
-    cfg = get_preset(preset, smoke=smoke)
-    if config:
-        apply_overrides(cfg, _flatten(load_config_file(config)))
     pairs = {}
     for item in overrides:
         if "=" not in item:
             raise UsageError(f"override {item!r} is not key=value")
         k, v = item.split("=", 1)
         pairs[k] = v
+    file_cfg = load_config_file(config) if config else {}
+    if preset is None:
+        dataset = pairs.get("data.dataset", (file_cfg.get("data") or {}).get("dataset"))
+        preset = preset_for(None if dataset is None else str(dataset), file_cfg.get("preset"))
+    cfg = get_preset(preset, smoke=smoke)
+    if file_cfg:
+        apply_overrides(cfg, _flatten(file_cfg))
     preset_model = cfg.model.name
     apply_overrides(cfg, pairs)
     if smoke and cfg.model.name != preset_model:  # another model than the preset's: the smoke run shrinks it too
         shrink_for_smoke(cfg)
+    if print_config:
+        print(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False), end="")
+        return 0
+    if os.environ.get("RANK", "0") == "0":
+        print(f"vitkit: training from {f'preset {preset}' if preset else 'no preset (plain defaults)'}"
+              f"{' (smoke)' if smoke else ''} on {cfg.data.dataset}, into {cfg.run.out_dir}", file=sys.stderr, flush=True)
     result = _train(cfg, resume=resume, max_steps=max_steps, force=force)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result, indent=1))
     return 143 if result.get("interrupted") else 0
+
+
+def _list_presets(fn):
+    """Write the registered presets into a command's help (its docstring's {presets})."""
+    from .training.presets import PRESETS
+
+    fn.__doc__ = fn.__doc__.replace("{presets}", " | ".join(PRESETS))
+    return fn
+
+
+train = _list_presets(train)
 
 
 def evaluate(

@@ -62,7 +62,7 @@ def check_shapes(model: nn.Module, dynamic_batch: bool, dynamic_size: bool) -> l
     sizes = [(h, w)]
     if dynamic_size:
         sizes.append((max(step, round(h * 1.5 / step) * step), max(step, round(w * 0.75 / step) * step)))
-    batches = [1, 3] if dynamic_batch else [2]
+    batches = [1, 3] if dynamic_batch else [1]  # a fixed batch is one image, as a service or a script sends it
     return [(b, c.in_chans, sh, sw) for b in batches for sh, sw in sizes]
 
 
@@ -114,7 +114,8 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
     out.parent.mkdir(parents=True, exist_ok=True)
     m = _prepare(model, dynamic_size)
     c = model.config
-    example = torch.randn(2, c.in_chans, *c.img_size, generator=torch.Generator().manual_seed(0))
+    # a dynamic batch is traced at 2 (torch.export specialises a batch of 1 to the constant 1); a fixed one at 1
+    example = torch.randn(2 if dynamic_batch else 1, c.in_chans, *c.img_size, generator=torch.Generator().manual_seed(0))
     dyn = _dynamic_shapes(m, dynamic_batch, dynamic_size)
     report = ExportReport(out, format, dynamic_batch, dynamic_size, quantized=quantize)
     try:
@@ -169,10 +170,10 @@ def _export_onnx(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset: int
     fp32 = out if not quantize else out.with_name(out.stem + ".fp32.onnx")
     torch.onnx.export(m, (example,), str(fp32), dynamo=True, dynamic_shapes=dyn, opset_version=opset,
                       input_names=["pixel_values"], output_names=["logits"], verbose=False)
-    proto = onnx.load(str(fp32))
+    proto = onnx.load(str(fp32))  # the exporter's external-data file read in
     meta = proto.metadata_props.add()
     meta.key, meta.value = "vitkit_config", json.dumps(m.config.to_dict())
-    onnx.save(proto, str(fp32))
+    _save_onnx(onnx, proto, fp32)
     if quantize:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -181,11 +182,25 @@ def _export_onnx(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset: int
         if not any(p.key == "vitkit_config" for p in proto.metadata_props):
             meta = proto.metadata_props.add()
             meta.key, meta.value = "vitkit_config", json.dumps(m.config.to_dict())
-            onnx.save(proto, str(out))
-        fp32.unlink()
+            _save_onnx(onnx, proto, out)
+        for f in (fp32, _external(fp32)):
+            f.unlink(missing_ok=True)
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
     return lambda x: sess.run(None, {name: x})[0]
+
+
+def _external(path: Path) -> Path:
+    return path.with_name(path.name + ".data")
+
+
+def _save_onnx(onnx, proto, path: Path) -> None:
+    """One self-contained file where protobuf allows it (under 2 GB), else the weights beside it in PATH.data;
+    never a stale .data file next to a file that holds every weight."""
+    big = proto.ByteSize() > 1_800_000_000
+    onnx.save(proto, str(path), save_as_external_data=big, all_tensors_to_one_file=True, location=_external(path).name)
+    if not big:
+        _external(path).unlink(missing_ok=True)
 
 
 def onnx_config(path: str | Path) -> dict:

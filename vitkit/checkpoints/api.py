@@ -72,6 +72,11 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
     meta: dict[str, str] = {}
     if kind == "dir" and (path / ".metadata").exists() and (path / "meta.json").exists():
         return _read_run_checkpoint(path, hints)
+    if kind == "dir" and not (path / "config.json").exists() and (path / "config.yaml").exists():
+        weights = [f.name for f in (path / "best.safetensors", path / "final.safetensors") if f.exists()]
+        raise CheckpointError(f"{path} is a training run's folder, not a checkpoint: load "
+                              + (" or ".join(str(path / w) for w in weights) if weights else "its best.safetensors once the run has written it")
+                              + " (best: the best evaluation so far; final: the last weights)")
     if kind == "dir":
         raw, hub_config = read_hf_dir(path)
         if timm.is_timm_folder(hub_config):
@@ -86,6 +91,9 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
             facts = {**facts, **timm.folder_facts(hub_config)}
         elif hf.is_hf(raw):
             sd, facts, unused = hf.to_vitkit(raw, hub_config)
+            pre = path / hf.PREPROCESSOR_FILE
+            if pre.exists():
+                facts.update(hf.preprocessing_facts(json.loads(pre.read_text())))
             fmt = "hf"
         else:
             raise CheckpointError(f"{path}: a folder with config.json but neither Hugging Face ViT nor timm weights")
@@ -319,10 +327,12 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
     if to == "hf":
         out, hf_config = hf.from_vitkit(sd, c)
         back, facts, _ = hf.to_vitkit(out, hf_config)
-        _check_reads_back(c, back, facts, "a Hugging Face ViT folder")
+        pre = hf.preprocessor_config(c)
+        _check_reads_back(c, back, {**facts, **hf.preprocessing_facts(pre)}, "a Hugging Face ViT folder")
         path.mkdir(parents=True, exist_ok=True)
         _atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
         _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hf_config, indent=2)))
+        _atomic_write(path / hf.PREPROCESSOR_FILE, lambda p: p.write_text(json.dumps(pre, indent=2)))
         return path
     out = official.from_vitkit(sd, c)
     back, facts, _ = official.to_vitkit(out)

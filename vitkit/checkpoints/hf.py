@@ -5,6 +5,7 @@ final-normed class token. ViTModel files (no "vit." prefix) may carry a pooler, 
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -95,6 +96,44 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Te
         "id2label": {str(j): n for j, n in enumerate(names)}, "label2id": {n: j for j, n in enumerate(names)},
     }
     return out, hf_config
+
+
+# PIL's resampling codes, as transformers' image processors store them
+_RESAMPLE = {"nearest": 0, "bilinear": 2, "bicubic": 3}
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
+
+def preprocessor_config(c) -> dict:
+    """The checkpoint's evaluation preprocessing as a transformers image processor reads it: ViTImageProcessor
+    (resize to the model's size) when crop_pct is 1, else DeiTImageProcessor (resize to size / crop_pct, centre
+    crop to size), the same as vitkit's shorter-side resize and crop for square images. Mean, std and the
+    resampling filter are kept as they are."""
+    h, w = c.img_size
+    d = {"do_resize": True, "resample": _RESAMPLE.get(c.interpolation, 2), "do_rescale": True,
+         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(c.mean), "image_std": list(c.std)}
+    if c.crop_pct >= 1.0:
+        return {"image_processor_type": "ViTImageProcessor", "size": {"height": h, "width": w}, **d}
+    # floor, as vitkit's (and timm's) evaluation resize: the same pixels for square images
+    return {"image_processor_type": "DeiTImageProcessor",
+            "size": {"height": math.floor(h / c.crop_pct), "width": math.floor(w / c.crop_pct)},
+            "do_center_crop": True, "crop_size": {"height": h, "width": w}, **d}
+
+
+def preprocessing_facts(pre: dict) -> dict:
+    """mean, std, interpolation and crop_pct from a transformers preprocessor_config.json ({} for an empty one)."""
+    facts: dict = {}
+    if pre.get("do_normalize", True) and "image_mean" in pre and "image_std" in pre:
+        facts["mean"], facts["std"] = tuple(float(v) for v in pre["image_mean"]), tuple(float(v) for v in pre["image_std"])
+    codes = {v: k for k, v in _RESAMPLE.items()}
+    if pre.get("resample") in codes:
+        facts["interpolation"] = codes[pre["resample"]]
+    size, crop = pre.get("size") or {}, pre.get("crop_size") or {}
+    if pre.get("do_center_crop") and size.get("height") and crop.get("height"):
+        pct = round(crop["height"] / size["height"], 4)  # 0.875 for 224 of 256; one whose floor(crop / pct) is size
+        facts["crop_pct"] = pct if math.floor(crop["height"] / pct) == size["height"] else crop["height"] / (size["height"] + 0.5)
+    elif pre.get("do_resize", True) and (size.get("height") or size.get("shortest_edge")):
+        facts["crop_pct"] = 1.0  # resized to the model's size, nothing cropped
+    return facts
 
 
 def _int_or_pair(hw: tuple[int, int]) -> int | list[int]:

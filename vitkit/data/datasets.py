@@ -13,6 +13,7 @@ import io
 import os
 import pickle
 import struct
+import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..models.layers.patch_embed import to_2tuple
-from .image import ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
+from .image import BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 from ..errors import UsageError, VitkitError
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
@@ -236,7 +237,7 @@ class FileDataset(TrainCrops, Dataset):
         except (ImageDecodeError, OSError) as e:
             if self.strict:
                 raise ImageDecodeError(f"{path}: {e}") from e
-            return None
+            return BadSample(str(path), str(e))
         return to_uint8_tensor(sample_geometry(img, self, i)), label
 
     def configured(self, config) -> "FileDataset":
@@ -249,13 +250,26 @@ class FileDataset(TrainCrops, Dataset):
         return torch.tensor([s[1] for s in self.samples])
 
 
+_REPORTED: set[str] = set()  # the bad samples named so far in this process: each is named once
+
+
 def collate_skip_bad(batch: list):
-    """Stack the good samples; report how many were skipped."""
-    good = [b for b in batch if b is not None]
+    """Stack the good samples; the bad ones (`BadSample`) are returned as a list, to be counted and named."""
+    good = [b for b in batch if not isinstance(b, BadSample)]
+    bad = [b for b in batch if isinstance(b, BadSample)]
     if not good:
-        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.long), len(batch)
+        return torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.long), bad
     xs, ys = zip(*good)
-    return torch.stack(xs), torch.tensor(ys, dtype=torch.long), len(batch) - len(good)
+    return torch.stack(xs), torch.tensor(ys, dtype=torch.long), bad
+
+
+def _report_bad(bad: list[BadSample]) -> int:
+    """Name each undecodable sample once per process (on stderr); the number skipped in this batch."""
+    for b in bad:
+        if b.name not in _REPORTED:
+            _REPORTED.add(b.name)
+            print(f"vitkit: skipped an undecodable image, {b.name}: {b.reason}", file=sys.stderr, flush=True)
+    return len(bad)
 
 
 def decodes_files(ds) -> bool:
@@ -401,8 +415,8 @@ def _load_batches(data, batches: list[torch.Tensor], num_workers: int, device) -
         return
     loader = DataLoader(data, batch_sampler=[b.tolist() for b in batches], num_workers=num_workers,
                         collate_fn=collate_skip_bad, persistent_workers=False, pin_memory=torch.device(device).type == "cuda")
-    for x, y, skipped in loader:
-        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True), skipped
+    for x, y, bad in loader:
+        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True), _report_bad(bad)
 
 
 @dataclass

@@ -15,7 +15,7 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,13 @@ _PIL_INTERP = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": 
 # Images with more pixels than this are refused before they are decoded (a decompression bomb: a tiny PNG that
 # declares 20000 x 20000 would take 1.2 GB as RGB). 64 Mpx: an 8192 x 8192 image, or a 48 Mpx photo, passes.
 MAX_IMAGE_PIXELS = int(os.environ.get("VITKIT_MAX_IMAGE_PIXELS", 64 * 1024 * 1024))
+
+
+class BadSample(NamedTuple):
+    """What a dataset returns for a sample it cannot decode (unless strict): which one, and why."""
+
+    name: str
+    reason: str
 
 
 class ImageDecodeError(VitkitError, ValueError):

@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from ..errors import UsageError
-from .image import ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
+from .image import BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 
 FORMAT = "vitkit-shards"
 IMAGE_EXT = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
@@ -241,7 +241,7 @@ class ShardDataset(TrainCrops, torch.utils.data.Dataset):
         except (ImageDecodeError, OSError) as e:
             if self.strict:
                 raise ImageDecodeError(f"{self.name} sample {i}: {e}") from e
-            return None
+            return BadSample(f"{self.name} sample {i}", str(e))
         return to_uint8_tensor(sample_geometry(img, self, i)), label
 
     def configured(self, config) -> "ShardDataset":

@@ -12,12 +12,31 @@ __all__ = ["Limits", "create_app", "MicroBatcher", "OnnxPredictor", "TorchPredic
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: str = "torch", limits: Limits | None = None,
           threads: int | None = None, precision: str = "auto") -> None:
-    """Run the service until interrupted."""
+    """Run the service until interrupted: the checkpoint loaded and the port bound first (a taken port or a bad
+    checkpoint is a UsageError/CheckpointError before anything is announced), then "serving ..." on stderr."""
+    import socket
+    import sys
+    from pathlib import Path
+
     import uvicorn
 
-    from pathlib import Path
+    from ..errors import UsageError
 
     limits = limits or Limits()
     app = create_app(load_predictor(checkpoint, backend, threads, precision, limits.max_batch), limits,
                      name=Path(checkpoint).stem)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? pick one with --port)") from e
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    print(f"vitkit: serving {checkpoint} ({backend}) on http://{shown}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

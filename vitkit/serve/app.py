@@ -163,7 +163,7 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
             return await asyncio.get_running_loop().run_in_executor(decode_pool, predictor.preprocess, data, limits.max_pixels)
         except ImageDecodeError as e:
             status = 413 if "decompression bomb" in str(e) else 400
-            raise HTTPError(status, re.sub(r"<_io\.BytesIO object at 0x[0-9a-f]+>", "the upload", str(e))) from e
+            raise HTTPError(status, re.sub(r"(image )?<_io\.BytesIO object at 0x[0-9a-f]+>", "the upload", str(e))) from e
 
     def top_k(opts: dict) -> int:
         try:

@@ -226,6 +226,8 @@ def _prepare(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None)
                              "labels": int(spec.train.labels.sum())})
     model = build_model_for(cfg, spec).to(device)
     mc = model.config
+    if dist.main:  # before any wrapping: counting FLOPs runs a forward, which under FSDP2 every rank would have to join
+        print(f"vitkit: {_describe_model(cfg, model)}", file=sys.stderr, flush=True)
     if len(spec.train) < d.batch_size * r.accumulate:
         raise UsageError(f"{len(spec.train)} training images are fewer than one batch of {d.batch_size * r.accumulate}")
     if cfg.model.linear_probe:
@@ -483,9 +485,6 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
 def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, force: bool) -> dict:
     r, d = cfg.run, cfg.data
     out = Path(r.out_dir)
-    if dist.main:
-        out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
     ck = checkpoint.latest(out) if resume else None
     resumed_precision = None
     if ck is not None:
@@ -496,11 +495,12 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
             raise TrainingError(f"{out} holds a run whose config differs in what a step means; resuming it would mix two "
                                 f"runs:\n  " + "\n  ".join(diffs) + "\nUse another run.out_dir, start fresh with --no-resume "
                                 f"(the old files move to {out}/previous-<time>/), or resume anyway with --force.")
-    elif dist.main:  # a fresh start: whatever an earlier run left here moves aside, so its records do not mix with these
-        checkpoint.set_aside(out)
-    run = _prepare(cfg, dist, resumed_precision)
+    run = _prepare(cfg, dist, resumed_precision)  # data, model and settings checked before anything is written
     if dist.main:
-        print(f"vitkit: {_describe_model(cfg, run.model)}", file=sys.stderr, flush=True)
+        if ck is None:  # a fresh start: whatever an earlier run left here moves aside, so its records do not mix with these
+            checkpoint.set_aside(out)
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
     if dist.main:
         (out / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
     step, best, elapsed = 0, -1.0, 0.0
@@ -523,7 +523,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
 
     per_step = d.batch_size * r.accumulate
     eval_steps = max(1, round(r.eval_every * run.steps_per_epoch))  # and at the last step
-    limit = min(run.total, max_steps) if max_steps else run.total
+    limit = min(run.total, max_steps) if max_steps is not None else run.total  # 0 means no step
     logger = MetricsLog(out, resumed_at=step if ck is not None else None, enabled=dist.main)
     bar = Progress(run.total, r.progress, dist.main)
     g = torch.Generator(device=run.device)

@@ -145,6 +145,8 @@ def test_image_folder_end_to_end(tmp_path, capsys):
                                         "model.overrides": {"img_size": 16, "in_chans": 3}, "schedule.epochs": 3})
     res = train(cfg)
     assert res["skipped_images"] >= 1  # the corrupt file was skipped and counted, not fatal
+    named = [line for line in capsys.readouterr().err.splitlines() if "broken.png" in line]
+    assert len(named) == 1 and "skipped an undecodable image" in named[0], named  # named, once over 3 epochs
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert max(r.get("skipped_images", 0) for r in recs) >= 1
     from vitkit.cli import main

@@ -576,8 +576,15 @@ def inspect(
 COMMANDS = {"fewshot": fewshot, "reproduce": reproduce, "models": models, "catalog": catalog, "data": data, "export": export, "serve": serve, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error contract: one line, `vitkit COMMAND: error: ...`, exit 2 (`--help` has the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitkit", description="Vision Transformers (arXiv 2010.11929) in PyTorch.")
+    parser = _Parser(prog="vitkit", description="Vision Transformers (arXiv 2010.11929) in PyTorch.")
     parser.add_argument("--debug", action="store_true", help="print the full traceback of every error, expected ones too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, fn in COMMANDS.items():

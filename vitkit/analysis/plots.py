@@ -63,7 +63,9 @@ def save_layer_head_grid(maps: dict[int, np.ndarray], path: str | Path, title: s
     plt = _plt()
     layers = sorted(maps)
     heads = maps[layers[0]].shape[0]
-    fig, axes = plt.subplots(len(layers), heads, figsize=(1.3 * heads, 1.3 * len(layers)), squeeze=False)
+    # constrained layout places the title, head labels and rows without the blank band a fixed margin leaves
+    fig, axes = plt.subplots(len(layers), heads, figsize=(1.3 * heads, 1.3 * len(layers) + 0.4), squeeze=False,
+                             layout="constrained")
     for r, li in enumerate(layers):
         for h in range(heads):
             ax = axes[r][h]

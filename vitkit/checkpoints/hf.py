@@ -129,11 +129,21 @@ def preprocessing_facts(pre: dict) -> dict:
         facts["interpolation"] = codes[pre["resample"]]
     size, crop = pre.get("size") or {}, pre.get("crop_size") or {}
     if pre.get("do_center_crop") and size.get("height") and crop.get("height"):
-        pct = round(crop["height"] / size["height"], 4)  # 0.875 for 224 of 256; one whose floor(crop / pct) is size
-        facts["crop_pct"] = pct if math.floor(crop["height"] / pct) == size["height"] else crop["height"] / (size["height"] + 0.5)
+        facts["crop_pct"] = _crop_pct(crop["height"], size["height"])
     elif pre.get("do_resize", True) and (size.get("height") or size.get("shortest_edge")):
         facts["crop_pct"] = 1.0  # resized to the model's size, nothing cropped
     return facts
+
+
+def _crop_pct(crop: int, size: int) -> float:
+    """The shortest decimal p with floor(crop / p) == size (vitkit's resize of a crop_pct): 0.875 for 224 of 256.
+    The file holds the sizes only, so this is the crop_pct whose preprocessing is the same, not always the one
+    written (0.875 at 32 px resizes to 36, and reads back as 0.88)."""
+    for digits in range(1, 9):
+        p = math.floor(crop / size * 10**digits) / 10**digits
+        if p > 0 and math.floor(crop / p) == size:
+            return p
+    return crop / (size + 0.5)
 
 
 def _int_or_pair(hw: tuple[int, int]) -> int | list[int]:

@@ -133,6 +133,22 @@ def test_serve_refuses_a_taken_port_and_a_bad_checkpoint_before_announcing(ckpt,
     assert not any("serving" in e for e in capsys.readouterr().err.splitlines())
 
 
+def test_explain_treats_a_bad_image_as_predict_does(ckpt, tmp_path, capsys):
+    from PIL import Image
+
+    good, bad = tmp_path / "good.png", tmp_path / "bad.png"
+    Image.new("RGB", (20, 20), (200, 10, 10)).save(good)
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    for cmd in (["predict", str(bad), str(good), "--checkpoint", str(ckpt)],
+                ["explain", str(bad), str(good), "--checkpoint", str(ckpt), "--out", str(tmp_path / "ex")]):
+        assert main(cmd) == 1
+        io = capsys.readouterr()
+        assert f"{bad}: ERROR cannot decode image {bad}" in io.out and "1 of 2 image(s) could not be read" in io.err
+    assert sorted(p.name for p in (tmp_path / "ex").iterdir()) == ["good.npz", "good_heads.png", "good_rollout.png"]
+    assert main(["explain", str(bad), "--checkpoint", str(ckpt), "--out", str(tmp_path / "none")]) == 2
+    assert not (tmp_path / "none").exists()
+
+
 # every command that reads a file: its arguments with the file in the place of `F`, and where it would write
 SWEEP = {
     "info": ["F"], "convert": ["F", "{out}/c.safetensors"], "export": ["F", "{out}/m.onnx"],

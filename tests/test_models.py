@@ -312,6 +312,11 @@ def test_auto_attention_picks_explicit_only_for_cpu_bf16(monkeypatch):
 
     a = Attention(64, 4)
     q = torch.zeros(2, 4, 50, 16, dtype=torch.bfloat16, requires_grad=True)
+    monkeypatch.setattr(attention, "_CPU_BF16_NATIVE", False)  # emulated bf16 matmuls (AVX2): always the fused kernel
+    assert not a._explicit_is_faster(q, 50)
+    with torch.no_grad():
+        assert not a._explicit_is_faster(q * 1, 50)
+    monkeypatch.setattr(attention, "_CPU_BF16_NATIVE", True)
     assert a._explicit_is_faster(q, 50)
     assert not a._explicit_is_faster(q, 1025)  # long sequences: the fused kernel wins again
     assert not a._explicit_is_faster(q.detach().float().requires_grad_(), 50)  # fp32: fused

@@ -110,6 +110,7 @@ m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, embed_dim=64, dep
 c = precision.resolve("auto", m, "cpu", batch=32, training=True)
 paths = {p: gemm.choose(64, 128, 512) for p in ["linear"]} | {"wgrad": gemm.choose(64, 128, 512, kind="wgrad")}
 print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "caps": gemm.isa_caps(), "precision": c.precision,
+                  "bf16_native": gemm.bf16_native(), "flags": gemm.cpu_info().get("flags", "").split(),
                   "reason": c.reason, "rates": c.rates, "gemm": paths, "gemm_rates": gemm.choices()}))
 """
 
@@ -120,7 +121,8 @@ def test_choices_under_the_avx2_caps_are_their_own(home):
     capped = _run_python(CHOICE_CODE, AVX2_CAPS, home)
     native = _run_python(CHOICE_CODE, {k: "" for k in AVX2_CAPS}, home)
     assert capped["capability"] == "AVX2" and capped["caps"] == ",".join(f"{k}={v}" for k, v in AVX2_CAPS.items())
-    assert native["caps"] == ""
+    assert native["caps"] == "" and capped["bf16_native"] is False  # oneDNN capped to AVX2 emulates bf16
+    assert native["bf16_native"] == bool({"avx512_bf16", "amx_bf16"} & set(native["flags"]))
     for res in (capped, native):
         r = res["rates"]
         assert res["precision"] == ("bf16" if r["bf16"] > precision.BF16_MARGIN * r["fp32"] else "fp32"), res

@@ -513,9 +513,10 @@ def explain(
     discard_ratio: float = 0.0,
     head_fusion: Literal["mean", "max", "min"] = "mean",
     class_index: int | None = None,
-) -> list[dict]:
+) -> int:
     """Show what a ViT attends to: attention rollout overlaid on each image, gradient-weighted rollout for a
     class, and per-layer, per-head maps; for the BiT CNN, a Grad-CAM overlay. Writes PNGs and the raw maps (.npz).
+    An image that cannot be read is reported and the others are still explained; the exit status is then 1.
 
     Args:
         images: image files.
@@ -533,9 +534,17 @@ def explain(
     pack_linears(model)  # float32 on CPU: the fastest GEMM measured here
     recs = explain_images(model, images, out, discard_ratio=discard_ratio, head_fusion=head_fusion, class_index=class_index)
     for r in recs:
+        if "error" in r:
+            print(f"{r['image']}: ERROR {r['error']}")
+            continue
         pngs = ", ".join(p for p in (r["png"], r["heads_png"]) if p)
         print(f"{r['image']}: {r.get('class', '')} -> {pngs}, {r['npz']}")
-    return recs
+    failed = [r["image"] for r in recs if "error" in r]
+    if failed:
+        print(f"vitkit: {len(failed)} of {len(recs)} image(s) could not be read: {', '.join(failed[:5])}"
+              f"{' ...' if len(failed) > 5 else ''}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _run_name(checkpoint: str) -> str:

@@ -28,15 +28,28 @@ def _input(model: nn.Module, path: str | Path) -> tuple[torch.Tensor, np.ndarray
 def explain_images(model: nn.Module, images: list[str | Path], out: str | Path, *, discard_ratio: float = 0.0,
                    head_fusion: str = "mean", class_index: int | None = None) -> list[dict]:
     """For each image: rollout and gradient-weighted rollout overlays, the per-layer/per-head maps, and an .npz.
-    A CNN (the BiT baseline) has no attention: it gets a Grad-CAM overlay instead."""
+    A CNN (the BiT baseline) has no attention: it gets a Grad-CAM overlay instead.
+    Every image is decoded first: one that cannot be read gets a record {"image", "error"} and the others are still
+    explained (as `predict` does); when none can be read, an ImageDecodeError before anything is written."""
     model.eval()
     vit = hasattr(model, "blocks")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     names = model.config.class_names or [str(i) for i in range(model.config.num_classes)]
+    inputs: dict[str, tuple | str] = {}
+    for path in images:
+        try:
+            inputs[str(path)] = _input(model, path)
+        except (ImageDecodeError, FileNotFoundError, IsADirectoryError) as e:
+            inputs[str(path)] = str(e)
+    if images and all(isinstance(v, str) for v in inputs.values()):
+        raise ImageDecodeError("no image could be read: " + "; ".join(inputs.values()))
+    out.mkdir(parents=True, exist_ok=True)
     records = []
     for path in images:
-        x, shown = _input(model, path)
+        if isinstance(inputs[str(path)], str):
+            records.append({"image": str(path), "error": inputs[str(path)]})
+            continue
+        x, shown = inputs[str(path)]
         stem = Path(path).stem
         rec: dict = {"image": str(path), "heads_png": None}
         arrays: dict = {}

@@ -9,13 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import gemm
 from .linear import Linear
 from .tracing import is_fx_tracing
 from ...errors import UsageError
 
 
-# AMX tiles make the fused kernel's bf16 forward the faster one for inference (see `_explicit_is_faster`)
-_CPU_HAS_AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+# oneDNN's native bf16 (AVX-512 BF16, AMX) makes the explicit path's bf16 matmuls fast; AMX tiles make the fused
+# kernel's bf16 forward the faster one for inference (see `_explicit_is_faster`)
+_CPU_BF16_NATIVE = gemm.bf16_native()
+_CPU_HAS_AMX = gemm.amx_usable()
 
 
 class RelativePositionBias(nn.Module):
@@ -121,16 +124,18 @@ class Attention(nn.Module):
     impl: str = "auto"
 
     def _explicit_is_faster(self, q: torch.Tensor, tokens: int) -> bool:
-        """On CPU in bf16, plain matmul + softmax beats the fused kernel up to ~600 tokens when gradients flow:
-        the fused kernel's bf16 backward is slow (ViT-S/16, 197 tokens: 28 ms vs 11 ms per layer; 49 tokens:
-        89 ms vs 13 ms). For inference it wins too on CPUs without AMX (AMD EPYC, S/16 batch 16: 8.5 vs 4.9 ms
-        per layer), not with AMX (Xeon: 2.7 vs 3.4 ms). In fp32 the fused kernel is as fast or faster.
-        Measured in benchmarks/NOTES.md, sections 7 and 12."""
+        """On CPU in bf16 with native bf16 matmuls, plain matmul + softmax beats the fused kernel up to ~600 tokens
+        when gradients flow: the fused kernel's bf16 backward is slow (ViT-S/16, 197 tokens: 28 ms vs 11 ms per
+        layer; 49 tokens: 89 ms vs 13 ms). For inference it wins too on CPUs without AMX (AMD EPYC, S/16 batch 16:
+        8.5 vs 4.9 ms per layer), not with AMX (Xeon: 2.7 vs 3.4 ms). Where bf16 matmuls are emulated (AVX2-only
+        CPUs) the fused kernel wins both (Xeon capped to AVX2, S/16: 6.7 vs 152 ms forward, 100 vs 348 ms
+        training). In fp32 the fused kernel is as fast or faster. Measured in benchmarks/NOTES.md, sections 7, 12
+        and 23 (`python benchmarks/isa.py ops`)."""
         if self.impl != "auto":
             return self.impl == "explicit"
         if is_fx_tracing():
             return False
-        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or tokens > 640:
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or tokens > 640 or not _CPU_BF16_NATIVE:
             return False
         return q.requires_grad or not _CPU_HAS_AMX
 

@@ -113,6 +113,28 @@ def isa_caps() -> str:
     return ",".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
 
 
+# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) below which it has no bf16 dot product, and those that allow AMX
+_NO_BF16_ISAS = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+_AMX_ISAS = {"ALL", "DEFAULT", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16"}
+
+
+def _onednn_cap() -> str:
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+
+
+def bf16_native() -> bool:
+    """Whether oneDNN computes bf16 matmuls with the CPU's own bf16 instructions (AVX-512 BF16 or AMX) rather than
+    emulating them (AVX2-only CPUs, or a cap below AVX512_CORE_BF16), where a bf16 matmul is ~10x slower."""
+    flags = cpu_info().get("flags", "").split()
+    has = "avx512_bf16" in flags or "amx_bf16" in flags
+    return has and _onednn_cap() not in _NO_BF16_ISAS
+
+
+def amx_usable() -> bool:
+    """Whether oneDNN may use this CPU's AMX tiles (present, and not capped away)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()) and _onednn_cap() in _AMX_ISAS
+
+
 def machine_key() -> str:
     """A file-name-safe key for measurements that hold on this machine: CPU, ISA caps, torch version, threads."""
     caps = isa_caps()

@@ -32,9 +32,9 @@ def test_bench_reports_consistent_fields(train):
 
 
 def test_cli_bench_every_family_and_models_table(capsys):
-    for name, size in (("vit_s32", 64), ("r26_vit_s32", 64), ("bit_r50x1", 64)):
+    for name, size, dtype in (("vit_s32", 64, "auto"), ("r26_vit_s32", 64, "fp32"), ("bit_r50x1", 64, "fp32")):
         assert main(["bench", name, "--img-size", str(size), "--batch-size", "1", "--min-seconds", "0.01", "--json-out",
-                     "--num-classes", "3"]) == 0
+                     "--num-classes", "3", "--dtype", dtype]) == 0  # auto: the probe's choice (tests/test_precision.py)
         out = json.loads(capsys.readouterr().out)
         assert out["model"] == name and out["img_per_s"] > 0
         # the peak is the fastest path of those measured in the same process, torch.mm among them

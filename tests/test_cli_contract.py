@@ -6,14 +6,12 @@ import socket
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 import vitkit
 from vitkit.cli import COMMANDS, main
 from vitkit.training import PRESETS
 
-from conftest import FIXTURES
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIGITS = ["data.dataset=digits", "model.overrides.img_size=16", "model.overrides.patch_size=4",
@@ -157,6 +155,10 @@ SWEEP = {
     "serve": ["F", "--port", "0"], "bench": ["F"], "train": ["model.checkpoint=F", "run.out_dir={out}"],
     "data": ["pack", "F", "{out}/shards"],
 }
+
+
+def test_the_sweep_covers_every_command_that_reads_a_file():
+    assert set(SWEEP) | {"models", "catalog", "reproduce", "demo"} == set(COMMANDS)  # those four read no input file
 
 
 @pytest.mark.parametrize("what", ["missing", "corrupt", "wrong option"])

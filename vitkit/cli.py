@@ -498,6 +498,11 @@ def predict(
             print(r["image"])
             for label, p in r["top"]:
                 print(f"  {p:7.2%}  {label}")
+    return _exit_status(records)
+
+
+def _exit_status(records: list[dict]) -> int:
+    """0, or 1 after naming the inputs that could not be read (records with an "error"), on stderr."""
     failed = [r["image"] for r in records if "error" in r]
     if failed:
         print(f"vitkit: {len(failed)} of {len(records)} image(s) could not be read: {', '.join(failed[:5])}"
@@ -539,12 +544,7 @@ def explain(
             continue
         pngs = ", ".join(p for p in (r["png"], r["heads_png"]) if p)
         print(f"{r['image']}: {r.get('class', '')} -> {pngs}, {r['npz']}")
-    failed = [r["image"] for r in recs if "error" in r]
-    if failed:
-        print(f"vitkit: {len(failed)} of {len(recs)} image(s) could not be read: {', '.join(failed[:5])}"
-              f"{' ...' if len(failed) > 5 else ''}", file=sys.stderr)
-        return 1
-    return 0
+    return _exit_status(recs)
 
 
 def _run_name(checkpoint: str) -> str:

@@ -607,8 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     # positionals after an option (`train fashion-mnist --smoke a=b`) land in `extra`: they are more overrides
     if extra and hasattr(ns, "overrides") and not any(e.startswith("-") for e in extra):
         ns.overrides = list(ns.overrides) + extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    elif extra:  # the command's own parser says it, so the help it points at is the command's
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subparsers.choices[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
     args = vars(ns)
     fn = args.pop("_fn")
     args.pop("command")

@@ -33,6 +33,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BF16_MARGIN = 1.05  # bf16 must be measured this much faster than fp32 to be chosen
 MIN_ROUND_S = 0.05  # a timed round repeats a short call until it lasts this long
 PROBE_BATCH = 32  # images per probe call at most: representative GEMM shapes, a few seconds on a slow CPU
+PROBE_VERSION = 2  # in every cache key: a measurement made by an earlier probe is made again
 _CHOICES: dict[Path, dict[str, dict]] = {}  # cache file -> {model/batch/mode key -> rates}
 # what the architecture's speed depends on; preprocessing, class names and regularisation rates do not change it
 _IGNORED_FIELDS = {"class_names", "mean", "std", "interpolation", "crop_pct", "drop_rate", "attn_drop_rate",
@@ -208,8 +209,8 @@ def _key(model: nn.Module, device: torch.device, batch: int, training: bool, low
     ckpt = any(getattr(m, "grad_checkpointing", False) for m in model.modules())
     digest = hashlib.sha1(json.dumps([type(model).__name__, arch, frozen, ckpt], sort_keys=True, default=str).encode())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return (f"{type(model).__name__}-{digest.hexdigest()[:12]}|{name}|{'train' if training else 'eval'}|b{batch}"
-            f"|lowp{int(lowp_stream)}|gemm{int(fast_gemm)}")
+    return (f"v{PROBE_VERSION}|{type(model).__name__}-{digest.hexdigest()[:12]}|{name}|{'train' if training else 'eval'}"
+            f"|b{batch}|lowp{int(lowp_stream)}|gemm{int(fast_gemm)}")
 
 
 def _cache_file() -> Path:

@@ -71,6 +71,16 @@ def test_max_steps_0_trains_nothing(tmp_path):
     assert main(["train", *TINY_DIGITS, f"run.out_dir={out}", "--max-steps", "-1"]) == 2
 
 
+def test_zero_means_zero_for_the_periodic_settings(tmp_path):
+    out = tmp_path / "quiet"
+    assert main(["train", *TINY_DIGITS, f"run.out_dir={out}", "run.log_every=0", "run.eval_every=0", "run.ckpt_every=0",
+                 "--max-steps", "3"]) == 0
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [3, 3]  # one log line and one evaluation, at the end
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+    assert main(["train", *TINY_DIGITS, f"run.out_dir={tmp_path / 'neg'}", "run.log_every=-1"]) == 2
+
+
 def test_no_resume_with_a_bad_config_moves_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *TINY_DIGITS, f"run.out_dir={out}", "--max-steps", "1"]) == 0

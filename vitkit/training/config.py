@@ -145,11 +145,11 @@ class RunConfig:
     ema: EMA decay of the weights (e.g. 0.9998); None: off.
     threads: CPU threads (None: torch's default).
     deterministic: deterministic algorithms (bitwise resume on CPU).
-    eval_every: evaluate every this many epochs (fractions too: 0.5 is twice an epoch), and at the end.
+    eval_every: evaluate every this many epochs (fractions too: 0.5 is twice an epoch), and at the end (0: only there).
     tta: test-time augmentation of those evaluations: "none", "flip" (the image and its mirror) or "flip-shift"
         (also moved by one pixel each way: 10 views); the mean of the views' probabilities is the prediction.
-    ckpt_every: write the resumable checkpoint every this many steps (and at every epoch end).
-    log_every: log every this many steps.
+    ckpt_every: write the resumable checkpoint every this many steps (and at every epoch end and the end; 0: only there).
+    log_every: log every this many steps, and at the end (0: only there).
     fewshot: a dataset (fashion-mnist, digits, a folder, ...) on which every evaluation also measures few-shot
         linear accuracy of the frozen features (`vitkit.evaluation.fewshot`); None: off.
     fewshot_shots: the shots of those measurements.

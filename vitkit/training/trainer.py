@@ -197,6 +197,9 @@ def _prepare(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None)
     r, d = cfg.run, cfg.data
     device = dist.device
     precision_mod.check(r.precision, "run.precision")
+    for name in ("eval_every", "ckpt_every", "log_every"):
+        if getattr(r, name) < 0:
+            raise UsageError(f"run.{name}={getattr(r, name)}: give 0 (only at the end) or more")
     if r.precision == "fp16" and device.type != "cuda":
         raise UsageError("fp16 needs a GPU (it relies on a grad scaler); use bf16 or auto on a CPU")
     if check_tta(r.tta, "run.tta") != "none" and not cfg.aug.hflip:
@@ -275,6 +278,12 @@ def _prepare(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None)
                 torch.amp.GradScaler(device.type, enabled=precision == "fp16"), aug,
                 None if strategy == "fsdp" else amp,  # FSDP2 computes in low precision by its policy instead
                 teacher, fewshot_data, steps_per_epoch, total, warmup)
+
+
+def _due(step: int, every: int) -> bool:
+    """Whether a periodic action every `every` steps (log, evaluation, checkpoint) falls on `step`; 0: never (the
+    action still happens where the loop always does it: the last step, an epoch's end)."""
+    return every > 0 and step % every == 0
 
 
 def _choose_precision(cfg: TrainConfig, model: nn.Module, dist: Dist, resumed: str | None) -> str:
@@ -522,7 +531,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
         old_handler = None
 
     per_step = d.batch_size * r.accumulate
-    eval_steps = max(1, round(r.eval_every * run.steps_per_epoch))  # and at the last step
+    eval_steps = max(1, round(r.eval_every * run.steps_per_epoch)) if r.eval_every > 0 else 0  # and at the last step
     limit = min(run.total, max_steps) if max_steps is not None else run.total  # 0 means no step
     logger = MetricsLog(out, resumed_at=step if ck is not None else None, enabled=dist.main)
     bar = Progress(run.total, r.progress, dist.main)
@@ -545,7 +554,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                 loss_s, correct, seen, skipped, lr = _train_step(run, batches, step, g)
                 loss_log, correct_log, seen_log, skipped_total = loss_log + loss_s, correct_log + correct, seen_log + seen, skipped_total + skipped
                 step += 1
-                if step % r.log_every == 0 or step == limit:
+                if _due(step, r.log_every) or step == limit:
                     now = time.perf_counter()
                     loss_all, correct_all, seen_all, skipped_all = dist.sum([loss_log, correct_log, seen_log, skipped_total])
                     ips = seen_all / max(now - t_log, 1e-9)
@@ -555,12 +564,12 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                     logger.log(rec)
                     bar.update(step, epoch, rec["loss"], rec["train_acc"], ips, (limit - step) * per_step / max(ips, 1e-9), lr)
                     t_log, loss_log, correct_log, seen_log = now, 0.0, 0.0, 0.0
-                if step % eval_steps == 0 or step == limit:  # eval_every may be a fraction of an epoch
+                if _due(step, eval_steps) or step == limit:  # eval_every may be a fraction of an epoch
                     data = run.spec.test if run.val is None else run.val
                     best, evaluated = _evaluate_and_keep_best(run, data, step, best, logger, bar)
                     last_eval = (step, evaluated)
                 stopping = dist.any(stop["flag"])
-                if step % r.ckpt_every == 0 or step % run.steps_per_epoch == 0 or step == limit or stopping:
+                if _due(step, r.ckpt_every) or step % run.steps_per_epoch == 0 or step == limit or stopping:
                     _write_checkpoint(run, step, best, elapsed + time.perf_counter() - t_start)
                 if stopping:
                     bar.message(f"stopped by SIGTERM at step {step}; resume with the same command")

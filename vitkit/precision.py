@@ -48,10 +48,6 @@ class Choice:
     reason: str
     rates: dict = dataclasses.field(default_factory=dict)  # img/s per precision, where measured
 
-    @property
-    def amp_dtype(self) -> torch.dtype | None:
-        return AMP_DTYPES.get(self.precision)
-
 
 def check(precision: str, name: str = "precision") -> str:
     if precision not in PRECISIONS:

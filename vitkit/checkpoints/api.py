@@ -124,6 +124,8 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
         fmt, convert = match
         if fmt == "timm-vit" and {"pos_embed.weight", "pos_embed.row"} & keys:
             fmt = "vitkit-state-dict"  # vitkit's own names: a model.state_dict() saved by hand
+        elif fmt == "timm-vit" and "mask_token" in keys:
+            fmt = "dinov2-release"  # DINOv2's own hub files (facebookresearch/dinov2), which timm converts the same way
         sd, f, unused = convert(raw)
         facts = {**f, **facts}
     config = _infer_config(sd, {**facts, **hints}, img_size_if_unknown, what=str(path))
@@ -260,7 +262,7 @@ def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = N
 
 # Config fields that do not change what the model computes: preprocessing, names, regularisation in training.
 _NOT_COMPUTED = {"mean", "std", "interpolation", "crop_pct", "class_names", "drop_rate", "attn_drop_rate", "drop_path_rate",
-                 "dynamic_img_size"}
+                 "dynamic_img_size", "init_values"}
 TIMM_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 
 

@@ -20,6 +20,20 @@ def _count(sd: dict, pattern: str) -> int:
     return len({m.group(1) for k in sd if (m := re.match(pattern, k))})
 
 
+def _square(n: int) -> bool:
+    return n > 0 and math.isqrt(n) ** 2 == n
+
+
+def _patches(img_size, patch) -> int | None:
+    """The number of patches of a stated resolution, or None (no resolution, or not divisible)."""
+    if img_size is None:
+        return None
+    h, w = to_2tuple(img_size)
+    if h % patch[0] or w % patch[1]:
+        return None
+    return (h // patch[0]) * (w // patch[1])
+
+
 def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unknown=None) -> ViTConfig:
     """Width, depth, MLP size, patch size, grid (resolution), token vs gap, pre-logits, classes, hybrid stages.
 
@@ -33,13 +47,27 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     w = sd["patch_embed.proj.weight"]
     d, k = w.shape[0], tuple(w.shape[2:])
     depth = _count(sd, r"blocks\.(\d+)\.")
-    cfg: dict = dict(embed_dim=d, depth=depth, mlp_dim=sd["blocks.0.mlp.fc1.weight"].shape[0] if depth else 4 * d)
+    swiglu = "blocks.0.mlp.fc1_g.weight" in sd
+    fc1 = "blocks.0.mlp.fc1_g.weight" if swiglu else "blocks.0.mlp.fc1.weight"
+    cfg: dict = dict(embed_dim=d, depth=depth, mlp_dim=sd[fc1].shape[0] if depth else 4 * d)
+    cfg["mlp_layer"] = "swiglu" if swiglu else "mlp"
+    cfg["mlp_norm"] = "blocks.0.mlp.norm.weight" in sd
     cfg["qkv_bias"] = "blocks.0.attn.qkv.bias" in sd
+    cfg["qk_norm"] = "blocks.0.attn.q_norm.weight" in sd
+    cfg["attn_norm"] = "blocks.0.attn.norm.weight" in sd
+    # LayerScale: the value it was initialised with is not in the file (and changes nothing once trained)
+    cfg["init_values"] = hints.pop("init_values", None) or (1e-5 if "blocks.0.ls1.gamma" in sd else None)
+    if "blocks.0.ls1.gamma" not in sd:
+        cfg["init_values"] = None
     cfg["class_token"] = "cls_token" in sd
     cfg["distilled"] = "dist_token" in sd  # DeiT's distillation token (timm's names)
+    cfg["reg_tokens"] = sd["reg_token"].shape[1] if "reg_token" in sd else 0
     cfg["mpp"] = "mpp_head.weight" in sd
     cfg["fc_norm"] = "fc_norm.weight" in sd
-    cfg["classifier"] = "token" if cfg["class_token"] and not cfg["fc_norm"] else "gap"
+    cfg["pre_norm"] = "norm_pre.weight" in sd
+    cfg["patch_bias"] = "patch_embed.proj.bias" in sd
+    cfg["classifier"] = ("map" if "attn_pool.latent" in sd else
+                         "token" if cfg["class_token"] and not cfg["fc_norm"] else "gap")
     cfg["representation_size"] = sd["pre_logits.fc.weight"].shape[0] if "pre_logits.fc.weight" in sd else None
     cfg["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
     # hybrid: ResNet stages and width; the embedding kernel sits on the backbone's feature map
@@ -56,10 +84,21 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         patch = k
     cfg["patch_size"] = patch
     # position embedding -> kind and grid
-    prefix = int(cfg["class_token"]) + int(cfg["distilled"])
+    prefix = int(cfg["class_token"]) + int(cfg["distilled"]) + cfg["reg_tokens"]
     if "pos_embed.weight" in sd:
         cfg["pos_embed"] = "learned_1d"
-        n = sd["pos_embed.weight"].shape[1] - prefix
+        length = sd["pos_embed.weight"].shape[1]
+        # Does it cover the prefix tokens (the paper) or the patches alone (no_embed_class: DeiT-III, DINOv2 with
+        # registers)? The file's resolution tells; else the one of the two counts that is a square grid.
+        nec = hints.pop("no_embed_class", None)
+        if nec is None and prefix:
+            stated_n = _patches(hints.get("img_size"), patch)
+            if stated_n is not None:
+                nec = stated_n == length
+            else:
+                nec = not _square(length - prefix) and _square(length)
+        cfg["no_embed_class"] = bool(nec)
+        n = length - (0 if nec else prefix)
         grid = None
     elif "pos_embed.row" in sd:
         cfg["pos_embed"] = "learned_2d"

@@ -1,4 +1,5 @@
-"""timm checkpoints <-> vitkit names: vision_transformer, vision_transformer_hybrid and resnetv2 (BiT).
+"""timm checkpoints <-> vitkit names: vision_transformer (with DeiT-III, DINOv2, SigLIP, CLIP), eva (EVA-02),
+vision_transformer_hybrid and resnetv2 (BiT); and DINOv2's own release state dicts, which timm converts the same way.
 
 Two containers:
 - a state dict (`.safetensors`, `.pth`): tensors only. The architecture is what the tensors show plus timm's
@@ -10,17 +11,23 @@ Two containers:
 
 vitkit's module names follow timm's, so most keys map one to one; the differences are the position embedding
 (`pos_embed` is a module here: `pos_embed.weight`), BiT's 1x1-conv head (a Linear here) and the stem-only
-hybrid (timm's backbone *is* the stem there: `patch_embed.backbone.conv`, `.norm`).
+hybrid (timm's backbone *is* the stem there: `patch_embed.backbone.conv`, `.norm`). timm's `Eva` (EVA-02) names
+LayerScale `gamma_1`/`gamma_2`, keeps the query and value biases apart (`q_bias`, `v_bias`; the key has none) or the
+three projections apart (`q_proj`, `k_proj`, `v_proj`), and packs SwiGLU's two input projections into one `mlp.fc1`
+(gate rows first) unless the MLP has a norm. DINOv2's release names the registers `register_tokens`, keeps the
+class token's position in `pos_embed[:, 0]` and a `mask_token`, and packs SwiGLU as `mlp.w12`/`mlp.w3`.
+
+Neither a state dict nor timm's config.json names EVA-02's rotary embedding (a buffer, not saved): every `eva02_*`
+model timm registers has it, with the 16x16 reference grid, so an EVA-style file with a SwiGLU MLP gets it too.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
 from ..models.resnet import backbone_stride
 from .io import CheckpointError
-
-# timm ViT keys vitkit has no counterpart for (features it does not implement).
-_UNSUPPORTED = ("reg_token", "attn.q_norm", "attn.k_norm", "ls1.gamma", "ls2.gamma", "attn_pool", "norm_pre")
 
 # timm's hybrid ResNet (StdConv2dSame, GroupNormAct): weight standardisation eps 1e-8 on the variance, GN eps 1e-5.
 TIMM_HYBRID_NUMERICS = dict(hybrid_ws_eps=1e-8, hybrid_ws_eps_mode="var", hybrid_gn_eps=1e-5)
@@ -31,7 +38,7 @@ TIMM_HYBRID_ARCHS = {(): "vit_tiny_r_s16_p8_224", (2, 2, 2, 2): "vit_small_r26_s
 TIMM_BIT_ARCHS = {((3, 4, 6, 3), 1): "resnetv2_50x1_bit", ((3, 4, 6, 3), 3): "resnetv2_50x3_bit",
                   ((3, 4, 23, 3), 1): "resnetv2_101x1_bit", ((3, 4, 23, 3), 3): "resnetv2_101x3_bit",
                   ((3, 8, 36, 3), 2): "resnetv2_152x2_bit", ((3, 8, 36, 3), 4): "resnetv2_152x4_bit"}
-_TIMM_ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+_TIMM_ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
 _STEM_ONLY = {"patch_embed.backbone.conv.": "patch_embed.backbone.stem.conv.",
               "patch_embed.backbone.norm.": "patch_embed.backbone.stem.norm."}
 
@@ -48,25 +55,71 @@ def is_timm_folder(hub_config: dict) -> bool:
     return "architecture" in hub_config
 
 
+# EVA-02, as every `eva02_*` architecture of timm builds it: rotary embeddings on a 16x16 reference grid.
+EVA02_ROPE = {"rope": "eva", "rope_ref_grid": (16, 16)}
+
+
+def _is_eva(keys) -> bool:
+    return any(re.match(r"blocks\.\d+\.(gamma_1|attn\.q_bias|attn\.q_proj\.weight)$", k) for k in keys)
+
+
 def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
-    bad = sorted(k for k in w if any(u in k for u in _UNSUPPORTED))
-    if bad:
-        raise CheckpointError(f"this timm ViT uses features vitkit does not implement; offending keys: {bad[:8]}")
-    sd, unused = {}, []
+    w, facts, unused = dict(w), {"act": "gelu", "norm_eps": 1e-6}, []
+    if "mask_token" in w:  # DINOv2's release: the masked-image-modelling token, unused by the backbone
+        w.pop("mask_token")
+        unused.append("mask_token")
+    if "register_tokens" in w:  # DINOv2's release with registers: the class token's position folded into the token
+        w["reg_token"] = w.pop("register_tokens")
+        pe = w.pop("pos_embed")
+        w["cls_token"], w["pos_embed"] = w["cls_token"] + pe[:, :1], pe[:, 1:]
+        facts["no_embed_class"] = True
+    eva = _is_eva(w)
+    sd, split = {}, {}
     for k, v in w.items():
         stem = next((p for p in _STEM_ONLY if k.startswith(p)), None)
+        m = re.match(r"(blocks\.\d+\.)(.+)$", k)
         if k == "pos_embed":
             sd["pos_embed.weight"] = v
         elif stem:
             sd[_STEM_ONLY[stem] + k[len(stem):]] = v
-        elif k.startswith("head.") and v.ndim == 2 and v.shape[0] == 0:
+        elif k.startswith("head.") and v.ndim >= 1 and v.shape[0] == 0:
             unused.append(k)
+        elif m and m.group(2) in ("gamma_1", "gamma_2"):
+            sd[m.group(1) + ("ls1" if m.group(2) == "gamma_1" else "ls2") + ".gamma"] = v
+        elif m and re.match(r"attn\.([qkv]_proj\.(weight|bias)|[qv]_bias)$", m.group(2)):
+            split[(m.group(1), m.group(2))] = v
+        elif m and m.group(2).startswith("mlp.w12."):
+            sd[k.replace("mlp.w12.", "mlp.fc1.")] = v
+        elif m and m.group(2).startswith("mlp.w3."):
+            sd[k.replace("mlp.w3.", "mlp.fc2.")] = v
         else:
             sd[k] = v
-    facts: dict = {"act": "gelu", "norm_eps": 1e-6}
+    for blk in sorted({b for b, _ in split}):  # q/k/v apart -> one fused qkv; the key's bias is zero
+        q = f"{blk}attn."
+        if (blk, "attn.q_proj.weight") in split:
+            sd[q + "qkv.weight"] = torch.cat([split[(blk, f"attn.{n}_proj.weight")] for n in "qkv"])
+            qb, vb = split.get((blk, "attn.q_proj.bias")), split.get((blk, "attn.v_proj.bias"))
+        else:
+            qb, vb = split.get((blk, "attn.q_bias")), split.get((blk, "attn.v_bias"))
+        if qb is not None:
+            sd[q + "qkv.bias"] = torch.cat([qb, torch.zeros_like(qb), vb])
+    for k in [k for k in sd if k.endswith("mlp.fc1.weight")]:  # packed SwiGLU: fc1 twice as wide as fc2 reads
+        blk = k[: -len("mlp.fc1.weight")]
+        if sd[k].shape[0] == 2 * sd[blk + "mlp.fc2.weight"].shape[1]:
+            for leaf in ("weight", "bias"):
+                if blk + f"mlp.fc1.{leaf}" in sd:
+                    g, x = sd.pop(blk + f"mlp.fc1.{leaf}").chunk(2)  # gate rows first: SiLU(gate) * value
+                    sd[blk + f"mlp.fc1_g.{leaf}"], sd[blk + f"mlp.fc1_x.{leaf}"] = g, x
+    if eva and "blocks.0.mlp.fc1_g.weight" in sd:
+        facts.update(EVA02_ROPE)
     if "patch_embed.backbone.stem.conv.weight" in sd:
         facts.update(TIMM_HYBRID_NUMERICS)
     return sd, facts, unused
+
+
+def eva_style(config) -> bool:
+    """Whether timm holds this model as an `Eva` (rotary embeddings, SwiGLU, norms inside attention or the MLP)."""
+    return bool(config.rope or config.mlp_layer == "swiglu" or config.attn_norm or config.mlp_norm)
 
 
 def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
@@ -76,12 +129,28 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
         raise CheckpointError("timm's ViT has no pre-logits layer (representation_size); export to vitkit or npz")
     if config.mpp:
         raise CheckpointError("timm has no masked-patch-prediction head: call model.drop_mpp() first, or export to vitkit")
+    eva = eva_style(config)
+    if eva and (config.hybrid_layers is not None or config.distilled):
+        raise CheckpointError("timm's Eva (rotary embeddings, SwiGLU) has no hybrid backbone or distillation token")
     out = {}
     for k, v in sd.items():
+        m = re.match(r"(blocks\.\d+\.)(.+)$", k)
         if k == "pos_embed.weight":
             k = "pos_embed"
         elif config.hybrid_layers == () and k.startswith("patch_embed.backbone.stem."):
             k = "patch_embed.backbone." + k[len("patch_embed.backbone.stem."):]  # timm's stem-only backbone
+        elif eva and m and m.group(2) in ("ls1.gamma", "ls2.gamma"):
+            k = m.group(1) + ("gamma_1" if m.group(2) == "ls1.gamma" else "gamma_2")
+        elif eva and m and m.group(2) == "attn.qkv.bias":  # the key's bias changes no softmax: dropped, exactly
+            qb, _, vb = v.chunk(3)
+            out[m.group(1) + "attn.q_bias"], out[m.group(1) + "attn.v_bias"] = qb, vb
+            continue
+        elif eva and not config.mlp_norm and m and m.group(2).startswith("mlp.fc1_g."):  # GluMlp: one packed fc1
+            leaf = m.group(2).rsplit(".", 1)[1]
+            out[m.group(1) + f"mlp.fc1.{leaf}"] = torch.cat([v, sd[m.group(1) + f"mlp.fc1_x.{leaf}"]])
+            continue
+        elif eva and not config.mlp_norm and m and m.group(2).startswith("mlp.fc1_x."):
+            continue
         out[k] = v
     return out
 
@@ -137,17 +206,33 @@ def folder_config(c) -> dict:
         return cfg
     if c.act not in _TIMM_ACTS:
         raise CheckpointError(f"timm's ViT has no activation {c.act!r}")
+    if c.patch_bias == c.pre_norm:
+        raise CheckpointError("timm builds the patch embedding without bias exactly when there is a pre-norm (CLIP); "
+                              f"this model has pre_norm={c.pre_norm} and patch_bias={c.patch_bias}")
+    if eva_style(c):
+        return _eva_folder_config(c, cfg)
     mlp_ratio = c.mlp_dim / c.embed_dim
     args: dict = {"img_size": list(c.img_size), "embed_dim": c.embed_dim, "depth": c.depth, "num_heads": c.num_heads,
                   "mlp_ratio": mlp_ratio, "qkv_bias": c.qkv_bias, "class_token": c.class_token, "in_chans": c.in_chans,
                   "global_pool": "token" if c.classifier == "token" else "avg", "act_layer": _TIMM_ACTS[c.act]}
     if c.classifier == "gap":
         args["fc_norm"] = c.fc_norm
+    if c.classifier == "map":
+        args["global_pool"] = "map"
+    modern = {"init_values": c.init_values, "reg_tokens": c.reg_tokens, "no_embed_class": c.no_embed_class,
+              "pre_norm": c.pre_norm, "qk_norm": c.qk_norm, "dynamic_img_size": c.dynamic_img_size}
+    defaults = {"init_values": None, "reg_tokens": 0, "no_embed_class": False, "pre_norm": False, "qk_norm": False,
+                "dynamic_img_size": False}
+    args.update({k: v for k, v in modern.items() if v != defaults[k]})
     first_conv = "patch_embed.proj"
     if c.distilled and c.hybrid_layers is not None:
         raise CheckpointError("timm registers no distilled hybrid")
+    if c.norm_eps not in (1e-6, 1e-5) or (c.norm_eps == 1e-5 and (c.distilled or c.hybrid_layers is not None)):
+        raise CheckpointError(f"timm's ViTs use LayerNorm eps 1e-6 (1e-5 for the CLIP ones), not {c.norm_eps}")
     if c.hybrid_layers is None:
-        arch = "deit_base_distilled_patch16_224" if c.distilled else "vit_base_patch16_224"
+        # the CLIP architecture is the one whose LayerNorms have eps 1e-5 (the rest of it is in model_args)
+        arch = ("deit_base_distilled_patch16_224" if c.distilled else
+                "vit_base_patch16_clip_224" if c.norm_eps == 1e-5 else "vit_base_patch16_224")
         args["patch_size"] = list(c.patch_size)
     else:
         arch = TIMM_HYBRID_ARCHS.get(tuple(c.hybrid_layers))
@@ -161,6 +246,62 @@ def folder_config(c) -> dict:
     cfg.update(architecture=arch, num_features=c.embed_dim, global_pool=args["global_pool"], model_args=args)
     cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": first_conv, "classifier": "head"}
     return cfg
+
+
+def _eva_folder_config(c, cfg: dict) -> dict:
+    """timm's `Eva` constructor arguments for a model with rotary embeddings or a SwiGLU MLP (EVA-02)."""
+    hidden = c.mlp_dim
+    ratio = hidden / c.embed_dim
+    if int(c.embed_dim * ratio) != hidden:
+        raise CheckpointError(f"timm's Eva computes its MLP width as int(D * mlp_ratio), which cannot give {hidden}")
+    if c.norm_eps != 1e-6 or (c.act != "gelu" and (c.mlp_layer != "swiglu" or c.classifier == "map")):
+        raise CheckpointError("timm's Eva uses LayerNorm eps 1e-6 and exact GELU: this model differs "
+                              f"(norm_eps {c.norm_eps}, act {c.act!r})")
+    if c.hybrid_layers is not None or c.distilled or c.pos_embed != "learned_1d":
+        raise CheckpointError("timm's Eva has no hybrid backbone, distillation token or other position embedding")
+    pool = {"token": "token", "gap": "avg", "map": "map"}[c.classifier]
+    args = {"img_size": list(c.img_size), "patch_size": list(c.patch_size), "in_chans": c.in_chans,
+            "embed_dim": c.embed_dim, "depth": c.depth, "num_heads": c.num_heads, "mlp_ratio": ratio,
+            "qkv_bias": c.qkv_bias, "qkv_fused": True, "swiglu_mlp": c.mlp_layer == "swiglu", "scale_mlp": c.mlp_norm,
+            "scale_attn_inner": c.attn_norm, "qk_norm": c.qk_norm, "init_values": c.init_values,
+            "class_token": c.class_token, "num_reg_tokens": c.reg_tokens, "no_embed_class": c.no_embed_class,
+            "use_pre_transformer_norm": c.pre_norm, "use_fc_norm": c.fc_norm, "global_pool": pool,
+            "use_rot_pos_emb": c.rope == "eva", "rope_temperature": c.rope_temperature,
+            "ref_feat_shape": list(c.rope_ref_grid) if c.rope_ref_grid else None,
+            "dynamic_img_size": c.dynamic_img_size}
+    if c.classifier == "gap" and not c.fc_norm:
+        args["use_post_transformer_norm"] = True
+    cfg.update(architecture="eva02_tiny_patch14_224", num_features=c.embed_dim, global_pool=pool, model_args=args)
+    cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": "patch_embed.proj", "classifier": "head"}
+    return cfg
+
+
+def _arch_facts(arch: str) -> dict:
+    """What a timm architecture's name fixes beyond its tensors and model_args (its registered defaults)."""
+    if re.match(r"vit_.*dinov3|vit_pe_|vit_.*_rope|naflexvit", arch):
+        raise CheckpointError(f"timm's {arch} uses a rotary or patch scheme vitkit does not implement "
+                              f"(vitkit: EVA-02's rotary embeddings)")
+    facts: dict = {}
+    if arch.startswith("eva02_"):
+        facts.update(EVA02_ROPE)
+    if re.match(r"vit_.*_clip_", arch):
+        facts.update(norm_eps=1e-5, pre_norm=True)
+        if "quickgelu" in arch:
+            facts["act"] = "quick_gelu"
+    return facts
+
+
+# timm constructor arguments -> vitkit config fields (VisionTransformer's and Eva's names)
+_MODEL_ARGS = {"init_values": "init_values", "reg_tokens": "reg_tokens", "num_reg_tokens": "reg_tokens",
+               "no_embed_class": "no_embed_class", "pre_norm": "pre_norm", "use_pre_transformer_norm": "pre_norm",
+               "qk_norm": "qk_norm", "dynamic_img_size": "dynamic_img_size", "scale_mlp": "mlp_norm",
+               "scale_attn_inner": "attn_norm", "rope_temperature": "rope_temperature"}
+# Arguments vitkit takes only at their default (anything else is another architecture).
+_ONLY_DEFAULT = {"norm_layer": None, "embed_layer": None, "block_fn": None, "mlp_layer": None, "use_naflex": False,
+                 "rope_type": "cat", "rope_grid_offset": 0.0, "rope_grid_indexing": "ij", "rope_rotate_half": False,
+                 "use_post_norm": False, "attn_type": "eva", "num_kv_heads": None, "attn_only_layer_scale": False,
+                 "swiglu_align_to": 0, "class_token_pos": None, "pos_embed": "learn", "proj_bias": True,
+                 "final_norm": True}
 
 
 def folder_facts(cfg: dict) -> dict:
@@ -181,26 +322,30 @@ def folder_facts(cfg: dict) -> dict:
         if "input_size" in pre:
             facts["img_size"] = tuple(pre["input_size"][1:])
         return facts
-    act = args.get("act_layer", "gelu")
+    facts.update(_arch_facts(arch))
+    act = args.get("act_layer", facts.get("act", "gelu"))
     if act not in _TIMM_ACTS:
         raise CheckpointError(f"timm's config.json asks for act_layer {act!r}, which vitkit does not implement")
     facts["act"] = _TIMM_ACTS[act]
     if "num_heads" in args:
         facts["num_heads"] = args["num_heads"]
     pool = args.get("global_pool", cfg.get("global_pool", "token"))
-    if pool not in ("token", "avg"):
-        raise CheckpointError(f"timm's config.json asks for global_pool {pool!r}; vitkit pools by 'token' or 'avg'")
-    facts["classifier"] = "token" if pool == "token" else "gap"
+    if pool not in ("token", "avg", "map"):
+        raise CheckpointError(f"timm's config.json asks for global_pool {pool!r}; vitkit pools by 'token', 'avg' or 'map'")
+    facts["classifier"] = {"token": "token", "avg": "gap", "map": "map"}[pool]
+    for key, ours in _MODEL_ARGS.items():
+        if key in args:
+            facts[ours] = args[key]
+    if "use_rot_pos_emb" in args:
+        facts["rope"] = "eva" if args["use_rot_pos_emb"] else None
+    if "ref_feat_shape" in args:
+        ref = args["ref_feat_shape"]
+        facts["rope_ref_grid"] = None if ref is None else tuple(ref) if isinstance(ref, (list, tuple)) else (ref, ref)
     if "img_size" in args:
         facts["img_size"] = args["img_size"]
     elif "input_size" in pre:
         facts["img_size"] = tuple(pre["input_size"][1:])
-    for key in ("norm_layer", "embed_layer", "block_fn", "mlp_layer"):
-        if args.get(key) is not None:
-            raise CheckpointError(f"timm's config.json sets {key}={args[key]!r}, which vitkit does not implement")
-    unsupported = {"pre_norm": False, "no_embed_class": False, "reg_tokens": 0, "qk_norm": False, "init_values": None,
-                   "dynamic_img_size": False, "use_naflex": False}
-    for key, default in unsupported.items():
+    for key, default in _ONLY_DEFAULT.items():
         if args.get(key, default) != default:
             raise CheckpointError(f"timm's config.json sets {key}={args[key]!r}, which vitkit does not implement")
     return facts

@@ -8,6 +8,14 @@
       -> final LayerNorm on every token                              Eq. 4
       -> pool: the class token ('token') or the mean of all tokens ('gap')
       -> [pre-logits Linear + tanh] -> head Linear (zero-initialised)
+
+The ViTs that followed (DeiT-III, DINOv2, SigLIP, EVA-02, CLIP) are the same encoder with a few options, each a
+config field that is off by default (so the paper's models are unchanged) and each a small module in `layers/`:
+LayerScale on both residual branches (`init_values`), register tokens after the class token (`reg_tokens`), a
+position embedding over the patches alone (`no_embed_class`), a LayerNorm before the blocks (`pre_norm`, CLIP) and a
+patch embedding without bias (`patch_bias`, CLIP), qk-norm, a LayerNorm inside attention (`attn_norm`) and inside
+the MLP (`mlp_norm`), the SwiGLU MLP (`mlp_layer`), 2-D rotary embeddings (`rope`, EVA-02), CLIP's quick GELU
+(`act`), and pooling by attention (`classifier='map'`, SigLIP) or by the mean with a norm after it (`fc_norm`).
 """
 from __future__ import annotations
 
@@ -20,8 +28,10 @@ from torch import nn
 
 from .layers import (
     Attention,
+    AttentionPool,
     DropPath,
     LayerNorm,
+    LayerScale,
     Linear,
     LearnedPosEmbed1d,
     LearnedPosEmbed2d,
@@ -29,15 +39,19 @@ from .layers import (
     NoPosEmbed,
     PatchEmbed,
     RelativePositionBias,
+    RotaryEmbedding2d,
     SinCosPosEmbed2d,
+    SwiGLU,
 )
-from .layers.mlp import lecun_normal_
+from .layers.mlp import ACTIVATIONS, lecun_normal_
 from .layers.patch_embed import to_2tuple
 from .layers.tracing import is_fx_tracing
 from .resnet import ResNetBackbone, backbone_stride
 from ..errors import UsageError
 
-CLASSIFIERS = ("token", "gap")
+CLASSIFIERS = ("token", "gap", "map")
+MLP_LAYERS = ("mlp", "swiglu")
+ROPES = (None, "eva")
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
@@ -57,7 +71,9 @@ class ViTConfig:
         in_chans: input channels (1 for grayscale).
         num_classes: classes of the head; 0 makes `model(x)` return the pooled features.
         embed_dim, depth, num_heads, mlp_dim: D, L, heads and the MLP width (4D in the paper).
-        classifier: "token" (the class token) or "gap" (global average pooling of all tokens).
+        classifier: "token" (the class token), "gap" (global average pooling of the patch tokens) or "map"
+            (multihead attention pooling: a learned query attends over the patch tokens, then a residual MLP;
+            SigLIP's head).
         class_token: prepend a class token; None means "only when classifier == 'token'".
         fc_norm: with "gap", normalise after pooling (timm's 'avg') instead of every token before it.
         pos_embed: "learned_1d" | "learned_2d" | "sincos_2d" | "none" | "relative".
@@ -65,7 +81,8 @@ class ViTConfig:
         drop_rate, attn_drop_rate, drop_path_rate: dropout, attention dropout, stochastic depth
             (the latter linear over depth from 0 to the given rate).
         qkv_bias: bias on the query/key/value projections.
-        act: "gelu" (exact) or "gelu_tanh" (the official JAX code's approximation).
+        act: "gelu" (exact), "gelu_tanh" (the official JAX code's and SigLIP's approximation) or "quick_gelu"
+            (OpenAI CLIP's x * sigmoid(1.702 x)).
         norm_eps: LayerNorm epsilon (1e-6 official and timm, 1e-12 HF).
         hybrid_layers: blocks per ResNet stage for a hybrid (e.g. (3, 4, 9)); () the ResNet stem alone
             (AugReg's R+Ti/16); None: a plain ViT.
@@ -78,6 +95,22 @@ class ViTConfig:
             predictions; at inference the two heads' logits are averaged.
         mpp: the masked-patch-prediction head of Sec. 4.6 (a learnable mask embedding and a Linear to the 8^C
             colour codes of a patch's 3-bit mean colour), for self-supervised pre-training.
+        init_values: LayerScale (CaiT, DeiT-III, DINOv2): a learned per-channel scale on both residual branches,
+            initialised to this value; None: none.
+        reg_tokens: register tokens (Darcet et al. 2023, "Vision Transformers Need Registers"): learned tokens after
+            the class token that the model may use as scratch space; no head reads them.
+        no_embed_class: the position embedding covers the patches only (DeiT-III, DINOv2 with registers, big_vision);
+            False: it covers the prefix tokens too, as in the paper.
+        pre_norm: a LayerNorm on the tokens before the first block (CLIP's `ln_pre`).
+        patch_bias: a bias on the patch embedding (CLIP has none).
+        qk_norm: a LayerNorm on every head's queries and keys.
+        attn_norm: a LayerNorm on the attention heads' output before the projection (EVA-02 CLIP's sub-LN).
+        mlp_layer: "mlp" (the paper's) or "swiglu" (fc2(SiLU(W_g x) * W_x x): EVA-02, DINOv2-g); with "swiglu",
+            mlp_dim is the width of the gated hidden layer.
+        mlp_norm: a LayerNorm on the SwiGLU's hidden units (EVA-02's `scale_mlp`).
+        rope: "eva": 2-D rotary embeddings of the patch tokens' queries and keys, as EVA-02 (`layers/rope.py`);
+            None: none. rope_ref_grid: the grid whose coordinates the rotation uses at every resolution (EVA-02:
+            (16, 16)); None: the grid itself. rope_temperature: the base of the frequencies.
     """
 
     img_size: tuple[int, int] = (224, 224)
@@ -112,6 +145,18 @@ class ViTConfig:
     dynamic_img_size: bool = False
     distilled: bool = False
     mpp: bool = False
+    init_values: float | None = None
+    reg_tokens: int = 0
+    no_embed_class: bool = False
+    pre_norm: bool = False
+    patch_bias: bool = True
+    qk_norm: bool = False
+    attn_norm: bool = False
+    mlp_layer: str = "mlp"
+    mlp_norm: bool = False
+    rope: str | None = None
+    rope_ref_grid: tuple[int, int] | None = None
+    rope_temperature: float = 10000.0
     arch: str = "vit"
 
     def __post_init__(self) -> None:
@@ -131,6 +176,22 @@ class ViTConfig:
             raise UsageError("mpp (masked patch prediction) predicts the colour of pixel patches: a plain ViT only")
         if self.fc_norm and self.classifier != "gap":
             raise UsageError("fc_norm applies to classifier='gap' only")
+        if self.act not in ACTIVATIONS:
+            raise UsageError(f"act must be one of {ACTIVATIONS}, got {self.act!r}")
+        if self.mlp_layer not in MLP_LAYERS:
+            raise UsageError(f"mlp_layer must be one of {MLP_LAYERS}, got {self.mlp_layer!r}")
+        if self.mlp_norm and self.mlp_layer != "swiglu":
+            raise UsageError("mlp_norm (a LayerNorm inside the MLP) is implemented for mlp_layer='swiglu' only")
+        if self.rope not in ROPES:
+            raise UsageError(f"rope must be one of {ROPES}, got {self.rope!r}")
+        if self.rope and (self.embed_dim // self.num_heads) % 4:
+            raise UsageError(f"rope needs a head width divisible by 4, got {self.embed_dim // self.num_heads}")
+        if self.rope_ref_grid is not None:
+            self.rope_ref_grid = to_2tuple(self.rope_ref_grid)
+        if self.reg_tokens < 0:
+            raise UsageError(f"reg_tokens must be >= 0, got {self.reg_tokens}")
+        if self.reg_tokens and self.distilled:
+            raise UsageError("register tokens beside DeiT's distillation token: no published model has both")
         if self.embed_dim % self.num_heads:
             raise UsageError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         if self.hybrid_layers is not None:
@@ -156,7 +217,8 @@ class ViTConfig:
 
     @property
     def num_prefix_tokens(self) -> int:
-        return int(bool(self.class_token)) + int(self.distilled)
+        """Tokens in front of the patch grid: the class token, DeiT's distillation token, the registers."""
+        return int(bool(self.class_token)) + int(self.distilled) + self.reg_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -218,26 +280,35 @@ class Block(nn.Module):
     def __init__(self, c: ViTConfig, drop_path: float) -> None:
         super().__init__()
         rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens) if c.pos_embed == "relative" else None
-        self.norm1 = LayerNorm(c.embed_dim, eps=c.norm_eps)
-        self.attn = Attention(c.embed_dim, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate, rel_pos=rel)
+        d = c.embed_dim
+        self.norm1 = LayerNorm(d, eps=c.norm_eps)
+        self.attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,
+                              rel_pos=rel, qk_norm=c.qk_norm, inner_norm=c.attn_norm, norm_eps=c.norm_eps,
+                              rope_prefix=c.num_prefix_tokens)
+        self.ls1 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = LayerNorm(c.embed_dim, eps=c.norm_eps)
-        self.mlp = Mlp(c.embed_dim, c.mlp_dim, act=c.act, drop=c.drop_rate)
+        self.norm2 = LayerNorm(d, eps=c.norm_eps)
+        if c.mlp_layer == "swiglu":
+            self.mlp = SwiGLU(d, c.mlp_dim, norm=c.mlp_norm, norm_eps=c.norm_eps, drop=c.drop_rate)
+        else:
+            self.mlp = Mlp(d, c.mlp_dim, act=c.act, drop=c.drop_rate)
+        self.ls2 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None,
-                grid: tuple[int, int] | None = None):
+                grid: tuple[int, int] | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         """(B, T, D) -> (B, T, D); with `queries`, only the first `queries` tokens' outputs: (B, queries, D).
-        `grid`: the input's patch grid when it is not the model's (dynamic_img_size: the relative bias)."""
+        `grid`: the input's patch grid when it is not the model's (dynamic_img_size: the relative bias);
+        `rope`: the rotary embedding's (sin, cos) for that grid."""
         if queries is not None:  # every token is normed for the keys and values; only the queries go on
-            x = x[:, :queries] + self.drop_path1(self.attn(self.norm1(x), queries=queries, grid=grid))
-            return x + self.drop_path2(self.mlp(self.norm2(x)))
+            x = x[:, :queries] + self.drop_path1(self.ls1(self.attn(self.norm1(x), queries=queries, grid=grid, rope=rope)))
+            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         if return_attention:
-            y, attn = self.attn(self.norm1(x), return_attention=True, grid=grid)
-            x = x + self.drop_path1(y)
-            return x + self.drop_path2(self.mlp(self.norm2(x))), attn
-        x = x + self.drop_path1(self.attn(self.norm1(x), grid=grid))
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
+            y, attn = self.attn(self.norm1(x), return_attention=True, grid=grid, rope=rope)
+            x = x + self.drop_path1(self.ls1(y))
+            return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))), attn
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid=grid, rope=rope)))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
 class PreLogits(nn.Module):
@@ -265,15 +336,23 @@ class VisionTransformer(nn.Module):
                 c.hybrid_layers, width_factor=c.hybrid_width, in_chans=c.in_chans,
                 ws_eps=c.hybrid_ws_eps, ws_eps_mode=c.hybrid_ws_eps_mode, gn_eps=c.hybrid_gn_eps,
             )
-        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, backbone)
+        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, backbone, bias=c.patch_bias)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
         self.dist_token = nn.Parameter(torch.randn(1, 1, c.embed_dim) * 0.02) if c.distilled else None
-        self.pos_embed = POS_EMBEDS[c.pos_embed](c.grid_size, c.embed_dim, c.num_prefix_tokens)
+        self.reg_token = nn.Parameter(torch.randn(1, c.reg_tokens, c.embed_dim) * 1e-6) if c.reg_tokens else None
+        # the prefix tokens the position embedding covers: all of them (the paper) or none (no_embed_class)
+        covered = 0 if c.no_embed_class else c.num_prefix_tokens
+        self.pos_embed = POS_EMBEDS[c.pos_embed](c.grid_size, c.embed_dim, covered)
+        self.rope = (RotaryEmbedding2d(c.embed_dim // c.num_heads, c.grid_size, c.rope_ref_grid, c.rope_temperature)
+                     if c.rope else None)
         self.pos_drop = nn.Dropout(c.drop_rate)
+        self.norm_pre = LayerNorm(c.embed_dim, eps=c.norm_eps) if c.pre_norm else nn.Identity()
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]  # stochastic depth, linear over depth
         self.blocks = nn.ModuleList(Block(c, dpr[i]) for i in range(c.depth))
         self.norm = nn.Identity() if c.fc_norm else LayerNorm(c.embed_dim, eps=c.norm_eps)
         self.fc_norm = LayerNorm(c.embed_dim, eps=c.norm_eps) if c.fc_norm else nn.Identity()
+        self.attn_pool = (AttentionPool(c.embed_dim, c.num_heads, c.mlp_dim, act=c.act, norm_eps=c.norm_eps)
+                          if c.classifier == "map" else None)
         self.pre_logits = PreLogits(c.embed_dim, c.representation_size) if c.representation_size else nn.Identity()
         self.head_drop = nn.Dropout(c.drop_rate)
         self.num_features = c.representation_size or c.embed_dim
@@ -321,14 +400,25 @@ class VisionTransformer(nn.Module):
         return self._add_tokens(self.patch_embed(x), grid)  # (B, N, D) -> (B, T, D)
 
     def _add_tokens(self, x: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
-        """Patch tokens (B, N, D) -> (B, p + N, D): the class (and distillation) token prepended, position added."""
-        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token) if t is not None]
+        """Patch tokens (B, N, D) -> (B, p + N, D): the class (distillation, register) tokens prepended, position
+        added (to the patches alone with no_embed_class), then the pre-norm where there is one (CLIP)."""
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
+        if self.config.no_embed_class:
+            x = self.pos_embed(x, grid)  # (B, N, D)
         if prefix:
             x = torch.cat([*prefix, x], dim=1)  # (B, p + N, D)
-        x = self.pos_drop(self.pos_embed(x, grid))
+        if not self.config.no_embed_class:
+            x = self.pos_embed(x, grid)
+        x = self.norm_pre(self.pos_drop(x))
         if self.lowp_stream and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return x
+
+    def rope_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary embedding's (sin, cos) for an image batch's patch grid, or None for a model without one."""
+        if self.rope is None:
+            return None
+        return self.rope(self.patch_embed.grid_for(x), device=x.device)
 
     def _run(self, blk: Block, x: torch.Tensor, **kw) -> torch.Tensor:
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
@@ -337,16 +427,18 @@ class VisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """All tokens after the final norm: (B, C, H, W) -> (B, T, D)."""
-        grid = self.grid_for(x)
+        grid, rope = self.grid_for(x), self.rope_for(x)
         x = self.embed(x)
         for blk in self.blocks:
-            x = self._run(blk, x, grid=grid)
+            x = self._run(blk, x, grid=grid, rope=rope)
         return self.norm(x)
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, D) -> (B, D): the class token, or the mean of the patch tokens."""
+        """(B, T, D) -> (B, D): the class token, the mean of the patch tokens, or their attention pooling."""
         if self.config.classifier == "token":
             return x[:, 0]
+        if self.attn_pool is not None:
+            return self.attn_pool(x[:, self.config.num_prefix_tokens :])
         return self.fc_norm(x[:, self.config.num_prefix_tokens :].mean(dim=1))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -385,16 +477,18 @@ class VisionTransformer(nn.Module):
             return self.forward_mpp(x, mpp_pixels, mpp_generator)
         if not self._cls_only_last_block():
             return self.forward_head(self.forward_features(x))
-        grid = self.grid_for(x)
+        grid, rope = self.grid_for(x), self.rope_for(x)
         x = self.embed(x)
         for blk in self.blocks[:-1]:
-            x = self._run(blk, x, grid=grid)
-        # the prefix tokens, all the head reads: (B, 1, D), or (B, 2, D) with DeiT's distillation token
-        x = self._run(self.blocks[-1], x, queries=self.config.num_prefix_tokens, grid=grid)
+            x = self._run(blk, x, grid=grid, rope=rope)
+        # the prefix tokens, all the head reads: (B, 1, D), (B, 2, D) with DeiT's distillation token, (B, 1 + R, D)
+        # with R registers
+        x = self._run(self.blocks[-1], x, queries=self.config.num_prefix_tokens, grid=grid, rope=rope)
         return self.forward_head(self.norm(x))
 
     def forward_intermediates(
-        self, x: torch.Tensor, layers: int | Sequence[int] | None = None, *, attention: bool = True
+        self, x: torch.Tensor, layers: int | Sequence[int] | None = None, *, attention: bool = True,
+        patch_grid: bool = False, norm: bool = False,
     ) -> dict:
         """Run the model and keep, for the layers asked for, their output tokens and attention weights.
 
@@ -404,27 +498,36 @@ class VisionTransformer(nn.Module):
                 or None for all. Only these blocks compute attention explicitly; every other block
                 keeps the fused kernel.
             attention: also return the softmax attention weights of those layers.
+            patch_grid: also return those layers' patch tokens as a feature map (B, D, gh, gw) (dense features:
+                segmentation, depth, correspondence heads read these) and their prefix tokens (B, p, D).
+            norm: apply the final norm to the kept tokens (as DINOv2's and timm's dense features do).
 
         Returns:
-            a dict with "tokens" {layer: (B, T, D)} (block outputs, before the final norm),
-            "attention" {layer: (B, H, T, T)} (if asked), "features" (B, T, D) after the final norm,
-            and "logits".
+            a dict with "tokens" {layer: (B, T, D)} (block outputs, before the final norm unless `norm`),
+            "attention" {layer: (B, H, T, T)} (if asked), "patch_grid" {layer: (B, D, gh, gw)} and "prefix"
+            {layer: (B, p, D)} (if asked), "features" (B, T, D) after the final norm, and "logits".
         """
         wanted = resolve_layers(layers, len(self.blocks))
         tokens, attn = {}, {}
-        grid = self.grid_for(x)
+        grid, rope = self.grid_for(x), self.rope_for(x)
         h = self.embed(x)
         for i, blk in enumerate(self.blocks):
             if i in wanted and attention:
-                h, attn[i] = blk(h, return_attention=True, grid=grid)
+                h, attn[i] = blk(h, return_attention=True, grid=grid, rope=rope)
             else:
-                h = blk(h, grid=grid)
+                h = blk(h, grid=grid, rope=rope)
             if i in wanted:
-                tokens[i] = h
+                tokens[i] = self.norm(h) if norm else h
         feats = self.norm(h)
         out = {"tokens": tokens, "features": feats, "logits": self.forward_head(feats)}
         if attention:
             out["attention"] = attn
+        if patch_grid:
+            gh, gw = self.patch_embed.grid_for(x)
+            p = self.config.num_prefix_tokens
+            out["prefix"] = {i: t[:, :p] for i, t in tokens.items()}
+            out["patch_grid"] = {i: t[:, p:].transpose(1, 2).reshape(t.shape[0], t.shape[2], gh, gw)  # (B, N, D) -> (B, D, gh, gw)
+                                 for i, t in tokens.items()}
         return out
 
     # ---- changing the model after construction --------------------------------------------------
@@ -464,8 +567,9 @@ class VisionTransformer(nn.Module):
         tokens = torch.where((how == 1)[..., None], self.mask_token.to(tokens.dtype), tokens)
         tokens = torch.where((how == 2)[..., None], swapped, tokens)
         h = self._add_tokens(tokens, None)
+        rope = self.rope_for(x)
         for blk in self.blocks:
-            h = self._run(blk, h)
+            h = self._run(blk, h, rope=rope)
         out = self.norm(h)[:, self.config.num_prefix_tokens:]  # (B, N, D)
         return self.mpp_head(out[corrupted]), mpp_targets(pixels, self.config.patch_size)[corrupted]
 
@@ -499,6 +603,8 @@ class VisionTransformer(nn.Module):
         self.patch_embed.grid_size = c.grid_size
         self.patch_embed.num_patches = c.grid_size[0] * c.grid_size[1]
         self.pos_embed.resample(c.grid_size, method)
+        if self.rope is not None:
+            self.rope.resample(c.grid_size)
         for blk in self.blocks:
             if blk.attn.rel_pos is not None:
                 blk.attn.rel_pos.resample(c.grid_size, method)

@@ -1,5 +1,9 @@
 """Multi-head self-attention (Sec. 3.1, App. A) with an optional learned relative-position bias (App. D.4).
 
+The later ViTs' options, each off by default: qk-norm (a LayerNorm on every head's queries and keys, ViT-22B),
+a LayerNorm on the heads' output before the projection (EVA-02 CLIP's sub-LN) and 2-D rotary embeddings of the
+patch tokens' queries and keys (`rope.py`, EVA-02).
+
 The fused kernel `F.scaled_dot_product_attention` is the default path; the explicit softmax path runs when
 the attention weights are asked for, and on CPU in bf16 where it is measured to be faster.
 """
@@ -11,6 +15,8 @@ from torch import nn
 
 from . import gemm
 from .linear import Linear
+from .norm import LayerNorm
+from .rope import apply_rope
 from .tracing import is_fx_tracing
 from ...errors import UsageError
 
@@ -95,6 +101,10 @@ class Attention(nn.Module):
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
         rel_pos: RelativePositionBias | None = None,
+        qk_norm: bool = False,
+        inner_norm: bool = False,
+        norm_eps: float = 1e-6,
+        rope_prefix: int = 0,
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -107,6 +117,10 @@ class Attention(nn.Module):
         self.proj = Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.rel_pos = rel_pos
+        self.q_norm = LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        self.norm = LayerNorm(dim, eps=norm_eps) if inner_norm else None
+        self.rope_prefix = rope_prefix  # tokens in front of the patch grid: not rotated
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -140,9 +154,10 @@ class Attention(nn.Module):
         return q.requires_grad or not _CPU_HAS_AMX
 
     def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None,
-                grid: tuple[int, int] | None = None):
+                grid: tuple[int, int] | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x: (B, T, D) -> (B, T, D); with `return_attention`, also the softmax weights (B, H, T, T).
         grid: the patch grid of this input, when it is not the model's (dynamic_img_size; the relative bias).
+        rope: (sin, cos), each (N, head_dim), rotating the patch tokens' queries and keys (`rope.py`).
 
         queries: only the first `queries` tokens attend (keys and values still come from all T tokens), and
             only their outputs are returned: (B, queries, D). What the model's last block needs when the head
@@ -152,6 +167,12 @@ class Attention(nn.Module):
         # instead of a stack and a permuted copy (measured 9% faster per attention layer, benchmarks/NOTES.md)
         q, k, v = self.qkv(x).split(D, dim=-1)  # each (B, T, D)
         q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # each (B, H, T, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            p = self.rope_prefix
+            q = torch.cat([q[:, :, :p], apply_rope(q[:, :, p:], *rope)], dim=2)
+            k = torch.cat([k[:, :, :p], apply_rope(k[:, :, p:], *rope)], dim=2)
         if queries is not None:  # the other tokens' q costs one D x D matmul of a block's twelve: kept, so that
             q = q[:, :, :queries]  # the projection stays one (packable) Linear; (B, H, Q, hd)
         Q = q.shape[2]
@@ -171,6 +192,8 @@ class Attention(nn.Module):
                 bias = bias.to(q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)  # (B, H, Q, hd)
         out = out.transpose(1, 2).reshape(B, Q, D)  # (B, H, Q, hd) -> (B, Q, D)
+        if self.norm is not None:
+            out = self.norm(out)
         out = self.proj_drop(self.proj(out))
         return (out, attn) if return_attention else out
 

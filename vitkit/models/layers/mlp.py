@@ -1,4 +1,8 @@
-"""The Transformer MLP block (Sec. 3.1, Eq. 3): Linear D->M, GELU, dropout, Linear M->D, dropout."""
+"""The Transformer MLP block (Sec. 3.1, Eq. 3): Linear D->M, GELU, dropout, Linear M->D, dropout; and SwiGLU.
+
+Activations: exact GELU (the paper, timm, HF), its tanh approximation (the official JAX code, SigLIP) and CLIP's
+"quick GELU" x * sigmoid(1.702 x) (OpenAI's CLIP weights were trained with it).
+"""
 from __future__ import annotations
 
 import math
@@ -10,14 +14,30 @@ from .linear import Linear
 from ...errors import UsageError
 
 
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+
+
+class QuickGELU(nn.Module):
+    """CLIP's GELU approximation: x * sigmoid(1.702 x)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+def make_act(act: str) -> nn.Module:
+    if act not in ACTIVATIONS:
+        raise UsageError(f"act must be one of {ACTIVATIONS}, got {act!r}")
+    if act == "quick_gelu":
+        return QuickGELU()
+    # The official JAX code uses flax nn.gelu, i.e. the tanh approximation; timm and HF use exact GELU.
+    return nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
+
+
 class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int, *, act: str = "gelu", drop: float = 0.0) -> None:
         super().__init__()
-        if act not in ("gelu", "gelu_tanh"):
-            raise UsageError(f"act must be 'gelu' or 'gelu_tanh', got {act!r}")
         self.fc1 = Linear(dim, hidden)
-        # The official JAX code uses flax nn.gelu, i.e. the tanh approximation; timm and HF use exact GELU.
-        self.act = nn.GELU(approximate="tanh" if act == "gelu_tanh" else "none")
+        self.act = make_act(act)
         self.drop1 = nn.Dropout(drop)
         self.fc2 = Linear(hidden, dim)
         self.drop2 = nn.Dropout(drop)
@@ -31,6 +51,31 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP of EVA-02 and DINOv2-g (Shazeer 2020): fc2(SiLU(fc1_g x) * fc1_x x), with an optional
+    LayerNorm on the hidden units (EVA-02's `scale_mlp`, NormFormer's). Names as timm's `SwiGLU`; the packed
+    layouts (timm's GluMlp `fc1`, DINOv2's `w12`, HF's `weights_in`) are the gate's rows then the value's."""
+
+    def __init__(self, dim: int, hidden: int, *, norm: bool = False, norm_eps: float = 1e-6, drop: float = 0.0) -> None:
+        super().__init__()
+        from .norm import LayerNorm
+
+        self.fc1_g = Linear(dim, hidden)
+        self.fc1_x = Linear(dim, hidden)
+        self.act = nn.SiLU()
+        self.drop1 = nn.Dropout(drop)
+        self.norm = LayerNorm(hidden, eps=norm_eps) if norm else nn.Identity()
+        self.fc2 = Linear(hidden, dim)
+        self.drop2 = nn.Dropout(drop)
+        for fc in (self.fc1_g, self.fc1_x, self.fc2):
+            nn.init.xavier_uniform_(fc.weight)
+            nn.init.zeros_(fc.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1_g(x)) * self.fc1_x(x)  # (B, T, M)
+        return self.drop2(self.fc2(self.norm(self.drop1(h))))
 
 
 def lecun_normal_(w: torch.Tensor) -> torch.Tensor:

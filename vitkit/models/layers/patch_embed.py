@@ -33,6 +33,7 @@ class PatchEmbed(FastGemm, nn.Module):
         in_chans: int,
         embed_dim: int,
         backbone: nn.Module | None = None,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
@@ -49,9 +50,10 @@ class PatchEmbed(FastGemm, nn.Module):
             if patch_size[0] % stride or patch_size[1] % stride:
                 raise UsageError(f"hybrid patch size {patch_size} must be a multiple of the backbone stride {stride}")
             conv_in, kernel = backbone.num_features, (patch_size[0] // stride, patch_size[1] // stride)
-        self.proj = nn.Conv2d(conv_in, embed_dim, kernel_size=kernel, stride=kernel)
+        self.proj = nn.Conv2d(conv_in, embed_dim, kernel_size=kernel, stride=kernel, bias=bias)  # CLIP: no bias
         lecun_normal_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
+        if bias:
+            nn.init.zeros_(self.proj.bias)
         self.dynamic = False  # any H x W divisible by the patch size (dynamic_img_size), not img_size alone
 
     def check_input(self, x: torch.Tensor) -> None:

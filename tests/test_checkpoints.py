@@ -239,7 +239,7 @@ def test_exports_refuse_what_the_format_cannot_hold(tmp_path):
         (dict(act="gelu_tanh"), "timm", "m.safetensors", "act: 'gelu_tanh' in the model, 'gelu'"),
         # a standard width with a non-standard head count: a state dict reader would take the standard count
         (dict(embed_dim=192, mlp_dim=384, num_heads=6), "timm", "m.safetensors", "num_heads: 6 in the model, 3"),
-        (dict(norm_eps=1e-12), "timm", "dir", "norm_eps: 1e-12 in the model, 1e-06"),
+        (dict(norm_eps=1e-12), "timm", "dir", "timm's ViTs use LayerNorm eps 1e-6 (1e-5 for the CLIP ones), not 1e-12"),
         (dict(classifier="gap"), "hf", "hf", "class-token ViT"),
         (dict(hybrid_layers=(1, 1), hybrid_width=0.5, img_size=64, patch_size=16), "timm", "dir", "timm registers hybrids"),
     ]

@@ -35,12 +35,12 @@ def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool =
     if json_out:
         print(json.dumps(rows, indent=1))
         return rows
-    head = f"{'name':<13} {'paper name':<14} {'params (M)':>10} {'GFLOPs':>8} {'tokens':>6} {'res':>5}"
+    head = f"{'name':<16} {'paper name':<21} {'params (M)':>10} {'GFLOPs':>8} {'tokens':>6} {'res':>5}"
     print(head)
     print("-" * len(head))
     for r in rows:
         tokens = "-" if r["tokens"] is None else str(r["tokens"])
-        print(f"{r['name']:<13} {r['paper_name']:<14} {r['params_m']:>10.2f} {r['gflops']:>8.2f} {tokens:>6} {r['resolution']:>5}")
+        print(f"{r['name']:<16} {r['paper_name']:<21} {r['params_m']:>10.2f} {r['gflops']:>8.2f} {tokens:>6} {r['resolution']:>5}")
     print(f"\nGFLOPs: forward pass of one image, torch.utils.flop_counter, multiply-add = 2 FLOPs; {num_classes} classes.")
     return rows
 

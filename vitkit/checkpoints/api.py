@@ -14,7 +14,7 @@ from torch import nn
 from ..models import ResNetV2Config, ViTConfig, build_model
 from ..models.layers.patch_embed import to_2tuple
 from ..models.registry import config_with
-from . import bit, hf, official, timm, torchvision
+from . import bit, hf, hf_vision, official, timm, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
 from .io import CheckpointError, read_hf_dir, read_npz, read_safetensors, read_torch, sniff
 from ..errors import UsageError
@@ -26,6 +26,7 @@ NATIVE_VERSION = "1"
 
 # State-dict formats in the order they are tried: (name, detector on the key set, converter to vitkit names).
 STATE_DICT_FORMATS = (
+    ("hf-vision", lambda keys: hf_vision.family(keys) is not None, hf_vision.to_vitkit),
     ("hf", hf.is_hf, hf.to_vitkit),
     ("torchvision", torchvision.is_torchvision, torchvision.to_vitkit),
     ("timm-vit", timm.is_timm_vit, timm.vit_to_vitkit),
@@ -89,14 +90,16 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
                 raise CheckpointError(f"{path}: a timm folder ({hub_config['architecture']}) that is not a ViT or BiT "
                                       f"vitkit recognises (first keys: {sorted(keys)[:6]})")
             facts = {**facts, **timm.folder_facts(hub_config)}
-        elif hf.is_hf(raw):
-            sd, facts, unused = hf.to_vitkit(raw, hub_config)
+        elif hf_vision.family(raw, hub_config) is not None or hf.is_hf(raw):
+            fam = hf_vision.family(raw, hub_config)
+            sd, facts, unused = hf_vision.to_vitkit(raw, hub_config) if fam else hf.to_vitkit(raw, hub_config)
             pre = path / hf.PREPROCESSOR_FILE
             if pre.exists():
                 facts.update(hf.preprocessing_facts(json.loads(pre.read_text())))
-            fmt = "hf"
+            fmt = f"hf-{fam}" if fam else "hf"
         else:
-            raise CheckpointError(f"{path}: a folder with config.json but neither Hugging Face ViT nor timm weights")
+            raise CheckpointError(f"{path}: a folder with config.json but neither Hugging Face ViT, DINOv2, SigLIP or "
+                                  f"CLIP nor timm weights")
     elif kind == "npz":
         raw = read_npz(path)
         if official.is_official(raw):
@@ -262,7 +265,7 @@ def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = N
 
 # Config fields that do not change what the model computes: preprocessing, names, regularisation in training.
 _NOT_COMPUTED = {"mean", "std", "interpolation", "crop_pct", "class_names", "drop_rate", "attn_drop_rate", "drop_path_rate",
-                 "dynamic_img_size", "init_values"}
+                 "dynamic_img_size", "init_values", "k_bias"}
 TIMM_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 
 
@@ -304,6 +307,8 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
     path, c, sd = Path(path), model.config, _tensors(model)
     if to not in FORMATS:
         raise UsageError(f"unknown export format {to!r}; choose one of {FORMATS}")
+    if c.arch == "vit" and not c.k_bias and not (to in ("vitkit", "timm") and timm.eva_style(c)):
+        sd = _fused_qkv_bias(sd)  # formats with one qkv bias get (q, 0, v)
     if to == "vitkit":
         return save(model, path)
     if to == "timm":
@@ -327,10 +332,16 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
     if c.arch != "vit":
         raise CheckpointError(f"a {c.arch} model exports to 'vitkit' or 'timm' only, not {to!r}")
     if to == "hf":
-        out, hf_config = hf.from_vitkit(sd, c)
-        back, facts, _ = hf.to_vitkit(out, hf_config)
+        fam = hf_family(c)
+        if fam is None:
+            out, hf_config = hf.from_vitkit(sd, c)
+            back, facts, _ = hf.to_vitkit(out, hf_config)
+        else:
+            out, hf_config = hf_vision.from_vitkit(sd, c, fam)
+            back, facts, _ = hf_vision.to_vitkit(out, hf_config)
         pre = hf.preprocessor_config(c)
-        _check_reads_back(c, back, {**facts, **hf.preprocessing_facts(pre)}, "a Hugging Face ViT folder")
+        _check_reads_back(c, back, {**facts, **hf.preprocessing_facts(pre)},
+                          f"a Hugging Face {fam or 'ViT'} folder")
         path.mkdir(parents=True, exist_ok=True)
         _atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
         _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hf_config, indent=2)))
@@ -346,6 +357,29 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
 
     _atomic_write(path, write_npz)
     return path
+
+
+def hf_family(c) -> str | None:
+    """The transformers model class a ViT exports to: None (ViTForImageClassification, the paper's ViT), 'siglip'
+    (attention pooling), 'clip' (a pre-norm), 'dinov2' (LayerScale, registers or SwiGLU)."""
+    if c.classifier == "map":
+        return "siglip"
+    if c.pre_norm:
+        return "clip"
+    if c.init_values is not None or c.reg_tokens or c.mlp_layer == "swiglu":
+        return "dinov2"
+    return None
+
+
+def _fused_qkv_bias(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A k_bias=False model's `attn.q_bias` and `attn.v_bias` as one `attn.qkv.bias` (q, 0, v)."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("attn.q_bias"):
+            out[k.replace("attn.q_bias", "attn.qkv.bias")] = torch.cat([v, torch.zeros_like(v), sd[k.replace("q_bias", "v_bias")]])
+        elif not k.endswith("attn.v_bias"):
+            out[k] = v
+    return out
 
 
 def convert(src: str | Path, dst: str | Path, to: str = "vitkit", **overrides) -> Path:

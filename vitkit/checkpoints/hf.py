@@ -128,8 +128,9 @@ def preprocessing_facts(pre: dict) -> dict:
     if pre.get("resample") in codes:
         facts["interpolation"] = codes[pre["resample"]]
     size, crop = pre.get("size") or {}, pre.get("crop_size") or {}
-    if pre.get("do_center_crop") and size.get("height") and crop.get("height"):
-        facts["crop_pct"] = _crop_pct(crop["height"], size["height"])
+    resize_to = size.get("height") or size.get("shortest_edge")
+    if pre.get("do_center_crop") and resize_to and crop.get("height"):
+        facts["crop_pct"] = _crop_pct(crop["height"], resize_to)
     elif pre.get("do_resize", True) and (size.get("height") or size.get("shortest_edge")):
         facts["crop_pct"] = 1.0  # resized to the model's size, nothing cropped
     return facts

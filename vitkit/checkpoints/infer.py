@@ -52,7 +52,8 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     cfg: dict = dict(embed_dim=d, depth=depth, mlp_dim=sd[fc1].shape[0] if depth else 4 * d)
     cfg["mlp_layer"] = "swiglu" if swiglu else "mlp"
     cfg["mlp_norm"] = "blocks.0.mlp.norm.weight" in sd
-    cfg["qkv_bias"] = "blocks.0.attn.qkv.bias" in sd
+    cfg["qkv_bias"] = "blocks.0.attn.qkv.bias" in sd or "blocks.0.attn.q_bias" in sd
+    cfg["k_bias"] = "blocks.0.attn.q_bias" not in sd  # EVA-02: query and value biases only
     cfg["qk_norm"] = "blocks.0.attn.q_norm.weight" in sd
     cfg["attn_norm"] = "blocks.0.attn.norm.weight" in sd
     # LayerScale: the value it was initialised with is not in the file (and changes nothing once trained)

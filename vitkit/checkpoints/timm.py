@@ -101,8 +101,8 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
             qb, vb = split.get((blk, "attn.q_proj.bias")), split.get((blk, "attn.v_proj.bias"))
         else:
             qb, vb = split.get((blk, "attn.q_bias")), split.get((blk, "attn.v_bias"))
-        if qb is not None:
-            sd[q + "qkv.bias"] = torch.cat([qb, torch.zeros_like(qb), vb])
+        if qb is not None:  # vitkit's k_bias=False attention has the same two parameters
+            sd[q + "q_bias"], sd[q + "v_bias"] = qb, vb
     for k in [k for k in sd if k.endswith("mlp.fc1.weight")]:  # packed SwiGLU: fc1 twice as wide as fc2 reads
         blk = k[: -len("mlp.fc1.weight")]
         if sd[k].shape[0] == 2 * sd[blk + "mlp.fc2.weight"].shape[1]:
@@ -141,8 +141,12 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
             k = "patch_embed.backbone." + k[len("patch_embed.backbone.stem."):]  # timm's stem-only backbone
         elif eva and m and m.group(2) in ("ls1.gamma", "ls2.gamma"):
             k = m.group(1) + ("gamma_1" if m.group(2) == "ls1.gamma" else "gamma_2")
-        elif eva and m and m.group(2) == "attn.qkv.bias":  # the key's bias changes no softmax: dropped, exactly
-            qb, _, vb = v.chunk(3)
+        elif eva and m and m.group(2) == "attn.qkv.bias":
+            qb, kb, vb = v.chunk(3)
+            if config.k_bias and kb.abs().max() > 0 and (config.rope or config.qk_norm):
+                raise CheckpointError("timm's Eva has no key bias, and with rotary embeddings or qk-norm this model's "
+                                      "non-zero one changes its outputs: build it with k_bias=False (as EVA-02 is)")
+            # without rotation or qk-norm a key bias adds q.b to every logit of a query: no softmax changes
             out[m.group(1) + "attn.q_bias"], out[m.group(1) + "attn.v_bias"] = qb, vb
             continue
         elif eva and not config.mlp_norm and m and m.group(2).startswith("mlp.fc1_g."):  # GluMlp: one packed fc1

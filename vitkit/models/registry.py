@@ -1,4 +1,5 @@
-"""Every model of the paper by name: sizes declared once (Table 1), builders one line each."""
+"""Every model of the paper by name, and the ViTs that followed it: sizes declared once (Table 1), builders one line
+each."""
 from __future__ import annotations
 
 import dataclasses
@@ -85,6 +86,52 @@ register("bit_r50x1", "BiT-R50x1", "resnetv2", layers=(3, 4, 6, 3), width_factor
 register("bit_r101x1", "BiT-R101x1", "resnetv2", layers=(3, 4, 23, 3), width_factor=1)
 register("bit_r50x3", "BiT-R50x3", "resnetv2", layers=(3, 4, 6, 3), width_factor=3)
 register("bit_r152x4", "BiT-R152x4", "resnetv2", layers=(3, 8, 36, 3), width_factor=4)
+
+
+# ---- the ViTs that followed the paper: the same encoder with a few options (vit.py's docstring) ----------------
+# DINOv2 (Oquab et al. 2023): LayerScale, patch 14 at 518 (a 37x37 grid), self-supervised, no classifier; with
+# registers (Darcet et al. 2023) the position embedding covers the patches alone; the giant uses SwiGLU.
+_DINOV2 = dict(patch_size=14, img_size=518, init_values=1e-5, num_classes=0, mean=(0.485, 0.456, 0.406),
+               std=(0.229, 0.224, 0.225), interpolation="bicubic")
+_G = dict(embed_dim=1536, depth=40, num_heads=24, mlp_dim=4096, mlp_layer="swiglu")
+for _s, _sz in [("s", VIT_SIZES["S"]), ("b", VIT_SIZES["B"]), ("l", VIT_SIZES["L"]), ("g", _G)]:
+    _big = {"s": "S", "b": "B", "l": "L", "g": "g"}[_s]
+    _timm = {"s": "small", "b": "base", "l": "large", "g": "giant"}[_s]
+    register(f"dinov2_{_s}14", f"DINOv2 ViT-{_big}/14", "vit", **_sz, **_DINOV2)
+    register(f"dinov2_{_s}14_reg4", f"DINOv2 ViT-{_big}/14 reg4", "vit", **_sz, **_DINOV2, reg_tokens=4, no_embed_class=True)
+    alias(f"vit_{_timm}_patch14_dinov2", f"dinov2_{_s}14")
+    alias(f"vit_{_timm}_patch14_reg4_dinov2", f"dinov2_{_s}14_reg4")
+# DeiT-III (Touvron et al. 2022): LayerScale, the position embedding over the patches alone, ImageNet-1k at 224.
+_DEIT3 = dict(init_values=1e-6, no_embed_class=True, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
+              interpolation="bicubic")
+for _s, _timm in [("s", "small"), ("b", "base"), ("l", "large")]:
+    register(f"deit3_{_s}16", f"DeiT-III ViT-{_s.upper()}/16", "vit", **vit(_s.upper(), 16, **_DEIT3))
+    alias(f"deit3_{_timm}_patch16_224", f"deit3_{_s}16")
+# SigLIP (Zhai et al. 2023) image towers: no class token, attention pooling (MAP), tanh-GELU; SoViT-400m/14 shape.
+_SIGLIP = dict(class_token=False, classifier="map", act="gelu_tanh", num_classes=0, interpolation="bicubic")
+register("siglip_b16", "SigLIP ViT-B/16", "vit", **vit("B", 16, **_SIGLIP))
+register("siglip_so400m14", "SigLIP So400m/14", "vit", embed_dim=1152, depth=27, num_heads=16, mlp_dim=4304,
+         patch_size=14, img_size=224, **_SIGLIP)
+alias("vit_base_patch16_siglip_224", "siglip_b16")
+alias("vit_so400m_patch14_siglip_224", "siglip_so400m14")
+# EVA-02 (Fang et al. 2023): 2-D rotary embeddings on a 16x16 reference grid, SwiGLU (with a norm from B up), no
+# key bias, average pooling + fc_norm; the masked-image-modelling backbones have no classifier.
+_EVA02 = dict(patch_size=14, mlp_layer="swiglu", rope="eva", rope_ref_grid=(16, 16), k_bias=False, classifier="gap",
+              class_token=True, fc_norm=True, num_classes=0, mean=(0.48145466, 0.4578275, 0.40821073),
+              std=(0.26862954, 0.26130258, 0.27577711), interpolation="bicubic")
+for _s, _timm in [("Ti", "tiny"), ("S", "small"), ("B", "base"), ("L", "large")]:
+    _d = VIT_SIZES[_s]["embed_dim"]
+    register(f"eva02_{_s.lower()}14", f"EVA-02-{_s}/14", "vit", **{**VIT_SIZES[_s], "mlp_dim": _d * 8 // 3},
+             **_EVA02, mlp_norm=_s in ("B", "L"))
+    alias(f"eva02_{_timm}_patch14_224", f"eva02_{_s.lower()}14")
+# CLIP (Radford et al. 2021) image towers, OpenAI's: a LayerNorm before the blocks, no patch-embedding bias,
+# LayerNorm eps 1e-5, quick GELU; the class token, normed, is the image embedding (before CLIP's projection).
+_CLIP = dict(pre_norm=True, patch_bias=False, norm_eps=1e-5, act="quick_gelu", num_classes=0,
+             mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711), interpolation="bicubic")
+register("clip_b16", "CLIP ViT-B/16", "vit", **vit("B", 16, **_CLIP))
+register("clip_l14", "CLIP ViT-L/14", "vit", **vit("L", 14, **_CLIP))
+alias("vit_base_patch16_clip_quickgelu_224", "clip_b16")
+alias("vit_large_patch14_clip_quickgelu_224", "clip_l14")
 
 
 def list_models(pattern: str | None = None) -> list[str]:

@@ -80,7 +80,7 @@ class ViTConfig:
         representation_size: width of the pre-logits Linear + tanh (pre-training head); None: no layer.
         drop_rate, attn_drop_rate, drop_path_rate: dropout, attention dropout, stochastic depth
             (the latter linear over depth from 0 to the given rate).
-        qkv_bias: bias on the query/key/value projections.
+        qkv_bias: bias on the query/key/value projections. k_bias: False: none on the keys (EVA-02).
         act: "gelu" (exact), "gelu_tanh" (the official JAX code's and SigLIP's approximation) or "quick_gelu"
             (OpenAI CLIP's x * sigmoid(1.702 x)).
         norm_eps: LayerNorm epsilon (1e-6 official and timm, 1e-12 HF).
@@ -130,6 +130,7 @@ class ViTConfig:
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
     qkv_bias: bool = True
+    k_bias: bool = True
     act: str = "gelu"
     norm_eps: float = 1e-6
     hybrid_layers: tuple[int, ...] | None = None
@@ -284,7 +285,7 @@ class Block(nn.Module):
         self.norm1 = LayerNorm(d, eps=c.norm_eps)
         self.attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,
                               rel_pos=rel, qk_norm=c.qk_norm, inner_norm=c.attn_norm, norm_eps=c.norm_eps,
-                              rope_prefix=c.num_prefix_tokens)
+                              rope_prefix=c.num_prefix_tokens, k_bias=c.k_bias)
         self.ls1 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = LayerNorm(d, eps=c.norm_eps)

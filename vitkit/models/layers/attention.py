@@ -105,6 +105,7 @@ class Attention(nn.Module):
         inner_norm: bool = False,
         norm_eps: float = 1e-6,
         rope_prefix: int = 0,
+        k_bias: bool = True,
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -112,7 +113,11 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
-        self.qkv = Linear(dim, 3 * dim, bias=qkv_bias)
+        # EVA-02's keys have no bias: the query and value biases are then parameters of their own (timm Eva's names)
+        split_bias = qkv_bias and not k_bias
+        self.qkv = Linear(dim, 3 * dim, bias=qkv_bias and not split_bias)
+        self.q_bias = nn.Parameter(torch.zeros(dim)) if split_bias else None
+        self.v_bias = nn.Parameter(torch.zeros(dim)) if split_bias else None
         self.attn_drop = attn_drop
         self.proj = Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -165,7 +170,12 @@ class Attention(nn.Module):
         B, T, D = x.shape
         # split, not view+permute+unbind: the backward is then one cat into a contiguous (B, T, 3D) gradient
         # instead of a stack and a permuted copy (measured 9% faster per attention layer, benchmarks/NOTES.md)
-        q, k, v = self.qkv(x).split(D, dim=-1)  # each (B, T, D)
+        if self.q_bias is None:
+            qkv = self.qkv(x)
+        else:  # (q_bias, 0, v_bias)
+            bias = torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias])
+            qkv = self.qkv._linear(x, self.qkv.weight, self.qkv.weight, bias)
+        q, k, v = qkv.split(D, dim=-1)  # each (B, T, D)
         q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # each (B, H, T, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

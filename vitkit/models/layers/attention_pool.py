@@ -33,7 +33,8 @@ class AttentionPool(nn.Module):
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         """Tokens (B, N, D) -> pooled (B, D); with `return_attention`, also the probe's weights (B, H, 1, N)."""
         B, N, D = x.shape
-        q = self.q(self.latent.expand(B, -1, -1)).view(B, 1, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, 1, hd)
+        # the probe's query is the same for every image: projected once, then broadcast
+        q = self.q(self.latent).view(1, 1, self.num_heads, self.head_dim).transpose(1, 2).expand(B, -1, -1, -1)  # (B, H, 1, hd)
         k, v = self.kv(x).split(D, dim=-1)  # each (B, N, D)
         k, v = (t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2) for t in (k, v))  # each (B, H, N, hd)
         attn = None

@@ -17,7 +17,7 @@ from torch import nn
 
 from ...errors import UsageError
 
-RESAMPLE_METHODS = ("bilinear", "bicubic")
+RESAMPLE_METHODS = ("bilinear", "bicubic", "bicubic_noaa")
 
 
 def resample_pos_embed_grid(
@@ -28,7 +28,8 @@ def resample_pos_embed_grid(
     Args:
         method: "bilinear" is the official method (`scipy.ndimage.zoom(order=1)` on the grid, which
             equals bilinear interpolation with aligned corners); "bicubic" is timm's
-            (bicubic, corners not aligned, antialiased when shrinking).
+            (bicubic, corners not aligned, antialiased: PyTorch's antialiased kernel, a = -0.5, at any scale);
+            "bicubic_noaa" is PyTorch's plain bicubic (a = -0.75, no antialiasing), as transformers' Dinov2Model.
     """
     if method not in RESAMPLE_METHODS:
         raise UsageError(f"resampling method must be one of {RESAMPLE_METHODS}, got {method!r}")
@@ -39,7 +40,7 @@ def resample_pos_embed_grid(
     if method == "bilinear":
         x = F.interpolate(x, size=new_size, mode="bilinear", align_corners=True)
     else:
-        x = F.interpolate(x, size=new_size, mode="bicubic", align_corners=False, antialias=True)
+        x = F.interpolate(x, size=new_size, mode="bicubic", align_corners=False, antialias=method == "bicubic")
     return x[0].permute(1, 2, 0).to(grid.dtype)  # (1, D, nh, nw) -> (nh, nw, D)
 
 

@@ -87,8 +87,15 @@ def home(tmp_path, monkeypatch):
 def test_catalog_names_the_official_timm_and_hf_checkpoints():
     assert CATALOG["ViT-B_16-i21k"].files["ViT-B_16.npz"].endswith("vit_models/imagenet21k/ViT-B_16.npz")
     assert "R50+ViT-B_16-i1k" in CATALOG and "augreg-B_16-i1k" in CATALOG
-    assert set(CATALOG["google/vit-base-patch16-224"].files) == {"config.json", "model.safetensors"}
+    assert set(CATALOG["google/vit-base-patch16-224"].files) == {"config.json", "model.safetensors", "preprocessor_config.json"}
     assert CATALOG["timm/vit_base_patch16_224.augreg2_in21k_ft_in1k"].format == "timm"
+    # the later ViTs, by their hub ids (fetched with huggingface_hub), and DINOv2's own release
+    for repo in ("timm/vit_small_patch14_reg4_dinov2.lvd142m", "timm/eva02_tiny_patch14_224.mim_in22k",
+                 "timm/vit_base_patch16_siglip_224.webli", "timm/deit3_small_patch16_224.fb_in1k",
+                 "timm/vit_base_patch16_clip_quickgelu_224.openai", "facebook/dinov2-small", "google/siglip-base-patch16-224"):
+        assert CATALOG[repo].repo == repo
+    assert CATALOG["dinov2_vitb14_reg4"].files == {
+        "dinov2_vitb14_reg4_pretrain.pth": "https://dl.fbaipublicfiles.com/dinov2/dinov2_vitb14/dinov2_vitb14_reg4_pretrain.pth"}
 
 
 def test_download_load_and_cache(server, home):
@@ -186,3 +193,114 @@ def test_catalog_listing_says_how_each_entry_is_verified(capsys):
     register_checkpoint("test-plain", "http://example.invalid/w.npz", "official-npz")
     assert main(["catalog", "--pattern", "test-*"]) == 0
     assert "1 unverified: test-plain" in capsys.readouterr().out
+
+
+# ---- the Hugging Face hub, through huggingface_hub, against a local stand-in for the hub ---------------------------
+
+class HubHandler(http.server.BaseHTTPRequestHandler):
+    """Answers huggingface_hub's HEAD and GET of /{org}/{name}/resolve/{revision}/{file} as the hub does: the
+    revision's commit in X-Repo-Commit, an LFS file's SHA-256 (X-Linked-Etag) or a small file's git blob id (ETag)."""
+
+    files: dict = {}  # (repo, file) -> bytes
+    commits = {"main": "a" * 40, "v1": "b" * 40}
+    requests: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def _lookup(self):
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if len(parts) < 5 or parts[2] != "resolve" or parts[3] not in self.commits:
+            return None, None
+        return self.files.get(("/".join(parts[:2]), "/".join(parts[4:]))), self.commits[parts[3]]
+
+    def _head(self, with_body: bool):
+        type(self).requests.append((self.command, self.path))
+        data, commit = self._lookup()
+        if data is None:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "EntryNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", commit)
+        if self.path.endswith(".safetensors"):
+            self.send_header("X-Linked-Etag", f'"{hashlib.sha256(data).hexdigest()}"')
+            self.send_header("X-Linked-Size", str(len(data)))
+        blob_id = hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()  # git's id of a small file
+        self.send_header("ETag", f'"{blob_id}"')
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if with_body:
+            self.wfile.write(data)
+
+    def do_HEAD(self):
+        self._head(False)
+
+    def do_GET(self):
+        self._head(True)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    src = Path(__file__).resolve().parent / "fixtures" / "modern" / "timm_dinov2"
+    HubHandler.files = {("test-org/dinov2-tiny", f): (src / f).read_bytes() for f in ("config.json", "model.safetensors")}
+    HubHandler.requests = []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HubHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{httpd.server_address[1]}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    yield src, tmp_path / "hf-cache"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_hub_entries_load_through_huggingface_hub(hub, home, monkeypatch):
+    """A hub repository by its id, at a revision, into the cache timm and transformers share; offline from it."""
+    from vitkit.checkpoints.catalog import register_hub
+
+    src, cache = hub
+    register_hub("test-org/dinov2-tiny", "timm", "a stand-in", revision="v1")
+    m = vitkit.load("test-org/dinov2-tiny")
+    x = torch.from_numpy(np.load(src / "input.npy"))
+    with torch.no_grad():
+        assert np.abs(m(x).numpy() - np.load(src / "logits.npy")).max() <= 1e-4
+    snap = cache / "models--test-org--dinov2-tiny" / "snapshots" / ("b" * 40)  # the revision's commit
+    assert (snap / "model.safetensors").exists() and (snap / "config.json").exists()
+    assert {p for _, p in HubHandler.requests} >= {"/test-org/dinov2-tiny/resolve/v1/model.safetensors"}
+    n = len(HubHandler.requests)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert vitkit.load("test-org/dinov2-tiny").config.reg_tokens == 0  # from the cache, no request
+    assert len(HubHandler.requests) == n
+
+
+def test_hub_offline_error_names_the_repo_and_what_to_do(hub, home, monkeypatch):
+    from vitkit.checkpoints.catalog import register_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    register_hub("test-org/dinov2-tiny", "timm")
+    with pytest.raises(CheckpointError) as e:
+        vitkit.load("test-org/dinov2-tiny")
+    msg = str(e.value)
+    assert "'test-org/dinov2-tiny'" in msg and "revision 'main'" in msg and "hf download test-org/dinov2-tiny" in msg
+    assert "models--test-org--dinov2-tiny" in msg and "load that folder" in msg
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    register_hub("test-org/no-such-repo", "timm")
+    with pytest.raises(CheckpointError, match="'test-org/no-such-repo'"):
+        vitkit.load("test-org/no-such-repo")
+
+
+def test_hub_cache_copy_is_checked_against_its_sha256(hub, home):
+    from vitkit.checkpoints.catalog import register_hub
+
+    _, cache = hub
+    register_hub("test-org/dinov2-tiny", "timm")
+    resolve("test-org/dinov2-tiny")
+    blob = next(p for p in (cache / "models--test-org--dinov2-tiny" / "blobs").iterdir() if len(p.name) == 64)
+    blob.write_bytes(blob.read_bytes()[:-1] + b"x")  # corrupted in place
+    for marker in (home / "verified").iterdir():
+        marker.unlink()  # as on another machine sharing the cache
+    with pytest.raises(CheckpointError, match="does not match its SHA-256"):
+        resolve("test-org/dinov2-tiny")

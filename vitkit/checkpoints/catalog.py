@@ -6,6 +6,12 @@ hand and the path to put it at. Every download is verified when a checksum is kn
 publishes with the file: Google Cloud Storage sends the object's MD5 (`x-goog-hash`), the Hugging Face hub the
 SHA-256 of every LFS file (`x-linked-etag` on its redirect). A download whose server states no hash is
 unverified, and `vitkit catalog` says so.
+
+Files on the Hugging Face hub (timm's and transformers' repositories) are fetched with `huggingface_hub`, into the
+cache timm and transformers share (HF_HOME, HF_HUB_CACHE), at a revision (a branch, tag or commit), honouring
+HF_ENDPOINT and offline mode (HF_HUB_OFFLINE=1: the cache only). The cache names each weight file by its SHA-256
+(the hub's LFS object id), which vitkit checks once per file. Offline, the error names the repository, the revision
+and how to put the files in place.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ class CatalogEntry:
     format: str  # "official-npz", "timm", "hf"
     description: str = ""
     sha256: dict[str, str] = field(default_factory=dict)  # file name -> hex digest, where known
+    repo: str | None = None  # a Hugging Face hub repository: fetched with huggingface_hub
+    revision: str = "main"
 
     @property
     def is_folder(self) -> bool:
@@ -41,6 +49,8 @@ class CatalogEntry:
     @property
     def verification(self) -> str:
         """How a download of this entry is checked: a recorded SHA-256, the hash its server publishes, or not at all."""
+        if self.repo:
+            return "sha256 / git blob id published by the Hugging Face hub (huggingface_hub cache)"
         kinds = set()
         for fname, url in self.files.items():
             if fname in self.sha256:
@@ -55,11 +65,14 @@ CATALOG: dict[str, CatalogEntry] = {}
 
 
 def register_checkpoint(name: str, files: dict[str, str] | str, format: str, description: str = "",
-                        sha256: dict[str, str] | None = None) -> CatalogEntry:
-    """Add (or replace) a named checkpoint. `files` maps cache file names to URLs (a single URL is allowed)."""
+                        sha256: dict[str, str] | None = None, repo: str | None = None,
+                        revision: str = "main") -> CatalogEntry:
+    """Add (or replace) a named checkpoint. `files` maps cache file names to URLs (a single URL is allowed); with
+    `repo` (a Hugging Face hub repository id), the file names of that repository at `revision`, fetched with
+    huggingface_hub (the URLs are then for display)."""
     if isinstance(files, str):
         files = {files.rsplit("/", 1)[-1].split("?")[0]: files}
-    entry = CatalogEntry(name, dict(files), format, description, dict(sha256 or {}))
+    entry = CatalogEntry(name, dict(files), format, description, dict(sha256 or {}), repo, revision)
     CATALOG[name] = entry
     return entry
 
@@ -68,10 +81,17 @@ def _official(name: str, path: str, desc: str) -> None:
     register_checkpoint(name, f"{GCS}/{path}", "official-npz", desc)
 
 
+def register_hub(repo: str, format: str, description: str = "", revision: str = "main",
+                 files: tuple[str, ...] | None = None) -> CatalogEntry:
+    """A Hugging Face hub repository as a catalog entry named by its id: timm and transformers folders both carry a
+    config.json (timm's holds the preprocessing and the class names; transformers' a preprocessor_config.json)."""
+    files = files or (("config.json", "model.safetensors") + (("preprocessor_config.json",) if format == "hf" else ()))
+    urls = {f: f"{HF_HUB}/{repo}/resolve/{revision}/{f}" for f in files}
+    return register_checkpoint(repo, urls, format, description, repo=repo, revision=revision)
+
+
 def _hub(repo: str, desc: str, fmt: str) -> None:
-    # timm and HF hub folders both carry a config.json: timm's holds the preprocessing and the class names
-    files = {f: f"{HF_HUB}/{repo}/resolve/main/{f}" for f in ("config.json", "model.safetensors")}
-    register_checkpoint(repo, files, fmt, desc)
+    register_hub(repo, fmt, desc)
 
 
 # The paper's release: ImageNet-21k pre-trained, and fine-tuned on ImageNet at 384 (the /32s at 384, B/16 at 224 too).
@@ -107,6 +127,40 @@ for _r in ("timm/vit_tiny_patch16_224.augreg_in21k_ft_in1k", "timm/vit_small_pat
 for _r in ("google/vit-base-patch16-224", "google/vit-base-patch16-384", "google/vit-large-patch16-224",
            "google/vit-base-patch16-224-in21k", "google/vit-huge-patch14-224-in21k"):
     _hub(_r, "Hugging Face hub weights", "hf")
+# The ViTs that followed the paper, as timm and transformers publish them (vitkit's registry has their sizes).
+for _r, _d in [
+    ("timm/vit_small_patch14_dinov2.lvd142m", "DINOv2 ViT-S/14, LVD-142M, 518 (backbone)"),
+    ("timm/vit_base_patch14_dinov2.lvd142m", "DINOv2 ViT-B/14, LVD-142M, 518 (backbone)"),
+    ("timm/vit_large_patch14_dinov2.lvd142m", "DINOv2 ViT-L/14, LVD-142M, 518 (backbone)"),
+    ("timm/vit_giant_patch14_dinov2.lvd142m", "DINOv2 ViT-g/14 (SwiGLU), LVD-142M, 518 (backbone)"),
+    ("timm/vit_small_patch14_reg4_dinov2.lvd142m", "DINOv2 ViT-S/14 with 4 registers, 518 (backbone)"),
+    ("timm/vit_base_patch14_reg4_dinov2.lvd142m", "DINOv2 ViT-B/14 with 4 registers, 518 (backbone)"),
+    ("timm/deit3_small_patch16_224.fb_in1k", "DeiT-III ViT-S/16, ImageNet-1k"),
+    ("timm/deit3_base_patch16_224.fb_in22k_ft_in1k", "DeiT-III ViT-B/16, ImageNet-21k -> 1k"),
+    ("timm/vit_base_patch16_siglip_224.webli", "SigLIP ViT-B/16 image tower, WebLI (MAP head)"),
+    ("timm/vit_base_patch16_siglip_224.v2_webli", "SigLIP 2 ViT-B/16 image tower, WebLI (MAP head)"),
+    ("timm/vit_so400m_patch14_siglip_224.webli", "SigLIP So400m/14 image tower, WebLI"),
+    ("timm/eva02_tiny_patch14_224.mim_in22k", "EVA-02-Ti/14, MIM on ImageNet-22k (backbone)"),
+    ("timm/eva02_small_patch14_224.mim_in22k", "EVA-02-S/14, MIM on ImageNet-22k (backbone)"),
+    ("timm/eva02_base_patch14_224.mim_in22k", "EVA-02-B/14, MIM on ImageNet-22k (backbone)"),
+    ("timm/eva02_tiny_patch14_336.mim_in22k_ft_in1k", "EVA-02-Ti/14, ImageNet-1k classifier at 336"),
+    ("timm/vit_base_patch16_clip_quickgelu_224.openai", "OpenAI CLIP ViT-B/16 image tower"),
+    ("timm/vit_large_patch14_clip_quickgelu_224.openai", "OpenAI CLIP ViT-L/14 image tower"),
+]:
+    register_hub(_r, "timm", _d)
+for _r, _d in [
+    ("facebook/dinov2-small", "DINOv2 ViT-S/14 (transformers Dinov2Model)"),
+    ("facebook/dinov2-base", "DINOv2 ViT-B/14 (transformers Dinov2Model)"),
+    ("facebook/dinov2-with-registers-small", "DINOv2 ViT-S/14 with registers (Dinov2WithRegistersModel)"),
+    ("google/siglip-base-patch16-224", "SigLIP ViT-B/16 (SiglipModel: the image tower is loaded)"),
+    ("openai/clip-vit-base-patch16", "OpenAI CLIP ViT-B/16 (CLIPModel: the image tower is loaded)"),
+]:
+    register_hub(_r, "hf", _d)
+# DINOv2's own release (facebookresearch/dinov2): torch state dicts, read without unpickling code (weights_only).
+_DINOV2_URL = "https://dl.fbaipublicfiles.com/dinov2"
+for _m in ("vits14", "vitb14", "vitl14", "vitg14", "vits14_reg4", "vitb14_reg4"):
+    register_checkpoint(f"dinov2_{_m}", f"{_DINOV2_URL}/dinov2_{_m.split('_')[0]}/dinov2_{_m}_pretrain.pth", "dinov2-release",
+                        f"DINOv2 {_m}: the original release's backbone")
 
 
 def cache_dir() -> Path:
@@ -210,9 +264,59 @@ def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 3
     return dest
 
 
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def hub_download(repo: str, files: list[str], revision: str = "main") -> list[Path]:
+    """Fetch files of a Hugging Face hub repository with huggingface_hub (its shared cache, HF_ENDPOINT, offline
+    mode) and check each weight file's SHA-256 against the hub's id for it. A CheckpointError says what to do when
+    the hub cannot be reached."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError as e:
+        raise CheckpointError(f"{repo} is on the Hugging Face hub: pip install huggingface_hub") from e
+    out = []
+    for fname in files:
+        try:
+            path = hf_hub_download(repo, fname, revision=revision, endpoint=os.environ.get("HF_ENDPOINT") or None,
+                                   cache_dir=os.environ.get("HF_HUB_CACHE") or None, local_files_only=_offline())
+        except Exception as e:  # offline, unknown repo or revision, missing file, HTTP errors: one clear message
+            cache = os.environ.get("HF_HUB_CACHE") or "~/.cache/huggingface/hub (HF_HOME, HF_HUB_CACHE)"
+            raise CheckpointError(
+                f"could not get {fname} of the Hugging Face hub repository {repo!r} at revision {revision!r} "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, on a machine that can "
+                f"reach the hub run `hf download {repo} {' '.join(files)} --revision {revision}` and copy its "
+                f"models--{repo.replace('/', '--')} folder into {cache} here (then HF_HUB_OFFLINE=1 uses it), or put "
+                f"{', '.join(files)} in a folder and load that folder") from e
+        _verify_blob(Path(path))
+        out.append(Path(path))
+    return out
+
+
+def _verify_blob(path: Path) -> None:
+    """The hub cache stores a weight file as blobs/<sha256>: check the content once (a marker in VITKIT_HOME)."""
+    blob = Path(os.path.realpath(path))
+    if not re.fullmatch(r"[0-9a-f]{64}", blob.name):
+        return  # a small file stored by its git blob id, or a cache without links: nothing recorded to check against
+    marker = cache_dir() / "verified" / blob.name
+    if marker.exists():
+        return
+    got = _sha256(blob)
+    if got != blob.name:
+        raise CheckpointError(f"{path}: the hub cache's copy does not match its SHA-256 {blob.name} (got {got}): "
+                              f"delete {blob} and load again")
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
 def resolve(path_or_name: str | os.PathLike) -> Path:
     """A local path as is; a catalog name or an http(s)/file URL is downloaded into the cache first."""
     s = str(path_or_name)
+    if s in CATALOG and CATALOG[s].repo:
+        entry = CATALOG[s]
+        paths = hub_download(entry.repo, list(entry.files), entry.revision)
+        return paths[0].parent if entry.is_folder else paths[0]
     if s in CATALOG:
         entry = CATALOG[s]
         folder = cache_dir() / entry.name.replace("/", "--")

@@ -163,7 +163,8 @@ SWEEP = {
     "eval": ["F", "--data", "digits", "--out", "{out}"], "predict": ["F"], "fewshot": ["F", "--data", "digits"],
     "explain": ["{img}", "--checkpoint", "F", "--out", "{out}"], "inspect": ["--checkpoint", "F", "--out", "{out}"],
     "serve": ["F", "--port", "0"], "bench": ["F"], "train": ["model.checkpoint=F", "run.out_dir={out}"],
-    "data": ["pack", "F", "{out}/shards"],
+    "data": ["pack", "F", "{out}/shards"], "knn": ["F", "--data", "digits"],
+    "features": ["{img}", "--checkpoint", "F", "--out", "{out}/f.safetensors"],
 }
 
 

@@ -430,6 +430,106 @@ def fewshot(
     return res.to_dict()
 
 
+def knn(
+    checkpoint: str,
+    data: str = "fashion-mnist",
+    k: tuple[int, ...] = (10, 20),
+    temperature: float = 0.07,
+    data_dir: str | None = None,
+    train_subset: int | None = None,
+    json_out: bool = False,
+    device: str = "auto",
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
+) -> dict:
+    """k-nearest-neighbour accuracy of a checkpoint's frozen features (DINO's evaluation of self-supervised
+    backbones): the training split's L2-normalised pooled features are the memory bank; each test image's k most
+    cosine-similar ones vote with weight exp(similarity / temperature).
+
+    Args:
+        checkpoint: any checkpoint vitkit loads (a DINOv2 backbone, a CLIP or SigLIP image tower, a ViT).
+        data: the dataset: a built-in (fashion-mnist, cifar10, digits, ...), an ImageFolder or shards.
+        k: numbers of neighbours.
+        temperature: of the vote's weights; 0 gives every neighbour one vote.
+        data_dir: where the built-in datasets are.
+        train_subset: use only this many training images as the memory bank (faster).
+        json_out: print JSON.
+        device: auto | cpu | cuda | cuda:N.
+        precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
+    """
+    from .checkpoints import load
+    from .data.datasets import InMemoryDataset, load_dataset
+    from .device import resolve_device
+    from .evaluation.knn import knn as _knn
+    from .precision import for_inference
+
+    if temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {temperature}")
+    dev = resolve_device(device)
+    model = load(checkpoint).to(dev)
+    choice = for_inference(model, dev, precision, 500)
+    spec = load_dataset(data, data_dir, in_chans=None)
+    train_set = spec.train.subset(train_subset) if train_subset and isinstance(spec.train, InMemoryDataset) else spec.train
+    replicate = 3 if spec.in_chans == 1 and model.config.in_chans == 3 else None
+    res = _knn(model, train_set, spec.test, ks=tuple(k), temperature=temperature or None, replicate_to=replicate,
+               device=dev, precision=choice.precision)
+    if json_out:
+        print(json.dumps(res.to_dict(), indent=1))
+    else:
+        print(f"{checkpoint} on {data} ({res.train_images} train, {res.test_images} test images): {res}")
+    return res.to_dict()
+
+
+def features(
+    images: list[str],
+    checkpoint: str = "runs/fashion-mnist/best.safetensors",
+    out: str = "features.safetensors",
+    dense: bool = False,
+    layers: tuple[int, ...] = (-1,),
+    device: str = "auto",
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
+) -> int:
+    """Write frozen features of image files to a .safetensors file: `pooled` (N, D), the representation k-NN,
+    few-shot and linear probes read; with --dense, each chosen block's patch tokens as feature maps
+    `patch_grid.L` (N, D, H/P, W/P) (after the final norm) and its prefix tokens `prefix.L` (class, registers).
+    The file's metadata lists the images (row order). An unreadable image is reported, the others written; the exit
+    status is then 1.
+
+    Args:
+        images: image files.
+        checkpoint: any checkpoint vitkit loads.
+        out: the .safetensors file to write.
+        dense: also write dense patch features.
+        layers: the blocks for --dense (negative from the end).
+        device: auto | cpu | cuda | cuda:N.
+        precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
+    """
+    from safetensors.torch import save_file
+
+    from .checkpoints import load
+    from .checkpoints.api import _atomic_write
+    from .device import resolve_device
+    from .inference.features import extract_features
+    from .models.vit import resolve_layers
+    from .precision import for_inference
+
+    dev = resolve_device(device)
+    model = load(checkpoint).to(dev)
+    if getattr(model.config, "arch", "vit") != "vit":
+        raise UsageError("features: a ViT checkpoint (the BiT CNN has no tokens)")
+    resolve_layers(list(layers), model.config.depth)  # a bad index is refused before any image is read
+    choice = for_inference(model, dev, precision, min(len(images), 32))
+    tensors, records = extract_features(model, images, dense=dense, layers=list(layers), precision=choice.precision)
+    for r in records:
+        if "error" in r:
+            print(f"{r['image']}: ERROR {r['error']}")
+    if tensors:
+        meta = {"images": json.dumps([r["image"] for r in records if "row" in r]), "checkpoint": str(checkpoint)}
+        _atomic_write(Path(out), lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, str(p), metadata=meta))
+        shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
+        print(f"wrote {out}: {shapes}")
+    return _exit_status(records)
+
+
 def reproduce(name: str, seeds: int = 3, smoke: bool = False, out: str = "docs/reproductions", replot: bool = False) -> dict:
     """Reproduce one of the paper's findings at laptop scale: posemb (Table 8), pooling (Fig. 9), data-scale
     (Fig. 3-5), mpp (Sec. 4.6) or distill (DeiT). Trains every variant with every seed on Fashion-MNIST / digits and
@@ -582,7 +682,7 @@ def inspect(
     return res
 
 
-COMMANDS = {"fewshot": fewshot, "reproduce": reproduce, "models": models, "catalog": catalog, "data": data, "export": export, "serve": serve, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
+COMMANDS = {"fewshot": fewshot, "knn": knn, "features": features, "reproduce": reproduce, "models": models, "catalog": catalog, "data": data, "export": export, "serve": serve, "bench": bench, "explain": explain, "inspect": inspect, "demo": demo, "info": info, "convert": convert, "train": train, "eval": evaluate, "predict": predict}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -219,3 +219,46 @@ def test_timm_architectures_vitkit_does_not_implement_are_refused(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(vitkit.CheckpointError, match="rope_type"):
         vitkit.load(d)
+
+
+def test_explain_shows_registers_apart_and_the_map_probe(tmp_path):
+    """A registers model's figures: the patch maps exclude the registers, which get their own figure and arrays
+    (the class token's and the patches' attention to each, the rollout's share); SigLIP's MAP probe gets a map."""
+    from PIL import Image
+
+    from vitkit.analysis.attention import register_attention
+    from vitkit.analysis.commands import explain_images
+
+    img = tmp_path / "x.png"
+    Image.fromarray((np.random.default_rng(0).random((56, 56, 3)) * 255).astype(np.uint8)).save(img)
+    m = vitkit.load(F / "timm_dinov2_reg")
+    rec = explain_images(m, [img], tmp_path / "out")[0]
+    assert Path(rec["registers_png"]).stat().st_size > 0
+    arrays = np.load(rec["npz"])
+    assert arrays["registers_class_to_registers"].shape == (2, 2, 4)  # (layers, heads, registers)
+    assert arrays["registers_patches_to_registers"].shape == (2, 4) and arrays["rollout"].shape == (4, 4)
+    x = torch.randn(2, 3, 56, 56)
+    reg = register_attention(m, x)
+    total = reg["rollout_registers"].sum(-1) + reg["rollout_patches"]
+    assert ((total > 0) & (total < 1)).all()  # the rest is the class token's share of its own rollout
+    # the same attention the forward pass uses: a block's attention rows, explicit, match the fused forward's output
+    out = m.forward_intermediates(x, layers=[0], attention=True)
+    assert torch.allclose(reg["class_to_registers"][:, 0], out["attention"][0][:, :, 0, 1:5])
+    m = vitkit.load(F / "timm_siglip")
+    img32 = tmp_path / "y.png"
+    Image.fromarray((np.random.default_rng(1).random((32, 32, 3)) * 255).astype(np.uint8)).save(img32)
+    rec = explain_images(m, [img32], tmp_path / "out2")[0]
+    assert np.load(rec["npz"])["map_probe"].shape == (4, 4)
+
+
+def test_rope_models_give_attention_maps_from_the_rotated_queries():
+    """The analysis runs the blocks with the rotary embedding: its explicit attention reproduces the model's tokens."""
+    from vitkit.analysis.attention import iter_attention
+
+    m = vitkit.load(F / "timm_eva02")
+    x = torch.from_numpy(np.load(F / "timm_eva02" / "input.npy"))
+    with torch.no_grad():
+        attn = dict(iter_attention(m, x))
+        out = m.forward_intermediates(x, attention=True)
+    assert all(torch.allclose(attn[i], out["attention"][i], atol=1e-6) for i in attn)
+    _close(out["features"], _np("features", F / "timm_eva02"))  # explicit attention, timm's output

@@ -26,14 +26,14 @@ def iter_attention(model: nn.Module, x: torch.Tensor, layers: Sequence[int] | No
     wanted = resolve_layers(layers, len(model.blocks))
     if not wanted:
         return
-    grid = model.grid_for(x)
+    grid, rope = model.grid_for(x), model.rope_for(x)
     h = model.embed(x)
     for i, blk in enumerate(model.blocks):
         if i in wanted:
-            h, attn = blk(h, return_attention=True, grid=grid)
+            h, attn = blk(h, return_attention=True, grid=grid, rope=rope)
             yield i, attn
         else:
-            h = blk(h, grid=grid)
+            h = blk(h, grid=grid, rope=rope)
         if i >= max(wanted):
             return
 
@@ -87,6 +87,33 @@ def attention_rollout(model: nn.Module, x: torch.Tensor, discard_ratio: float = 
         fused = [a.mean(1) if head_fusion == "mean" else a for _, a in iter_attention(model, x)]
     c = model.config
     return token_map(rollout(fused, discard_ratio, head_fusion, c.num_prefix_tokens), c.grid_size, c.num_prefix_tokens)
+
+
+def register_attention(model: nn.Module, x: torch.Tensor, head_fusion: str = "mean") -> dict[str, torch.Tensor]:
+    """Where a model with register tokens (Darcet et al. 2023) puts attention on them, apart from the patch maps.
+
+    Returns {"class_to_registers" (B, L, H, R): the class token's attention to each register, per layer and head;
+    "patches_to_registers" (B, L, R): the patch tokens' mean attention to each register, per layer;
+    "rollout_registers" (B, R) and "rollout_patches" (B,): the share of the class token's rollout on each register
+    and on the patches together}. Without a class token the class rows are absent."""
+    require_vit(model)
+    c = model.config
+    if not c.reg_tokens:
+        raise UsageError("this model has no register tokens")
+    p, r0 = c.num_prefix_tokens, c.num_prefix_tokens - c.reg_tokens  # registers: prefix columns r0 .. p-1
+    per_layer, from_patches = [], []
+    with torch.no_grad():
+        layers = [a for _, a in iter_attention(model, x)]
+    for a in layers:
+        if c.class_token:
+            per_layer.append(a[:, :, 0, r0:p])  # (B, H, R)
+        from_patches.append(a[:, :, p:, r0:p].mean(dim=(1, 2)))  # (B, R)
+    out = {"patches_to_registers": torch.stack(from_patches, 1)}
+    if c.class_token:
+        out["class_to_registers"] = torch.stack(per_layer, 1)
+        joint = rollout(layers, head_fusion=head_fusion, num_prefix_tokens=p)
+        out["rollout_registers"], out["rollout_patches"] = joint[:, 0, r0:p], joint[:, 0, p:].sum(-1)
+    return out
 
 
 def grad_rollout(model: nn.Module, x: torch.Tensor, class_index: int | Sequence[int] | None = None,

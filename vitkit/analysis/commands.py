@@ -11,7 +11,8 @@ from torch import nn
 from ..data.image import EvalTransform, ImageDecodeError, decode_for
 from ..data.datasets import IMAGE_EXTS
 from . import plots
-from .attention import attention_rollout, grad_cam, grad_rollout, layer_head_maps, mean_attention_distance, require_vit
+from .attention import (attention_rollout, grad_cam, grad_rollout, layer_head_maps, mean_attention_distance, register_attention,
+                        require_vit)
 from .embeddings import embedding_filters, filter_principal_components, position_similarity
 from ..errors import UsageError
 
@@ -65,6 +66,17 @@ def explain_images(model: nn.Module, images: list[str | Path], out: str | Path, 
             arrays["layer_head"] = np.stack([heads[k] for k in sorted(heads)])
             rec["heads_png"] = str(plots.save_layer_head_grid(heads, out / f"{stem}_heads.png",
                                                               title=f"{Path(path).name}: attention per layer and head"))
+            if getattr(model.config, "reg_tokens", 0):  # registers: shown apart from the patch maps (Darcet et al.)
+                reg = {k: v[0].numpy() for k, v in register_attention(model, x, head_fusion).items()}
+                arrays.update({f"registers_{k}": v for k, v in reg.items()})
+                rec["registers_png"] = str(plots.save_register_attention(
+                    reg, out / f"{stem}_registers.png", title=f"{Path(path).name}: the {model.config.reg_tokens} registers"))
+            if getattr(model, "attn_pool", None) is not None:  # SigLIP's MAP head: where its probe looks
+                with torch.no_grad():
+                    feats = model.forward_features(x)[:, model.config.num_prefix_tokens:]
+                    _, probe = model.attn_pool(feats, return_attention=True)  # (1, H, 1, N)
+                maps["MAP probe attention"] = arrays["map_probe"] = (
+                    probe[0, :, 0].mean(0).reshape(model.patch_embed.grid_for(x)) / probe[0, :, 0].mean(0).max()).numpy()
         else:
             if not model.config.num_classes:
                 raise UsageError("Grad-CAM needs a classifier head (this CNN has num_classes=0)")

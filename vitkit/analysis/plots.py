@@ -81,6 +81,36 @@ def save_layer_head_grid(maps: dict[int, np.ndarray], path: str | Path, title: s
     return _save(fig, path)
 
 
+def save_register_attention(reg: dict[str, np.ndarray], path: str | Path, title: str = "") -> Path:
+    """Register tokens apart from the patch maps: per layer, the class token's (mean over heads) and the patches'
+    mean attention to each register; and the class token's rollout split between registers and patches."""
+    plt = _plt()
+    panels = 2 if "class_to_registers" in reg else 1
+    fig, axes = plt.subplots(1, panels + (1 if "rollout_registers" in reg else 0), figsize=(4.2 * (panels + 1), 3.2),
+                             squeeze=False, layout="constrained")
+    axes = axes[0]
+    series = [("patches_to_registers", "patches -> register (mean)")]
+    if "class_to_registers" in reg:
+        series.insert(0, ("class_to_registers", "class token -> register (mean over heads)"))
+    for ax, (key, label) in zip(axes, series):
+        a = reg[key] if reg[key].ndim == 2 else reg[key].mean(1)  # (L, R)
+        for r in range(a.shape[1]):
+            ax.plot(range(a.shape[0]), a[:, r], marker="o", ms=3, label=f"register {r}")
+        ax.set_xlabel("layer")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylabel("attention")
+        ax.set_title(label, fontsize=8)
+        ax.legend(fontsize=6)
+    if "rollout_registers" in reg:
+        ax = axes[-1]
+        shares = list(reg["rollout_registers"]) + [float(reg["rollout_patches"])]
+        ax.bar([f"reg {r}" for r in range(len(shares) - 1)] + ["patches"], shares, color="tab:purple")
+        ax.set_title("class token's rollout: share per input", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
 def save_filters(components: torch.Tensor, path: str | Path, title: str = "") -> Path:
     """Principal components (k, C, P, P) as tiles, each scaled to [0, 1] (RGB, or grey for one channel)."""
     plt = _plt()

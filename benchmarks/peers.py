@@ -6,7 +6,9 @@ implementations (alternating which goes first) and prints img/s and the vitkit/p
 rounds, each round timed by its median call).
 
     python benchmarks/peers.py                      # the default cases (2-core CPU: ~20 minutes)
-    python benchmarks/peers.py --cases vit_s16:infer:fp32:1 --rounds 5 --json out.json   # model:mode:dtype[:batch]
+    python benchmarks/peers.py --cases vit_s16:infer:fp32:1 --rounds 5 --json out.json   # model:mode:dtype[:batch[:img]]
+    python benchmarks/peers.py --peers timm --cases dinov2_b14:infer:fp32:8:224 dinov2_b14:infer:bf16:8:224 \
+        dinov2_b14:infer:fp32:1:518 dinov2_b14:infer:bf16:1:518      # DINOv2 ViT-B/14 (LayerScale), timm only
     python benchmarks/peers.py --device cuda --cases vit_b16:infer:bf16 vit_l16:train:bf16 \
         --batch-infer 256 --batch-train 64                    # a GPU (bf16 autocast; fp16 adds a grad scaler)
 
@@ -55,7 +57,9 @@ from vitkit.stats import count_flops  # noqa: E402
 
 SIZES = {"vit_s16": dict(hidden=384, depth=12, heads=6, mlp=1536, timm="vit_small_patch16_224"),
          "vit_b16": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch16_224"),
-         "vit_l16": dict(hidden=1024, depth=24, heads=16, mlp=4096, timm="vit_large_patch16_224")}
+         "vit_l16": dict(hidden=1024, depth=24, heads=16, mlp=4096, timm="vit_large_patch16_224"),
+         # a later ViT, timm only (transformers' Dinov2Model has no classifier to compare logits with)
+         "dinov2_b14": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch14_dinov2", patch=14)}
 DEFAULT_CASES = ["vit_s16:infer:fp32:1", "vit_s16:infer:fp32:8", "vit_b16:infer:fp32:1", "vit_b16:infer:fp32:8",
                  "vit_s16:train:fp32", "vit_b16:train:fp32", "vit_s16:infer:bf16", "vit_b16:infer:bf16", "vit_s16:train:bf16"]
 
@@ -78,6 +82,10 @@ def build_timm(name: str, img: int, tmp: Path):
 
     model = timm.create_model(SIZES[name]["timm"], pretrained=False, img_size=img, num_classes=1000)
     torch.nn.init.normal_(model.head.weight, std=0.02)  # timm zero-initialises the head: make the output check meaningful
+    if "patch" in SIZES[name]:  # LayerScale starts at 1e-5: make the blocks count in the output check too
+        for n, p in model.named_parameters():
+            if n.endswith("gamma"):
+                torch.nn.init.normal_(p, 0.5, 0.1)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / f"timm_{name}.safetensors")
     return model, vitkit.load(tmp / f"timm_{name}.safetensors")
 
@@ -185,16 +193,19 @@ def main() -> None:
             model_name, mode, dtype, *b = case.split(":")
             train = mode == "train"
             batch = int(b[0]) if b else args.batch_train if train else args.batch_infer
-            x = torch.randn(batch, 3, args.img_size, args.img_size, device=device)
+            img = int(b[1]) if len(b) > 1 else args.img_size
+            x = torch.randn(batch, 3, img, img, device=device)
             for peer in peers:
+                if "patch" in SIZES[model_name] and peer != "timm":
+                    continue
                 if peer == "ort" and (train or dtype != "fp32" or device.type != "cpu" or args.compile):
                     continue  # ONNX Runtime: fp32 CPU inference
                 if peer == "ort":  # vitkit's own model (timm's weights), exported
-                    _, ours = build_timm(model_name, args.img_size, tmp) if "timm" in peers else build_hf(model_name, args.img_size, tmp)
+                    _, ours = build_timm(model_name, img, tmp) if "timm" in peers else build_hf(model_name, img, tmp)
                     ours = ours.eval()
                     ref = OrtSession(ours, tmp, model_name)
                 else:
-                    ref, ours = (build_hf if peer == "hf" else build_timm)(model_name, args.img_size, tmp)
+                    ref, ours = (build_hf if peer == "hf" else build_timm)(model_name, img, tmp)
                     ref, ours = ref.to(device), ours.to(device)
                 peer_logits = ref if peer == "ort" else PeerLogits(ref, peer)
                 with torch.no_grad():
@@ -227,9 +238,10 @@ def main() -> None:
                         speeds[k].append(measure(fns[k], batch, args.seconds, device))
                     order.reverse()  # and neither always goes first
                 med = {k: statistics.median(v) for k, v in speeds.items()}
-                flops = count_flops(ours, (args.img_size,) * 2) * (3 if train else 1)
+                flops = count_flops(ours, (img,) * 2) * (3 if train else 1)
                 for k in [k for k in fns if k.startswith("vitkit")]:
-                    row = {"case": case, "impl": k, "peer": peer, "device": name, "batch": batch, "compiled": args.compile,
+                    row = {"case": case, "impl": k, "peer": peer, "device": name, "batch": batch, "img_size": img,
+                           "compiled": args.compile,
                            "vitkit_img_s": med[k], "peer_img_s": med[peer], "ratio": med[k] / med[peer],
                            "vitkit_fraction_of_peak": flops * med[k] / peak[dtype],
                            "peer_fraction_of_peak": flops * med[peer] / peak[dtype], "max_abs_output_diff": diff,

@@ -228,6 +228,8 @@ def folder_config(c) -> dict:
     defaults = {"init_values": None, "reg_tokens": 0, "no_embed_class": False, "pre_norm": False, "qk_norm": False,
                 "dynamic_img_size": False}
     args.update({k: v for k, v in modern.items() if v != defaults[k]})
+    if c.norm_eps == 1e-5:
+        args["pre_norm"] = c.pre_norm  # the CLIP architecture's own default is True
     first_conv = "patch_embed.proj"
     if c.distilled and c.hybrid_layers is not None:
         raise CheckpointError("timm registers no distilled hybrid")

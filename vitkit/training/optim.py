@@ -12,13 +12,17 @@ from .config import OptimConfig, ScheduleConfig
 from ..errors import UsageError
 
 
+# learned tokens and embeddings: no weight decay (as timm's no_weight_decay: cls/dist/reg tokens, position, probe)
+_TOKENS = ("pos_embed", "cls_token", "dist_token", "reg_token", "mask_token", "rel_pos", "attn_pool.latent")
+
+
 def _no_decay(name: str, p: torch.Tensor) -> bool:
-    return p.ndim <= 1 or name.endswith(".bias") or "pos_embed" in name or "cls_token" in name or "rel_pos" in name
+    return p.ndim <= 1 or name.endswith(".bias") or any(t in name for t in _TOKENS)
 
 
 def layer_id(name: str, depth: int) -> int:
     """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and head."""
-    if name.startswith(("patch_embed", "cls_token", "pos_embed")):
+    if name.startswith(("patch_embed", "cls_token", "pos_embed", "dist_token", "reg_token", "norm_pre", "mask_token")):
         return 0
     if m := re.match(r"blocks\.(\d+)\.", name):
         return int(m.group(1)) + 1

@@ -263,3 +263,14 @@ def test_rope_models_give_attention_maps_from_the_rotated_queries():
         out = m.forward_intermediates(x, attention=True)
     assert all(torch.allclose(attn[i], out["attention"][i], atol=1e-6) for i in attn)
     _close(out["features"], _np("features", F / "timm_eva02"))  # explicit attention, timm's output
+
+
+def test_onnx_export_of_a_rotary_registers_model(tmp_path):
+    """torch.export / ONNX with dynamic batch and size: the rotary angles and the position embedding are computed in
+    the graph for every grid; onnxruntime matches eager (export_model checks 2 batches x 2 sizes, fails above 1e-4)."""
+    from vitkit.deploy import export_model
+
+    m = vitkit.load(F / "readback" / "vitkit_eva_modern" / "source.safetensors").eval()  # rope, registers, SwiGLU
+    report = export_model(m, tmp_path / "m.onnx", "onnx", dynamic_batch=True, dynamic_size=True)
+    assert len(report.checks) == 4 and max(c["max_abs_diff"] for c in report.checks) <= 1e-4
+    assert {tuple(c["shape"][2:]) for c in report.checks} >= {(32, 32)} and len({tuple(c["shape"][2:]) for c in report.checks}) == 2

@@ -72,6 +72,15 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
         keys = ["layers", "channels", "stem_width", "img_size", "num_classes"]
     for k in keys:
         print(f"  {k}: {c[k]}")
+    if c["arch"] == "vit":  # the later ViTs' options that are on (LayerScale, registers, RoPE, ...)
+        from .models import ViTConfig
+
+        defaults = ViTConfig().to_dict()
+        modern = ["init_values", "reg_tokens", "no_embed_class", "pre_norm", "patch_bias", "qk_norm", "attn_norm",
+                  "mlp_layer", "mlp_norm", "rope", "rope_ref_grid", "k_bias", "fc_norm", "dynamic_img_size"]
+        for k in modern:
+            if c[k] != defaults[k]:
+                print(f"  {k}: {c[k]}")
     print(f"  unused keys: {', '.join(r['unused']) or 'none'}")
     if r["missing"]:
         print(f"  missing keys: {', '.join(r['missing'])}")

@@ -228,6 +228,19 @@ class ViTConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def options(self) -> list[str]:
+        """The later-ViT options this config turns on, in words (for a run's one-line model description)."""
+        on = [f"LayerScale {self.init_values:g}" if self.init_values is not None else "",
+              f"{self.reg_tokens} registers" if self.reg_tokens else "",
+              "position embedding over the patches only" if self.no_embed_class else "",
+              "pre-norm" if self.pre_norm else "", "qk-norm" if self.qk_norm else "",
+              "attention sub-norm" if self.attn_norm else "",
+              ("SwiGLU with a norm" if self.mlp_norm else "SwiGLU") if self.mlp_layer == "swiglu" else "",
+              "2-D RoPE" if self.rope else "", "no key bias" if not self.k_bias else "",
+              "MAP head" if self.classifier == "map" else "", "quick GELU" if self.act == "quick_gelu" else "",
+              "distillation token" if self.distilled else ""]
+        return [o for o in on if o]
+
 
 def resolve_layers(layers: int | Sequence[int] | None, depth: int) -> set[int]:
     """Block indices from `forward_intermediates`-style arguments: None for all, an int n for the last n, or a

@@ -312,6 +312,8 @@ def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
     c = model.config
     kind = "CNN" if not hasattr(model, "blocks") else \
         ("plain ViT" if getattr(c, "hybrid_layers", None) is None else f"hybrid (ResNet stages {tuple(c.hybrid_layers)})")
+    if hasattr(c, "options") and c.options():
+        kind = kind.replace("plain ViT", "ViT") + f" ({', '.join(c.options())})"
     params = sum(p.numel() for p in model.parameters())
     try:
         gflops = f"{count_flops(model, tuple(c.img_size), c.in_chans) / 1e9:.3g} GFLOPs"

@@ -43,6 +43,12 @@ def test_knn_command_on_a_dinov2_backbone(capsys):
     assert res["ks"] == [5, 10] and all(0.0 <= a <= 1.0 for a in res["accuracy"].values())
     # random weights still see the digits' pixels: far above the 10% of chance
     assert res["accuracy"]["10"] > 0.3 and res["test_images"] > 0
+    # the paper's few-shot linear evaluation on the same backbone
+    code = main(["fewshot", str(MODERN / "timm_dinov2_reg"), "--data", "digits", "--shots", "1", "5", "--draws", "2",
+                 "--json-out", "--precision", "fp32", "--device", "cpu"])
+    assert code == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["shots"] == [1, 5] and res["mean"]["5"] > res["mean"]["1"] > 0.1
 
 
 def test_features_command_writes_pooled_and_dense_features(tmp_path, capsys):

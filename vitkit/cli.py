@@ -418,10 +418,26 @@ def fewshot(
         device: auto | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
+    from .evaluation import fewshot as _fewshot
+
+    model, dev, prec, train_set, test_set, replicate = _frozen_backbone(checkpoint, data, data_dir, train_subset, device,
+                                                                        precision)
+    res = _fewshot(model, train_set, test_set, shots=tuple(shots), draws=draws, seed=seed, replicate_to=replicate, device=dev,
+                   precision=prec)
+    if json_out:
+        print(json.dumps(res.to_dict(), indent=1))
+    else:
+        print(f"{checkpoint} on {data}, {draws} draws: {res}")
+    return res.to_dict()
+
+
+def _frozen_backbone(checkpoint: str, data: str, data_dir: str | None, train_subset: int | None, device: str,
+                     precision: str):
+    """What `fewshot` and `knn` share: the model on its device, the precision for its features, the dataset's splits
+    (the training split cut to `train_subset` images), and the channel replication grey data needs for an RGB model."""
     from .checkpoints import load
     from .data.datasets import InMemoryDataset, load_dataset
     from .device import resolve_device
-    from .evaluation import fewshot as _fewshot
     from .precision import for_inference
 
     dev = resolve_device(device)
@@ -430,13 +446,7 @@ def fewshot(
     spec = load_dataset(data, data_dir, in_chans=None)
     train_set = spec.train.subset(train_subset) if train_subset and isinstance(spec.train, InMemoryDataset) else spec.train
     replicate = 3 if spec.in_chans == 1 and model.config.in_chans == 3 else None
-    res = _fewshot(model, train_set, spec.test, shots=tuple(shots), draws=draws, seed=seed, replicate_to=replicate, device=dev,
-                   precision=choice.precision)
-    if json_out:
-        print(json.dumps(res.to_dict(), indent=1))
-    else:
-        print(f"{checkpoint} on {data}, {draws} draws: {res}")
-    return res.to_dict()
+    return model, dev, choice.precision, train_set, spec.test, replicate
 
 
 def knn(
@@ -465,22 +475,14 @@ def knn(
         device: auto | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
-    from .checkpoints import load
-    from .data.datasets import InMemoryDataset, load_dataset
-    from .device import resolve_device
     from .evaluation.knn import knn as _knn
-    from .precision import for_inference
 
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
-    dev = resolve_device(device)
-    model = load(checkpoint).to(dev)
-    choice = for_inference(model, dev, precision, 500)
-    spec = load_dataset(data, data_dir, in_chans=None)
-    train_set = spec.train.subset(train_subset) if train_subset and isinstance(spec.train, InMemoryDataset) else spec.train
-    replicate = 3 if spec.in_chans == 1 and model.config.in_chans == 3 else None
-    res = _knn(model, train_set, spec.test, ks=tuple(k), temperature=temperature or None, replicate_to=replicate,
-               device=dev, precision=choice.precision)
+    model, dev, prec, train_set, test_set, replicate = _frozen_backbone(checkpoint, data, data_dir, train_subset, device,
+                                                                        precision)
+    res = _knn(model, train_set, test_set, ks=tuple(k), temperature=temperature or None, replicate_to=replicate,
+               device=dev, precision=prec)
     if json_out:
         print(json.dumps(res.to_dict(), indent=1))
     else:

@@ -130,14 +130,20 @@ def fewshot(model: nn.Module, train_data, test_data, *, shots=(1, 5, 10, 25), dr
         replicate_to: repeat a grey channel this many times (grey data, an RGB model).
         precision: fp32 | bf16 | fp16 (autocast) for the features.
     """
+    tx, ty, vx, vy = split_features(model, train_data, test_data, replicate_to, device, batch_size, precision)
+    return fewshot_from_features(tx, ty, vx, vy, shots, draws, seed, val_per_class)
+
+
+def split_features(model: nn.Module, train_data, test_data, replicate_to: int | None = None, device="cpu",
+                   batch_size: int = 500, precision: str = "fp32") -> tuple[torch.Tensor, ...]:
+    """(train features, train labels, test features, test labels), each split with the model's own evaluation
+    preprocessing (files decoded at the model's size, in-memory arrays resized on the device)."""
     from ..data.datasets import decodes_files
     from ..data.image import EvalTransform
 
     c = model.config
-    tfs = []
-    for data in (train_data, test_data):
-        tfs.append(EvalTransform.for_model(c, replicate_to=replicate_to, geometry=not decodes_files(data)))
+    tfs = [EvalTransform.for_model(c, replicate_to=replicate_to, geometry=not decodes_files(d)) for d in (train_data, test_data)]
     train_data, test_data = (d.configured(c) if decodes_files(d) else d for d in (train_data, test_data))
     tx, ty = features(model, train_data, tfs[0], batch_size, device, precision)
     vx, vy = features(model, test_data, tfs[1], batch_size, device, precision)
-    return fewshot_from_features(tx, ty, vx, vy, shots, draws, seed, val_per_class)
+    return tx, ty, vx, vy

@@ -59,13 +59,7 @@ def knn(model: nn.Module, train_data, test_data, *, ks=(10, 20), temperature: fl
         replicate_to: int | None = None, device="cpu", batch_size: int = 500, precision: str = "fp32") -> KnnResult:
     """k-NN accuracy of a frozen model's pooled features (the head's input) on a dataset: its train split is the
     memory bank, its test split is scored. Each split gets the model's own evaluation preprocessing."""
-    from ..data.datasets import decodes_files
-    from ..data.image import EvalTransform
-    from .fewshot import features
+    from .fewshot import split_features
 
-    c = model.config
-    tfs = [EvalTransform.for_model(c, replicate_to=replicate_to, geometry=not decodes_files(d)) for d in (train_data, test_data)]
-    train_data, test_data = (d.configured(c) if decodes_files(d) else d for d in (train_data, test_data))
-    tx, ty = features(model, train_data, tfs[0], batch_size, device, precision)
-    vx, vy = features(model, test_data, tfs[1], batch_size, device, precision)
+    tx, ty, vx, vy = split_features(model, train_data, test_data, replicate_to, device, batch_size, precision)
     return knn_from_features(tx, ty, vx, vy, ks, temperature)

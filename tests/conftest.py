@@ -22,6 +22,9 @@ def tiny_kwargs(name: str) -> dict:
     entry = get_entry(name)
     if entry.arch == "resnetv2":
         return dict(img_size=64, num_classes=5, layers=(1, 1, 1, 1), width_factor=1, channels=(128, 128, 256, 256), stem_width=32)
+    if entry.arch == "swin":  # four stages of two blocks, shifted windows in the first two (maps 16, 8, 4, 2)
+        return dict(img_size=32, patch_size=2, num_classes=5, embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4),
+                    window_size=4)
     p = entry.kwargs["patch_size"]
     kw = dict(embed_dim=48, depth=2, num_heads=3, mlp_dim=96, num_classes=5, img_size=2 * p)
     if entry.kwargs.get("hybrid_layers"):

@@ -110,6 +110,9 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
         raise UsageError(f"quantize must be 'int8', got {quantize!r}")
     if quantize and format != "onnx":
         raise UsageError("--quantize int8 applies to ONNX exports (onnxruntime's quantizer)")
+    if dynamic_size and getattr(model.config, "arch", "") == "swin":
+        raise UsageError("a Swin's windows and shift masks are laid out for one resolution: export it without "
+                         "--dynamic-size (load it at another size with img_size= and export that)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     m = _prepare(model, dynamic_size)

@@ -189,9 +189,30 @@ def grad_cam(model: nn.Module, x: torch.Tensor, class_index: int | Sequence[int]
     weighted per channel by the mean gradient of the class logit, summed, negatives clipped, normalised to a
     maximum of 1. Returns (maps (B, h, w), class indices (B,))."""
     with torch.enable_grad():
-        feats = model.forward_features(x).detach().requires_grad_(True)  # (B, F, h, w)
+        feats = model.forward_features(x).detach().requires_grad_(True)  # (B, F, h, w); a Swin's (B, h, w, F)
         logits = model.forward_head(feats)
         idx = logits.argmax(-1) if class_index is None else torch.as_tensor(class_index, device=logits.device).expand(len(x))
         (grad,) = torch.autograd.grad(logits.gather(1, idx.view(-1, 1)).sum(), feats)
+    if getattr(model.config, "arch", "") == "swin":  # channels last: the same map
+        feats, grad = feats.permute(0, 3, 1, 2), grad.permute(0, 3, 1, 2)
     cam = (grad.mean(dim=(2, 3), keepdim=True) * feats).sum(1).clamp(min=0).detach()  # (B, h, w)
     return cam / cam.amax(dim=(1, 2), keepdim=True).clamp(min=1e-12), idx
+
+
+def swin_window_maps(model: nn.Module, x: torch.Tensor) -> dict[int, torch.Tensor]:
+    """A Swin's attention, window by window: {block: (B, h, w)}, how much attention each token receives from the
+    queries of its own window (mean over heads and queries), laid back on the block's map (the shift undone),
+    normalised to a maximum of 1 per image. Windows show as tiles; a shifted block's tiles straddle the others'."""
+    from ..models.swin import window_reverse
+
+    with torch.no_grad():
+        attn = model.forward_intermediates(x, attention=True)["attention"]
+    maps = {}
+    for i, blk in enumerate(model.blocks):
+        a = attn[i]  # (B, nW, H, N, N)
+        recv = a.mean(dim=(2, 3))  # (B, nW, N): mean over heads and queries
+        m = window_reverse(recv.reshape(-1, recv.shape[-1], 1), blk.win, *blk.grid)[..., 0]  # (B, h, w)
+        if any(blk.shift):
+            m = torch.roll(m, shifts=blk.shift, dims=(1, 2))
+        maps[i] = m / m.amax(dim=(1, 2), keepdim=True).clamp(min=1e-12)
+    return maps

@@ -12,7 +12,7 @@ from ..data.image import EvalTransform, ImageDecodeError, decode_for
 from ..data.datasets import IMAGE_EXTS
 from . import plots
 from .attention import (attention_rollout, grad_cam, grad_rollout, layer_head_maps, mean_attention_distance, register_attention,
-                        require_vit)
+                        require_vit, swin_window_maps)
 from .embeddings import embedding_filters, filter_principal_components, position_similarity
 from ..errors import UsageError
 
@@ -54,7 +54,19 @@ def explain_images(model: nn.Module, images: list[str | Path], out: str | Path, 
         stem = Path(path).stem
         rec: dict = {"image": str(path), "heads_png": None}
         arrays: dict = {}
-        if vit:
+        if getattr(model.config, "arch", "") == "swin":  # windows, not one sequence: Grad-CAM + per-window maps
+            if not model.config.num_classes:
+                raise UsageError("Grad-CAM needs a classifier head (this Swin has num_classes=0)")
+            g, idx = grad_cam(model, x, class_index)
+            maps = {f"Grad-CAM: {names[int(idx[0])]}": g[0].numpy()}
+            arrays["grad_cam"] = g[0].numpy()
+            win = {k: v[0].numpy() for k, v in swin_window_maps(model, x).items()}
+            arrays.update({f"window_attention_{k}": v for k, v in win.items()})
+            stage_of = [s_i for s_i, stage in enumerate(model.layers) for _ in stage.blocks]  # block -> its stage
+            shifted = {i for i, blk in enumerate(model.blocks) if any(blk.shift)}
+            rec["heads_png"] = str(plots.save_window_maps(win, stage_of, shifted, out / f"{stem}_windows.png",
+                                                          title=f"{Path(path).name}: attention received within each window"))
+        elif vit:
             roll = attention_rollout(model, x, discard_ratio, head_fusion)[0]
             maps = {"attention rollout": roll.numpy()}
             arrays["rollout"] = roll.numpy()
@@ -77,7 +89,7 @@ def explain_images(model: nn.Module, images: list[str | Path], out: str | Path, 
                     _, probe = model.attn_pool(feats, return_attention=True)  # (1, H, 1, N)
                 maps["MAP probe attention"] = arrays["map_probe"] = (
                     probe[0, :, 0].mean(0).reshape(model.patch_embed.grid_for(x)) / probe[0, :, 0].mean(0).max()).numpy()
-        else:
+        if not vit:
             if not model.config.num_classes:
                 raise UsageError("Grad-CAM needs a classifier head (this CNN has num_classes=0)")
             g, idx = grad_cam(model, x, class_index)

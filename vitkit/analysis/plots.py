@@ -111,6 +111,32 @@ def save_register_attention(reg: dict[str, np.ndarray], path: str | Path, title:
     return _save(fig, path)
 
 
+def save_window_maps(maps: dict[int, np.ndarray], stage_of: list[int], shifted: set[int], path: str | Path,
+                     title: str = "") -> Path:
+    """A Swin's per-block window-attention maps (h, w), one row per stage; shifted-window blocks marked."""
+    plt = _plt()
+    stages = sorted(set(stage_of))
+    cols = max(sum(1 for b in maps if stage_of[b] == s) for s in stages)
+    fig, axes = plt.subplots(len(stages), cols, figsize=(1.6 * cols, 1.6 * len(stages) + 0.4), squeeze=False,
+                             layout="constrained")
+    for r, s in enumerate(stages):
+        blocks = [b for b in sorted(maps) if stage_of[b] == s]
+        for c in range(cols):
+            ax = axes[r][c]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if c < len(blocks):
+                ax.imshow(maps[blocks[c]], cmap="viridis")
+                ax.set_title(f"block {blocks[c]}" + (" (shifted)" if blocks[c] in shifted else ""), fontsize=7)
+            else:
+                ax.axis("off")
+            if c == 0:
+                ax.set_ylabel(f"stage {s}", fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
 def save_filters(components: torch.Tensor, path: str | Path, title: str = "") -> Path:
     """Principal components (k, C, P, P) as tiles, each scaled to [0, 1] (RGB, or grey for one channel)."""
     plt = _plt()

@@ -11,11 +11,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..models import ResNetV2Config, ViTConfig, build_model
+from ..models import ResNetV2Config, SwinConfig, ViTConfig, build_model
 from ..models.layers.patch_embed import to_2tuple
 from ..models.registry import config_with
-from . import bit, hf, hf_vision, official, timm, torchvision
+from . import bit, hf, hf_vision, official, swin, timm, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
+from .swin import infer_swin_config
 from .io import CheckpointError, read_hf_dir, read_npz, read_safetensors, read_torch, sniff
 from ..errors import UsageError
 
@@ -26,6 +27,8 @@ NATIVE_VERSION = "1"
 
 # State-dict formats in the order they are tried: (name, detector on the key set, converter to vitkit names).
 STATE_DICT_FORMATS = (
+    ("hf-swin", swin.is_hf_swin, swin.hf_to_vitkit),
+    ("swin", swin.is_swin, swin.to_vitkit),
     ("hf-vision", lambda keys: hf_vision.family(keys) is not None, hf_vision.to_vitkit),
     ("hf", hf.is_hf, hf.to_vitkit),
     ("torchvision", torchvision.is_torchvision, torchvision.to_vitkit),
@@ -49,7 +52,9 @@ class Checkpoint:
 def _config_from_dict(d: dict) -> ViTConfig | ResNetV2Config:
     d = dict(d)
     arch = d.pop("arch", "vit")
-    cls = ViTConfig if arch == "vit" else ResNetV2Config
+    cls = {"vit": ViTConfig, "resnetv2": ResNetV2Config, "swin": SwinConfig}.get(arch)
+    if cls is None:
+        raise CheckpointError(f"the checkpoint's architecture {arch!r} is not one this vitkit version knows")
     try:
         return cls(**d)
     except TypeError as e:
@@ -80,7 +85,15 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
                               + " (best: the best evaluation so far; final: the last weights)")
     if kind == "dir":
         raw, hub_config = read_hf_dir(path)
-        if timm.is_timm_folder(hub_config):
+        if timm.is_timm_folder(hub_config) and swin.is_swin(raw):
+            fmt, (sd, facts, unused) = "timm-swin", swin.to_vitkit(raw)
+            facts = {**facts, **swin.folder_facts(hub_config)}
+        elif swin.is_hf_swin(raw):
+            fmt, (sd, facts, unused) = "hf-swin", swin.hf_to_vitkit(raw, hub_config)
+            pre = path / hf.PREPROCESSOR_FILE
+            if pre.exists():
+                facts.update(hf.preprocessing_facts(json.loads(pre.read_text())))
+        elif timm.is_timm_folder(hub_config):
             keys = set(raw)
             if timm.is_timm_vit(keys):
                 fmt, (sd, facts, unused) = "timm-vit", timm.vit_to_vitkit(raw)
@@ -125,6 +138,10 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
         if match is None:
             raise CheckpointError(f"{path}: not a ViT or BiT checkpoint vitkit recognises (first keys: {sorted(keys)[:6]})")
         fmt, convert = match
+        if fmt == "swin" and any(k.startswith("layers.0.downsample.") for k in keys):
+            fmt = "swin-official"  # microsoft/Swin-Transformer's layout
+        elif fmt == "swin":
+            fmt = "timm-swin"
         if fmt == "timm-vit" and {"pos_embed.weight", "pos_embed.row"} & keys:
             fmt = "vitkit-state-dict"  # vitkit's own names: a model.state_dict() saved by hand
         elif fmt == "timm-vit" and "mask_token" in keys:
@@ -152,6 +169,8 @@ def _read_run_checkpoint(path: Path, hints: dict) -> Checkpoint:
 
 
 def _infer_config(sd: dict[str, torch.Tensor], facts: dict, img_size_if_unknown=None, what: str = "the checkpoint"):
+    if "layers.0.blocks.0.attn.relative_position_bias_table" in sd:
+        return infer_swin_config(sd, facts)
     if "stem.conv.weight" in sd and "patch_embed.proj.weight" not in sd:
         return infer_resnetv2_config(sd, facts)
     if "patch_embed.proj.weight" in sd:
@@ -203,6 +222,7 @@ def load(
 
     path = resolve(path_or_name)
     img_size = overrides.pop("img_size", None)
+    window_size = overrides.pop("window_size", None)  # a Swin's windows, laid out anew after loading
     num_classes = overrides.pop("num_classes", None)
     class_names = overrides.pop("class_names", None)
     ckpt = read_checkpoint(path, img_size_if_unknown=img_size, **overrides)
@@ -213,8 +233,15 @@ def load(
     if not strict and any(report[k] for k in ("missing", "unexpected", "mismatched")):
         print(f"vitkit: loaded {path} with strict=False; skipped: " +
               "; ".join(f"{k}: {', '.join(report[k])}" for k in ("missing", "unexpected", "mismatched") if report[k]))
-    if img_size is not None and to_2tuple(img_size) != tuple(model.config.img_size):
-        if hasattr(model, "set_img_size"):  # a ViT: the position embedding is resampled
+    if window_size is not None and model.config.arch != "swin":
+        raise UsageError(f"window_size is a Swin option; this checkpoint is a {model.config.arch} model")
+    if window_size is not None and window_size != model.config.window_size:
+        model.set_img_size(img_size or model.config.img_size, method="bicubic_noaa" if resample == "bilinear" else resample,
+                           window_size=window_size)
+    elif img_size is not None and to_2tuple(img_size) != tuple(model.config.img_size):
+        if model.config.arch == "swin":  # the windows laid out anew, tables resampled where a window changes
+            model.set_img_size(img_size, method="bicubic_noaa" if resample == "bilinear" else resample)
+        elif hasattr(model, "set_img_size"):  # a ViT: the position embedding is resampled
             model.set_img_size(img_size, method=resample)
         else:  # a CNN takes any size: only the recorded preprocessing changes
             model.config.img_size = to_2tuple(img_size)
@@ -311,6 +338,23 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
         sd = _fused_qkv_bias(sd)  # formats with one qkv bias get (q, 0, v)
     if to == "vitkit":
         return save(model, path)
+    if to == "timm" and c.arch == "swin":
+        out = swin.from_vitkit(sd)
+        back, facts, _ = swin.to_vitkit(out)
+        if path.suffix in TIMM_FILE_SUFFIXES:
+            _check_reads_back(c, back, facts, "a timm Swin state dict",
+                              "\nA timm folder records these: export to a path without a suffix.")
+            if path.suffix == ".safetensors":
+                _atomic_write(path, lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+            else:
+                _atomic_write(path, lambda p: torch.save(out, p))
+            return path
+        hub_config = swin.folder_config(c)
+        _check_reads_back(c, back, {**facts, **swin.folder_facts(hub_config)}, "a timm Swin folder")
+        path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+        _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))
+        return path
     if to == "timm":
         vit = c.arch == "vit"
         out = timm.vit_from_vitkit(sd, c) if vit else timm.resnetv2_from_vitkit(sd, c)

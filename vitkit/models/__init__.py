@@ -1,7 +1,9 @@
-"""The models of arXiv 2010.11929: ViT, the ResNet+ViT hybrids and the BiT ResNet-v2 baseline."""
+"""The models of arXiv 2010.11929 (ViT, the ResNet+ViT hybrids, the BiT ResNet-v2 baseline), the ViTs that followed,
+and the Swin Transformer."""
 from .registry import build_config, build_model, config_with, create_model, get_entry, list_models
 from .resnet import ResNetV2, ResNetV2Config
+from .swin import SwinConfig, SwinTransformer
 from .vit import ViTConfig, VisionTransformer
 
 __all__ = ["build_config", "build_model", "config_with", "create_model", "get_entry", "list_models",
-           "ResNetV2", "ResNetV2Config", "ViTConfig", "VisionTransformer"]
+           "ResNetV2", "ResNetV2Config", "SwinConfig", "SwinTransformer", "ViTConfig", "VisionTransformer"]

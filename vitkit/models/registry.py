@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from .resnet import ResNetV2, ResNetV2Config
+from .swin import SwinConfig, SwinTransformer
 from .vit import ViTConfig, VisionTransformer
+
+# arch -> (config class, model class)
+ARCHS = {"vit": (ViTConfig, VisionTransformer), "resnetv2": (ResNetV2Config, ResNetV2), "swin": (SwinConfig, SwinTransformer)}
 from ..errors import UsageError
 
 # Table 1: width D, depth L, MLP size, heads.
@@ -27,11 +31,11 @@ VIT_SIZES: dict[str, dict[str, int]] = {
 class ModelEntry:
     name: str
     paper_name: str
-    arch: str  # "vit" or "resnetv2"
+    arch: str  # "vit", "resnetv2" or "swin"
     kwargs: dict
 
-    def default_config(self) -> ViTConfig | ResNetV2Config:
-        return (ViTConfig if self.arch == "vit" else ResNetV2Config)(**self.kwargs)
+    def default_config(self) -> ViTConfig | ResNetV2Config | SwinConfig:
+        return ARCHS[self.arch][0](**self.kwargs)
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
@@ -133,6 +137,19 @@ register("clip_l14", "CLIP ViT-L/14", "vit", **vit("L", 14, **_CLIP))
 alias("vit_base_patch16_clip_quickgelu_224", "clip_b16")
 alias("vit_large_patch14_clip_quickgelu_224", "clip_l14")
 
+# Swin Transformer (Liu et al. 2021, Table 1): C, depths, heads; patch 4, window 7 at 224 (12 at 384).
+SWIN_SIZES = {"T": dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
+              "S": dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
+              "B": dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)),
+              "L": dict(embed_dim=192, depths=(2, 2, 18, 2), num_heads=(6, 12, 24, 48))}
+for _s, _timm in [("T", "tiny"), ("S", "small"), ("B", "base"), ("L", "large")]:
+    register(f"swin_{_s.lower()}", f"Swin-{_s}", "swin", **SWIN_SIZES[_s])
+    alias(f"swin_{_timm}_patch4_window7_224", f"swin_{_s.lower()}")
+    if _s in ("B", "L"):
+        register(f"swin_{_s.lower()}_384", f"Swin-{_s} 384", "swin", **SWIN_SIZES[_s], img_size=384, window_size=12,
+                 crop_pct=1.0)
+        alias(f"swin_{_timm}_patch4_window12_384", f"swin_{_s.lower()}_384")
+
 
 def list_models(pattern: str | None = None) -> list[str]:
     """Names of the registered models, optionally filtered by a glob pattern ("vit_*")."""
@@ -154,9 +171,9 @@ def get_entry(name: str) -> ModelEntry:
     return _lookup(name)[0]
 
 
-def build_config(name: str, **overrides) -> ViTConfig | ResNetV2Config:
+def build_config(name: str, **overrides) -> ViTConfig | ResNetV2Config | SwinConfig:
     entry, implied = _lookup(name)
-    cls = ViTConfig if entry.arch == "vit" else ResNetV2Config
+    cls = ARCHS[entry.arch][0]
     _check_fields(cls, overrides)
     return cls(**{**entry.kwargs, **implied, **overrides})
 
@@ -178,12 +195,12 @@ def _check_fields(cls: type, overrides: dict) -> None:
     fields = {f.name for f in dataclasses.fields(cls)} - {"arch"}
     unknown = set(overrides) - fields
     if unknown:
-        arch = "vit" if cls is ViTConfig else "resnetv2"
+        arch = next(a for a, (c, _) in ARCHS.items() if c is cls)
         raise UsageError(f"unknown option(s) {sorted(unknown)} for a {arch} model; valid: {sorted(fields)}")
 
 
-def build_model(config: ViTConfig | ResNetV2Config) -> nn.Module:
-    return VisionTransformer(config) if config.arch == "vit" else ResNetV2(config)
+def build_model(config: ViTConfig | ResNetV2Config | SwinConfig) -> nn.Module:
+    return ARCHS[config.arch][1](config)
 
 
 def create_model(name: str, **overrides) -> nn.Module:

@@ -51,7 +51,7 @@ class TorchPredictor(Predictor):
         self.device = next(model.parameters()).device
         self.precision = for_inference(self.model, self.device, precision, batch)  # fp32: the packed fast GEMM
         self.config = model.config
-        self.explains = hasattr(model, "blocks")
+        self.explains = hasattr(model, "embed")  # a ViT or hybrid: attention rollout (not BiT, not Swin's windows)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         from ..precision import autocast

@@ -110,6 +110,8 @@ def cifar10_finetune() -> TrainConfig:
 
 
 SMOKE_MODEL = dict(embed_dim=32, depth=2, num_heads=2, mlp_dim=64)  # a smoke run's transformer
+# a smoke run's Swin: four stages of two blocks on 32 px (maps 16, 8, 4, 2: shifted windows in the first two)
+SMOKE_SWIN = dict(embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_size=4, patch_size=2, img_size=32)
 
 
 def get_preset(name: str | None, smoke: bool = False) -> TrainConfig:
@@ -140,5 +142,8 @@ def shrink_for_smoke(cfg: TrainConfig, replace: bool = False) -> None:
     """A smoke run's tiny transformer (SMOKE_MODEL) over the preset's sizes (`replace`), or only where the model
     overrides do not size it already (after the user's own); a model trained from a checkpoint keeps its own."""
     if not cfg.model.checkpoint:
-        for k, v in SMOKE_MODEL.items():
+        from ..models import get_entry
+
+        smoke = SMOKE_SWIN if get_entry(cfg.model.name).arch == "swin" else SMOKE_MODEL
+        for k, v in smoke.items():
             cfg.model.overrides[k] = v if replace else cfg.model.overrides.get(k, v)

@@ -312,6 +312,8 @@ def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
     c = model.config
     kind = "CNN" if not hasattr(model, "blocks") else \
         ("plain ViT" if getattr(c, "hybrid_layers", None) is None else f"hybrid (ResNet stages {tuple(c.hybrid_layers)})")
+    if c.arch == "swin":
+        kind = f"Swin (depths {c.depths}, window {c.window_size})"
     if hasattr(c, "options") and c.options():
         kind = kind.replace("plain ViT", "ViT") + f" ({', '.join(c.options())})"
     params = sum(p.numel() for p in model.parameters())
@@ -319,7 +321,7 @@ def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
         gflops = f"{count_flops(model, tuple(c.img_size), c.in_chans) / 1e9:.3g} GFLOPs"
     except Exception:  # counting is informative only; a model it cannot trace still trains
         gflops = "GFLOPs not counted"
-    arch = f", D {c.embed_dim}, depth {c.depth}, {c.num_heads} heads, patch {tuple(c.patch_size)}" if hasattr(c, "embed_dim") else ""
+    arch = f", D {c.embed_dim}, depth {c.depth}, {c.num_heads} heads, patch {tuple(c.patch_size)}" if hasattr(c, "depth") else ""
     src = f" from {cfg.model.checkpoint}" if cfg.model.checkpoint else ""
     return (f"model {cfg.model.name}{src}: {kind}{arch}, {tuple(c.img_size)} px, {params / 1e6:.3g}M parameters, "
             f"{gflops} per image")

@@ -9,6 +9,8 @@ rounds, each round timed by its median call).
     python benchmarks/peers.py --cases vit_s16:infer:fp32:1 --rounds 5 --json out.json   # model:mode:dtype[:batch[:img]]
     python benchmarks/peers.py --peers timm --cases dinov2_b14:infer:fp32:8:224 dinov2_b14:infer:bf16:8:224 \
         dinov2_b14:infer:fp32:1:518 dinov2_b14:infer:bf16:1:518      # DINOv2 ViT-B/14 (LayerScale), timm only
+    python benchmarks/peers.py --peers timm --cases swin_t:infer:fp32:8 swin_t:train:fp32:16 swin_t:infer:bf16:8 \
+        swin_t:train:bf16:16                                          # Swin-T, timm only
     python benchmarks/peers.py --device cuda --cases vit_b16:infer:bf16 vit_l16:train:bf16 \
         --batch-infer 256 --batch-train 64                    # a GPU (bf16 autocast; fp16 adds a grad scaler)
 
@@ -59,7 +61,9 @@ SIZES = {"vit_s16": dict(hidden=384, depth=12, heads=6, mlp=1536, timm="vit_smal
          "vit_b16": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch16_224"),
          "vit_l16": dict(hidden=1024, depth=24, heads=16, mlp=4096, timm="vit_large_patch16_224"),
          # a later ViT, timm only (transformers' Dinov2Model has no classifier to compare logits with)
-         "dinov2_b14": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch14_dinov2", patch=14)}
+         "dinov2_b14": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch14_dinov2", patch=14),
+         # the Swin Transformer, timm only
+         "swin_t": dict(timm="swin_tiny_patch4_window7_224", patch=4)}
 DEFAULT_CASES = ["vit_s16:infer:fp32:1", "vit_s16:infer:fp32:8", "vit_b16:infer:fp32:1", "vit_b16:infer:fp32:8",
                  "vit_s16:train:fp32", "vit_b16:train:fp32", "vit_s16:infer:bf16", "vit_b16:infer:bf16", "vit_s16:train:bf16"]
 
@@ -81,7 +85,7 @@ def build_timm(name: str, img: int, tmp: Path):
     from safetensors.torch import save_file
 
     model = timm.create_model(SIZES[name]["timm"], pretrained=False, img_size=img, num_classes=1000)
-    torch.nn.init.normal_(model.head.weight, std=0.02)  # timm zero-initialises the head: make the output check meaningful
+    torch.nn.init.normal_(model.get_classifier().weight, std=0.02)  # timm zero-initialises ViT heads: a meaningful check
     if "patch" in SIZES[name]:  # LayerScale starts at 1e-5: make the blocks count in the output check too
         for n, p in model.named_parameters():
             if n.endswith("gamma"):

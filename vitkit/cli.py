@@ -70,6 +70,8 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
             "representation_size", "hybrid_layers", "hybrid_width", "act", "norm_eps", "num_classes"]
     if c["arch"] == "resnetv2":
         keys = ["layers", "channels", "stem_width", "img_size", "num_classes"]
+    if c["arch"] == "swin":
+        keys = ["img_size", "patch_size", "embed_dim", "depths", "num_heads", "window_size", "mlp_ratio", "num_classes"]
     for k in keys:
         print(f"  {k}: {c[k]}")
     if c["arch"] == "vit":  # the later ViTs' options that are on (LayerScale, registers, RoPE, ...)
@@ -526,7 +528,8 @@ def features(
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
     if getattr(model.config, "arch", "vit") != "vit":
-        raise UsageError("features: a ViT checkpoint (the BiT CNN has no tokens)")
+        raise UsageError(f"features: a ViT checkpoint (a {model.config.arch} model has no token sequence; its pooled "
+                         f"features come from `vitkit knn` / `fewshot`)")
     resolve_layers(list(layers), model.config.depth)  # a bad index is refused before any image is read
     choice = for_inference(model, dev, precision, min(len(images), 32))
     tensors, records = extract_features(model, images, dense=dense, layers=list(layers), precision=choice.precision)

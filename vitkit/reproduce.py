@@ -10,6 +10,8 @@ Models are chosen so that a full study takes at most ~30 minutes on a 2-core CPU
                (Fashion-MNIST's classes 0-4), few-shot on classes never seen upstream (classes 5-9) and on digits
 - mpp          Sec. 4.6: masked-patch pre-training then fine-tuning, against training from scratch, same budget
 - distill      DeiT: a ViT student with and without a convolutional teacher, same budget
+- swin         ViT, the hybrid and Swin at matched FLOPs, on all of Fashion-MNIST and on a tenth of it: accuracy
+               and throughput (training and inference img/s, fp32, on this machine)
 
 "Fine-tuned" accuracy is the test accuracy of the trained model on its own task; few-shot is `vitkit.evaluation.
 fewshot` (5 shots, several draws) on frozen features of a task the model did not train on. Final-epoch numbers
@@ -165,6 +167,55 @@ def _distill(variant: str, seed: int, scale: Scale, work: Path) -> dict:
             "params (M)": sum(p.numel() for p in load(work / "final.safetensors").parameters()) / 1e6}
 
 
+# The swin study's three models, at matched FLOPs (~30 MFLOPs per image; `vitkit.stats.count_flops`): the studies'
+# ViT (33.5), the hybrid of data-scale (28.6), and a 3-stage Swin on 32 px in 2x2 patches (32.2): maps 16, 8, 4,
+# 4x4 windows, shifted windows in the first two stages.
+SWIN = {"img_size": 32, "patch_size": 2, "in_chans": 1, "window_size": 4, "embed_dim": 28, "depths": (2, 2, 2),
+        "num_heads": (1, 2, 4), "drop_path_rate": 0.0}
+SWIN_MODELS = {"ViT": ("vit_ti16", _vit()), "hybrid": ("r26_vit_s32", _vit(hybrid_layers=(1,), hybrid_width=0.5, depth=3)),
+               "Swin": ("swin_t", SWIN)}
+
+
+def _infer_speed(checkpoint: Path, batch: int = 128, rounds: int = 5) -> float:
+    """Inference img/s of a trained model, fp32, on this machine's fast GEMM: the median of `rounds` timed batches."""
+    from .checkpoints import load
+    from .models.layers.linear import pack_linears
+
+    model = load(checkpoint).eval()
+    pack_linears(model)
+    x = torch_randn(batch, model.config.in_chans, *model.config.img_size)
+    times = []
+    import torch
+
+    with torch.no_grad():
+        model(x)  # warm-up: the GEMM choice, allocations
+        for _ in range(rounds):
+            t = time.perf_counter()
+            model(x)
+            times.append(time.perf_counter() - t)
+    return batch / statistics.median(times)
+
+
+def torch_randn(*shape):
+    import torch
+
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+
+
+def _swin(variant: str, seed: int, scale: Scale, work: Path) -> dict:
+    arch, data = variant.split(", ")
+    name, ov = SWIN_MODELS[arch]
+    settings = {"run.precision": "fp32"}  # one precision for all three: their img/s compare
+    if data == "6k images":  # a tenth of the data, the same number of steps
+        settings.update({"data.subset": 6000 if not scale.smoke else 256, "schedule.epochs": scale.epochs * 10})
+    cfg = _config(work, seed, scale, name=name, overrides=ov, **settings)
+    res = _train(cfg)
+    ck = work / "final.safetensors"
+    # training img/s over the whole run (its one final evaluation included); inference on a batch of 128
+    return {"accuracy": res["acc1"], "5-shot digits": _fewshot(ck, "digits", scale, seed=seed),
+            "train img/s": res["step"] * cfg.data.batch_size / res["time_s"], "infer img/s": _infer_speed(ck)}
+
+
 STUDIES = {
     "posemb": Study("posemb", "Position embeddings (Table 8)",
                     "Table 8 (ViT-B/16, JFT pre-training, 5-shot ImageNet linear): none 61.4, 1-D 64.2, 2-D 64.0, relative 64.0",
@@ -187,6 +238,11 @@ STUDIES = {
                      "DeiT (Touvron et al. 2021): a convnet teacher and the hard distillation token improve ViT trained on "
                      "ImageNet-1k alone (DeiT-B 81.8 -> 83.4)", ["no teacher", "hard teacher", "soft teacher"], _distill,
                      ["student", "teacher", "params (M)"], epochs=3),
+    "swin": Study("swin", "ViT, the hybrid and Swin at matched FLOPs (Swin, Liu et al. 2021)",
+                  "Swin (Table 1, ImageNet-1k from scratch at 224): Swin-T 81.3% against DeiT-S 79.8% at 4.5 GFLOPs, i.e. "
+                  "locality and hierarchy help where data is limited and no large pre-training is available",
+                  [f"{a}, {d}" for d in ("60k images", "6k images") for a in SWIN_MODELS], _swin,
+                  ["accuracy", "5-shot digits", "train img/s", "infer img/s"], epochs=2),
 }
 
 
@@ -232,7 +288,14 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 def _fmt(metric: str, ms: tuple[float, float]) -> str:
     m, s = ms
+    if metric.endswith("img/s"):
+        return f"{m:.0f} ± {s:.0f}"
     return f"{m:.2f}" if metric.startswith("params") else f"{100 * m:.2f} ± {100 * s:.2f}"
+
+
+def _scale_of(metric: str) -> float:
+    """Plotted as %, except throughputs (img/s)."""
+    return 1.0 if metric.endswith("img/s") else 100.0
 
 
 def _markdown(study: Study, result: dict, stem: str) -> str:
@@ -273,14 +336,16 @@ def _plot(study: Study, agg: dict, path: Path) -> None:
             ax.set_xlabel(study.xlabel, fontsize=9)
             ax.legend(fontsize=8)
         else:
-            ys = [100 * agg[v][m][0] for v in study.variants]
-            es = [100 * agg[v][m][1] for v in study.variants]
+            k = _scale_of(m)
+            ys = [k * agg[v][m][0] for v in study.variants]
+            es = [k * agg[v][m][1] for v in study.variants]
             ax.bar(range(len(ys)), ys, yerr=es, capsize=3, color="#4c78a8")
             ax.set_xticks(range(len(ys)), study.variants, rotation=25, ha="right", fontsize=8)
             lo = min(y - e for y, e in zip(ys, es))
-            ax.set_ylim(max(0, lo - 5), min(100, max(y + e for y, e in zip(ys, es)) + 2))
+            if k == 100.0:
+                ax.set_ylim(max(0, lo - 5), min(100, max(y + e for y, e in zip(ys, es)) + 2))
         ax.set_title(m, fontsize=10)
-        ax.set_ylabel("%")
+        ax.set_ylabel("%" if _scale_of(m) == 100.0 else "img/s")
     fig.suptitle(study.title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

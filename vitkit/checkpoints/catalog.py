@@ -156,6 +156,17 @@ for _r, _d in [
     ("openai/clip-vit-base-patch16", "OpenAI CLIP ViT-B/16 (CLIPModel: the image tower is loaded)"),
 ]:
     register_hub(_r, "hf", _d)
+# Swin (Liu et al. 2021): timm's and transformers' hub copies, and the official release (microsoft/Swin-Transformer).
+for _r, _d in [("timm/swin_tiny_patch4_window7_224.ms_in1k", "Swin-T, ImageNet-1k, 224"),
+               ("timm/swin_small_patch4_window7_224.ms_in1k", "Swin-S, ImageNet-1k, 224"),
+               ("timm/swin_base_patch4_window7_224.ms_in22k_ft_in1k", "Swin-B, ImageNet-22k -> 1k, 224"),
+               ("timm/swin_base_patch4_window12_384.ms_in22k_ft_in1k", "Swin-B, ImageNet-22k -> 1k, 384 (window 12)")]:
+    register_hub(_r, "timm", _d)
+register_hub("microsoft/swin-tiny-patch4-window7-224", "hf", "Swin-T (transformers SwinForImageClassification)")
+_SWIN_URL = "https://github.com/SwinTransformer/storage/releases/download/v1.0.0"
+for _m in ("swin_tiny_patch4_window7_224", "swin_small_patch4_window7_224", "swin_base_patch4_window7_224",
+           "swin_base_patch4_window12_384"):
+    register_checkpoint(_m + "-official", f"{_SWIN_URL}/{_m}.pth", "swin-official", f"{_m}: the paper's own release")
 # DINOv2's own release (facebookresearch/dinov2): torch state dicts, read without unpickling code (weights_only).
 _DINOV2_URL = "https://dl.fbaipublicfiles.com/dinov2"
 for _m in ("vits14", "vitb14", "vitl14", "vitg14", "vits14_reg4", "vitb14_reg4"):

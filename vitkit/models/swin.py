@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .layers import DropPath, LayerNorm, Linear, Mlp
@@ -371,7 +372,8 @@ class SwinTransformer(nn.Module):
 
         new = replace(self.config, img_size=to_2tuple(img_size),  # checks that every stage divides into windows
                       window_size=window_size or self.config.window_size)
-        fresh = SwinTransformer(new).to(self.norm.weight.device)
+        with torch.random.fork_rng(devices=[]):  # the new layout's throwaway init leaves the caller's RNG as it was
+            fresh = SwinTransformer(new).to(self.norm.weight.device)
         sd = resample_swin_tables(self.state_dict(), fresh, method)
         fresh.load_state_dict(sd)
         self.config = new

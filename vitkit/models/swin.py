@@ -31,6 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .layers import DropPath, LayerNorm, Linear, Mlp
+from .layers.attention import _CPU_BF16_NATIVE
 from .layers.patch_embed import to_2tuple
 from ..errors import UsageError
 
@@ -176,6 +177,15 @@ class WindowAttention(nn.Module):
         nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.register_buffer("relative_position_index", relative_position_index(self.win), persistent=False)
 
+    impl: str = "auto"  # "sdpa" / "explicit" force a path (tests, benchmarks)
+
+    def _explicit_is_faster(self, q: torch.Tensor) -> bool:
+        """As the ViT's attention (`layers/attention.py`): on a CPU with native bf16, in bf16 with gradients, plain
+        matmul + softmax beats the fused kernel, whose bf16 backward is slow."""
+        if self.impl != "auto":
+            return self.impl == "explicit"
+        return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad and _CPU_BF16_NATIVE
+
     def bias(self) -> torch.Tensor:
         """(H, N, N): the relative-position bias of every pair of a window's tokens."""
         n = self.win[0] * self.win[1]
@@ -194,7 +204,7 @@ class WindowAttention(nn.Module):
         drop = self.attn_drop if self.training else 0.0
         attn = None
         # torch.export (ONNX): the explicit path; the fused kernel with a float mask does not decompose for ONNX
-        if return_attention or torch.compiler.is_exporting():
+        if return_attention or torch.compiler.is_exporting() or self._explicit_is_faster(q):
             attn = ((q * self.head_dim**-0.5) @ k.transpose(-2, -1) + bias).softmax(-1)  # (B*nW, H, N, N)
             out = F.dropout(attn, drop) @ v
         else:

@@ -338,37 +338,24 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
         sd = _fused_qkv_bias(sd)  # formats with one qkv bias get (q, 0, v)
     if to == "vitkit":
         return save(model, path)
-    if to == "timm" and c.arch == "swin":
-        out = swin.from_vitkit(sd)
-        back, facts, _ = swin.to_vitkit(out)
-        if path.suffix in TIMM_FILE_SUFFIXES:
-            _check_reads_back(c, back, facts, "a timm Swin state dict",
-                              "\nA timm folder records these: export to a path without a suffix.")
-            if path.suffix == ".safetensors":
-                _atomic_write(path, lambda p: save_file(out, str(p), metadata={"format": "pt"}))
-            else:
-                _atomic_write(path, lambda p: torch.save(out, p))
-            return path
-        hub_config = swin.folder_config(c)
-        _check_reads_back(c, back, {**facts, **swin.folder_facts(hub_config)}, "a timm Swin folder")
-        path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
-        _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))
-        return path
     if to == "timm":
-        vit = c.arch == "vit"
-        out = timm.vit_from_vitkit(sd, c) if vit else timm.resnetv2_from_vitkit(sd, c)
-        back, facts, _ = timm.vit_to_vitkit(out) if vit else timm.resnetv2_to_vitkit(out)
+        if c.arch == "swin":
+            out, kind, fmt = swin.from_vitkit(sd), "a timm Swin", swin
+            back, facts, _ = swin.to_vitkit(out)
+        else:
+            vit = c.arch == "vit"
+            out, kind, fmt = (timm.vit_from_vitkit(sd, c) if vit else timm.resnetv2_from_vitkit(sd, c)), "a timm", timm
+            back, facts, _ = timm.vit_to_vitkit(out) if vit else timm.resnetv2_to_vitkit(out)
         if path.suffix in TIMM_FILE_SUFFIXES:
-            _check_reads_back(c, back, facts, "a timm state dict",
+            _check_reads_back(c, back, facts, f"{kind} state dict",
                               "\nA timm folder records these: export to a path without a suffix.")
             if path.suffix == ".safetensors":
                 _atomic_write(path, lambda p: save_file(out, str(p), metadata={"format": "pt"}))
             else:
                 _atomic_write(path, lambda p: torch.save(out, p))
             return path
-        hub_config = timm.folder_config(c)
-        _check_reads_back(c, back, {**facts, **timm.folder_facts(hub_config)}, "a timm folder")
+        hub_config = fmt.folder_config(c)
+        _check_reads_back(c, back, {**facts, **fmt.folder_facts(hub_config)}, f"{kind} folder")
         path.mkdir(parents=True, exist_ok=True)
         _atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
         _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))

@@ -178,15 +178,15 @@ SWIN_MODELS = {"ViT": ("vit_ti16", _vit()), "hybrid": ("r26_vit_s32", _vit(hybri
 
 def _infer_speed(checkpoint: Path, batch: int = 128, rounds: int = 5) -> float:
     """Inference img/s of a trained model, fp32, on this machine's fast GEMM: the median of `rounds` timed batches."""
+    import torch
+
     from .checkpoints import load
     from .models.layers.linear import pack_linears
 
     model = load(checkpoint).eval()
     pack_linears(model)
-    x = torch_randn(batch, model.config.in_chans, *model.config.img_size)
+    x = torch.randn(batch, model.config.in_chans, *model.config.img_size, generator=torch.Generator().manual_seed(0))
     times = []
-    import torch
-
     with torch.no_grad():
         model(x)  # warm-up: the GEMM choice, allocations
         for _ in range(rounds):
@@ -194,12 +194,6 @@ def _infer_speed(checkpoint: Path, batch: int = 128, rounds: int = 5) -> float:
             model(x)
             times.append(time.perf_counter() - t)
     return batch / statistics.median(times)
-
-
-def torch_randn(*shape):
-    import torch
-
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(0))
 
 
 def _swin(variant: str, seed: int, scale: Scale, work: Path) -> dict:

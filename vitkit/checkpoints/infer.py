@@ -57,9 +57,8 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     cfg["qk_norm"] = "blocks.0.attn.q_norm.weight" in sd
     cfg["attn_norm"] = "blocks.0.attn.norm.weight" in sd
     # LayerScale: the value it was initialised with is not in the file (and changes nothing once trained)
-    cfg["init_values"] = hints.pop("init_values", None) or (1e-5 if "blocks.0.ls1.gamma" in sd else None)
-    if "blocks.0.ls1.gamma" not in sd:
-        cfg["init_values"] = None
+    stated_init = hints.pop("init_values", None)
+    cfg["init_values"] = (stated_init or 1e-5) if "blocks.0.ls1.gamma" in sd else None
     cfg["class_token"] = "cls_token" in sd
     cfg["distilled"] = "dist_token" in sd  # DeiT's distillation token (timm's names)
     cfg["reg_tokens"] = sd["reg_token"].shape[1] if "reg_token" in sd else 0

@@ -83,7 +83,7 @@ class SwinConfig:
         for s, heads in enumerate(self.num_heads):
             if self.stage_dim(s) % heads:
                 raise UsageError(f"stage {s}'s width {self.stage_dim(s)} is not divisible by its {heads} heads")
-        for s, (size, p) in enumerate(zip(self.img_size, self.patch_size)):
+        for size, p in zip(self.img_size, self.patch_size):
             if size % p:
                 raise UsageError(f"img_size {self.img_size} is not divisible by the patch size {self.patch_size}")
         for s in range(len(self.depths)):

@@ -286,7 +286,8 @@ def train(
         pairs[k] = v
     file_cfg = load_config_file(config) if config else {}
     if preset is None:
-        dataset = pairs.get("data.dataset", (file_cfg.get("data") or {}).get("dataset"))
+        data = file_cfg.get("data")
+        dataset = pairs.get("data.dataset", data.get("dataset") if isinstance(data, dict) else None)
         preset = preset_for(None if dataset is None else str(dataset), file_cfg.get("preset"))
     cfg = get_preset(preset, smoke=smoke)
     if file_cfg:
@@ -347,7 +348,7 @@ def evaluate(
             bf16 | fp16 (GPU).
     """
     from .checkpoints import load
-    from .data.datasets import csv_list, decodes_files, folder_test_split, image_folder, load_dataset
+    from .data.datasets import csv_list, decodes_files, folder_test_split, image_folder, is_shards, load_dataset
     from .data.image import EvalTransform
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
 
@@ -363,7 +364,7 @@ def evaluate(
     src = test_dir or data
     if src.endswith(".csv"):
         test = csv_list(src, classes=names, in_chans=c.in_chans)
-    elif test_dir or Path(data).is_dir():
+    elif test_dir or (Path(data).is_dir() and not is_shards(data)):
         # an ImageFolder root: its evaluation split, as the trainer chose it (val/, else test/); or the folder itself
         split = None if test_dir else folder_test_split(data)
         test = image_folder(split or src, classes=names, in_chans=c.in_chans)

@@ -9,3 +9,7 @@ class VitkitError(Exception):
 
 class UsageError(VitkitError, ValueError):
     """An argument, option, config value or input that cannot work (also a ValueError, as before)."""
+
+
+class CheckpointError(VitkitError, ValueError):
+    """A checkpoint that is missing, truncated, of an unknown format or that does not fit the model."""

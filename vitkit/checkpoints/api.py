@@ -19,6 +19,7 @@ from .infer import infer_resnetv2_config, infer_vit_config
 from .swin import infer_swin_config
 from .io import CheckpointError, read_hf_dir, read_npz, read_safetensors, read_torch, sniff
 from ..errors import UsageError
+from ..safety import parse_json, read_bytes, untrusted
 
 FORMATS = ("vitkit", "timm", "hf", "npz")
 NATIVE_FORMAT = "vitkit"
@@ -50,6 +51,8 @@ class Checkpoint:
 
 
 def _config_from_dict(d: dict) -> ViTConfig | ResNetV2Config:
+    if not isinstance(d, dict):
+        raise CheckpointError(f"the checkpoint's config is not a mapping ({type(d).__name__})")
     d = dict(d)
     arch = d.pop("arch", "vit")
     cls = {"vit": ViTConfig, "resnetv2": ResNetV2Config, "swin": SwinConfig}.get(arch)
@@ -62,6 +65,14 @@ def _config_from_dict(d: dict) -> ViTConfig | ResNetV2Config:
 
 
 def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> Checkpoint:
+    """Read any supported checkpoint into vitkit names and infer its architecture; any failure to read it is a
+    CheckpointError naming the file (`vitkit.safety.untrusted`). See `_read_checkpoint` for the arguments."""
+    path = Path(path).expanduser()
+    with untrusted(str(path)):
+        return _read_checkpoint(path, img_size_if_unknown=img_size_if_unknown, **hints)
+
+
+def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkpoint:
     """Read any supported checkpoint into vitkit names and infer its architecture.
 
     Args:
@@ -72,7 +83,6 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
         **hints: config fields the format cannot encode (num_heads, the checkpoint's own img_size, ...); they
             also override what the file states.
     """
-    path = Path(path).expanduser()
     kind = sniff(path)
     facts: dict = {}
     meta: dict[str, str] = {}
@@ -92,7 +102,7 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
             fmt, (sd, facts, unused) = "hf-swin", swin.hf_to_vitkit(raw, hub_config)
             pre = path / hf.PREPROCESSOR_FILE
             if pre.exists():
-                facts.update(hf.preprocessing_facts(json.loads(pre.read_text())))
+                facts.update(hf.preprocessing_facts(_json_file(pre)))
         elif timm.is_timm_folder(hub_config):
             keys = set(raw)
             if timm.is_timm_vit(keys):
@@ -108,7 +118,7 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
             sd, facts, unused = hf_vision.to_vitkit(raw, hub_config) if fam else hf.to_vitkit(raw, hub_config)
             pre = path / hf.PREPROCESSOR_FILE
             if pre.exists():
-                facts.update(hf.preprocessing_facts(json.loads(pre.read_text())))
+                facts.update(hf.preprocessing_facts(_json_file(pre)))
             fmt = f"hf-{fam}" if fam else "hf"
         else:
             raise CheckpointError(f"{path}: a folder with config.json but neither Hugging Face ViT, DINOv2, SigLIP or "
@@ -127,12 +137,13 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
     else:
         raw, meta = read_safetensors(path) if kind == "safetensors" else (read_torch(path), {})
         if meta.get("format") == NATIVE_FORMAT:
-            config = _config_from_dict(json.loads(meta["config"]))
+            config = _config_from_dict(parse_json(meta["config"], f"{path} (metadata 'config')", CheckpointError))
             if hints:
                 config = config_with(config, **{k: v for k, v in hints.items() if k != "img_size"})
             return Checkpoint(path, "vitkit", config, raw, [])
         if "vitkit_config" in meta:  # files written by vitkit 0.1's timm export carried the config along
-            facts = {k: v for k, v in json.loads(meta["vitkit_config"]).items() if k != "arch"}
+            old = parse_json(meta["vitkit_config"], f"{path} (metadata 'vitkit_config')", CheckpointError)
+            facts = {k: v for k, v in (old if isinstance(old, dict) else {}).items() if k != "arch"}
         keys = set(raw)
         match = next(((fmt, convert) for fmt, detect, convert in STATE_DICT_FORMATS if detect(keys)), None)
         if match is None:
@@ -150,6 +161,13 @@ def read_checkpoint(path: str | Path, *, img_size_if_unknown=None, **hints) -> C
         facts = {**f, **facts}
     config = _infer_config(sd, {**facts, **hints}, img_size_if_unknown, what=str(path))
     return Checkpoint(path, fmt, config, sd, unused)
+
+
+def _json_file(path: Path) -> dict:
+    d = parse_json(read_bytes(path, error=CheckpointError), str(path), CheckpointError)
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return d
 
 
 def _read_run_checkpoint(path: Path, hints: dict) -> Checkpoint:
@@ -226,8 +244,9 @@ def load(
     num_classes = overrides.pop("num_classes", None)
     class_names = overrides.pop("class_names", None)
     ckpt = read_checkpoint(path, img_size_if_unknown=img_size, **overrides)
-    model = build_model(ckpt.config)
-    report = load_state(model, ckpt.state_dict, strict)
+    with untrusted(str(path)):
+        model = build_model(ckpt.config)
+        report = load_state(model, ckpt.state_dict, strict)
     report["unused"] = ckpt.unused
     report["format"] = ckpt.format
     if not strict and any(report[k] for k in ("missing", "unexpected", "mismatched")):

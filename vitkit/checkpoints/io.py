@@ -1,18 +1,20 @@
 """Reading tensors from checkpoint files without unpickling anything untrusted."""
 from __future__ import annotations
 
-import json
+import math
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..errors import VitkitError
+from ..errors import CheckpointError
+from ..safety import (MAX_SAFETENSORS_HEADER, check_alloc, check_tensor, check_zip_entry, gib, parse_json, read_bytes,
+                      untrusted)
 
+from ..safety import MAX_TENSOR_BYTES as MAX_TENSOR_BYTES
 
-class CheckpointError(VitkitError, ValueError):
-    """A checkpoint that is missing, truncated, of an unknown format or that does not fit the model."""
+__all__ = ["CheckpointError", "sniff", "read_npz", "read_safetensors", "read_torch", "read_hf_dir", "rename"]
 
 
 def sniff(path: Path) -> str:
@@ -29,7 +31,7 @@ def sniff(path: Path) -> str:
         try:
             with zipfile.ZipFile(path) as z:
                 names = z.namelist()
-        except zipfile.BadZipFile as e:
+        except (zipfile.BadZipFile, ValueError, OSError, NotImplementedError, EOFError) as e:
             raise CheckpointError(f"{path} is a truncated or corrupt zip archive (npz / torch file): {e}") from e
         if names and all(n.endswith(".npy") for n in names):
             return "npz"
@@ -42,42 +44,114 @@ def sniff(path: Path) -> str:
     raise CheckpointError(f"{path} is not a checkpoint vitkit can read (not npz, safetensors, torch or a HF folder)")
 
 
+def _npy_header(f) -> tuple[tuple, "np.dtype", int]:
+    """An .npy stream's (shape, dtype, header length), read from its header only."""
+    version = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(f, max_header_size=100_000)
+    return tuple(shape), dtype, f.tell()
+
+
 def read_npz(path: Path) -> dict[str, torch.Tensor]:
-    try:
+    """An .npz's arrays as float32 tensors. Every entry's header is checked before any array is read: no object
+    arrays (pickle), a shape whose size is what the zip entry holds, under the one-tensor limit, no decompression
+    bomb, and all of them within this process's memory."""
+    what = f"{path}"
+    with untrusted(what):
+        with zipfile.ZipFile(path) as z:
+            total = 0
+            for info in z.infolist():
+                check_zip_entry(info, what)
+                with z.open(info) as f:
+                    shape, dtype, header = _npy_header(f)
+                name = info.filename.removesuffix(".npy")
+                if dtype.hasobject:
+                    raise CheckpointError(f"{what}: array {name!r} holds Python objects (pickled): refused")
+                if math.prod(shape) * dtype.itemsize != info.file_size - header:
+                    raise CheckpointError(f"{what}: array {name!r} claims shape {shape} of {dtype} "
+                                          f"({math.prod(shape) * dtype.itemsize:,} bytes) but its entry holds "
+                                          f"{info.file_size - header:,}")
+                total += check_tensor(name, shape, dtype.itemsize, what)
+            check_alloc(total, f"{what} ({len(z.infolist())} arrays)")
         with np.load(path, allow_pickle=False) as z:
             return {k: torch.from_numpy(np.array(z[k], dtype=np.float32)) for k in z.files}
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
-        raise CheckpointError(f"cannot read {path} as .npz (truncated, or holds pickled objects): {e}") from e
+
+
+def safetensors_header(path: Path) -> dict:
+    """A .safetensors file's header, checked against the file: offsets inside it, sizes that match each tensor's
+    shape and dtype, every tensor under the one-tensor limit."""
+    what = f"{path}"
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= min(MAX_SAFETENSORS_HEADER, size - 8):
+            raise CheckpointError(f"{what}: the safetensors header claims {n:,} bytes in a file of {size:,}")
+        header = parse_json(f.read(n), f"{what} (safetensors header)", CheckpointError)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{what}: the safetensors header is not a mapping")
+    data, total = size - 8 - n, 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shape, (start, end), dtype = tuple(entry["shape"]), entry["data_offsets"], entry["dtype"]
+            itemsize = _ST_ITEMSIZE[dtype]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{what}: tensor {name!r} has a malformed header entry {str(entry)[:200]}") from e
+        nbytes = check_tensor(name, shape, itemsize, what)
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= data
+                and end - start == math.prod(shape) * itemsize):
+            raise CheckpointError(f"{what}: tensor {name!r} claims bytes {start}-{end} for shape {shape} of {dtype}; "
+                                  f"the file holds {data:,} bytes of data")
+        total += nbytes
+    check_alloc(total, what)
+    return header
+
+
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
-    try:
+    with untrusted(f"{path}"):
+        safetensors_header(path)
         tensors = {}
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             for k in f.keys():
                 tensors[k] = f.get_tensor(k)
         return tensors, meta
-    except (SafetensorError, OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path} as safetensors (truncated or corrupt): {e}") from e
 
 
 def read_torch(path: Path) -> dict[str, torch.Tensor]:
-    """A state dict saved with torch.save, loaded with weights_only=True (no arbitrary unpickling)."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many types here; all mean "not a safe state dict"
-        raise CheckpointError(
-            f"cannot read {path} as a PyTorch state dict with weights_only=True (truncated, or it holds objects "
-            f"other than tensors, which vitkit refuses to unpickle): {e}"
-        ) from e
+    """A state dict saved with torch.save, loaded with weights_only=True (no arbitrary unpickling). A zip archive's
+    entries are checked first (no decompression bomb, the data within this process's memory)."""
+    what = f"{path}"
+    with untrusted(what):
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                total = 0
+                for info in z.infolist():
+                    check_zip_entry(info, what)
+                    if info.file_size > MAX_TENSOR_BYTES:
+                        raise CheckpointError(f"{what}: entry {info.filename!r} holds {gib(info.file_size)}, over "
+                                              f"the limit for one tensor's storage (VITKIT_MAX_TENSOR_BYTES)")
+                    total += info.file_size
+                check_alloc(total, what)
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch raises many types here; all mean "not a safe state dict"
+            raise CheckpointError(
+                f"cannot read {path} as a PyTorch state dict with weights_only=True (truncated, or it holds objects "
+                f"other than tensors, which vitkit refuses to unpickle): {type(e).__name__}: {e}"
+            ) from e
     for key in ("state_dict", "model", "model_state", "module", "ema"):
         if isinstance(obj, dict) and key in obj and isinstance(obj[key], dict):
             obj = obj[key]
             break
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()):
         raise CheckpointError(f"{path} does not hold a state dict of tensors")
     return {k.removeprefix("module."): v for k, v in obj.items()}
 
@@ -96,7 +170,9 @@ def read_hf_dir(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"{path} is a folder without config.json (expected a Hugging Face model folder)")
-    config = json.loads(cfg_file.read_text())
+    config = parse_json(read_bytes(cfg_file, error=CheckpointError), f"{cfg_file}", CheckpointError)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_file} does not hold a JSON object")
     if (path / "model.safetensors").exists():
         tensors, _ = read_safetensors(path / "model.safetensors")
     elif (path / "pytorch_model.bin").exists():

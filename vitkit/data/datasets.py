@@ -10,11 +10,13 @@ import csv
 import dataclasses
 import gzip
 import io
+import math
 import os
 import pickle
 import struct
 import sys
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..models.layers.patch_embed import to_2tuple
 from .image import BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 from ..errors import UsageError, VitkitError
+from ..safety import MAX_TENSOR_BYTES
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 # Zalando's own repository, over https; the MD5s are the ones the dataset publishes (its README, torchvision).
@@ -110,17 +113,19 @@ def _read_idx(path: Path) -> np.ndarray:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_TENSOR_BYTES + 1)  # a gzip bomb stops here, not at the memory's end
+        if len(data) > MAX_TENSOR_BYTES:
+            raise DatasetError(f"{path}: decompresses to more than {MAX_TENSOR_BYTES:,} bytes (VITKIT_MAX_TENSOR_BYTES)")
         magic, = struct.unpack(">I", data[:4])
         ndim = magic & 0xFF
         if (magic >> 8) != 0x08:
             raise DatasetError(f"{path}: not an idx file of uint8 (magic {magic:#x})")
         shape = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
         arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
-        if arr.size != int(np.prod(shape)):
-            raise DatasetError(f"{path}: truncated idx file ({arr.size} of {int(np.prod(shape))} bytes)")
+        if arr.size != math.prod(shape):
+            raise DatasetError(f"{path}: truncated idx file ({arr.size} of {math.prod(shape)} bytes)")
         return arr.reshape(shape)
-    except (OSError, EOFError, struct.error) as e:
+    except (OSError, EOFError, struct.error, zlib.error, ValueError) as e:
         raise DatasetError(f"cannot read {path}: {e}") from e
 
 

@@ -19,8 +19,10 @@ import http.client
 import io
 import json
 import os
+import re
 import tarfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -31,7 +33,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import UsageError
+from ..errors import UsageError, VitkitError
+from ..safety import MAX_SAMPLE_BYTES, MAX_TEXT_BYTES, parse_json, read_bytes, untrusted
 from .image import BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 
 FORMAT = "vitkit-shards"
@@ -137,6 +140,9 @@ class _Bytes:
         fd = self.files.get(path)
         if fd is None:
             fd = self.files[path] = os.open(path, os.O_RDONLY)
+        end = os.fstat(fd).st_size
+        if offset + size > end:
+            raise ImageDecodeError(f"{path}: the index claims bytes {offset:,}-{offset + size:,} of a file of {end:,}")
         return os.pread(fd, size, offset)
 
     def _http(self, url: str, offset: int, size: int, tries: int = 3) -> bytes:
@@ -150,7 +156,7 @@ class _Bytes:
             try:
                 conn.request("GET", u.path + (f"?{u.query}" if u.query else ""), headers={"Range": f"bytes={offset}-{offset + size - 1}"})
                 r = conn.getresponse()
-                data = r.read()
+                data = r.read(size + 1)  # never more than was asked for, whatever the server sends
                 if r.status == 206 and len(data) == size:
                     return data
                 raise OSError(f"{url}: HTTP {r.status} for bytes {offset}-{offset + size - 1} ({len(data)} bytes)")
@@ -163,11 +169,47 @@ class _Bytes:
         raise AssertionError("unreachable")
 
 
-def _fetch(url: str) -> bytes:
+def _fetch(url: str, limit: int = MAX_TEXT_BYTES) -> bytes:
+    """A small file (index.json, a .idx.npy) from a folder or URL, refused over `limit` bytes without reading more."""
     if url.startswith(("http://", "https://")):
-        with urllib.request.urlopen(url, timeout=60) as r:
-            return r.read()
-    return Path(url[len("file://"):] if url.startswith("file://") else url).read_bytes()
+        try:
+            with urllib.request.urlopen(url, timeout=60) as r:
+                data = r.read(limit + 1)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                raise FileNotFoundError(f"{url}: HTTP 404 Not Found") from e
+            raise UsageError(f"cannot fetch {url}: {e}") from e
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise UsageError(f"cannot fetch {url}: {e}") from e
+        if len(data) > limit:
+            raise UsageError(f"{url}: over the limit of {limit:,} bytes for a file of this kind: refused")
+        return data
+    return read_bytes(url[len("file://"):] if url.startswith("file://") else url, url, limit)
+
+
+_SHARD_NAME = re.compile(r"[\w.-]+\.tar")
+
+
+def _check_index(index, location: str) -> None:
+    """A shard set's index.json as vitkit writes it: refused by field otherwise (a shard name outside the folder,
+    a negative count, ...)."""
+    what = f"{location}/index.json"
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        got = index.get("format") if isinstance(index, dict) else type(index).__name__
+        raise UsageError(f"{what} is not a vitkit shard index (format {got!r})")
+    classes, shards, chans = index.get("classes"), index.get("shards"), index.get("in_chans")
+    if not isinstance(classes, list) or not 1 <= len(classes) <= 10_000_000:
+        raise UsageError(f"{what}: 'classes' must be a list of 1 or more class names")
+    if not isinstance(chans, int) or isinstance(chans, bool) or not 1 <= chans <= 256:
+        raise UsageError(f"{what}: 'in_chans' must be an integer in [1, 256], got {chans!r}")
+    if not isinstance(shards, list):
+        raise UsageError(f"{what}: 'shards' must be a list")
+    for i, sh in enumerate(shards):
+        name, n = (sh.get("name"), sh.get("nsamples")) if isinstance(sh, dict) else (None, None)
+        if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name) or name.startswith("."):
+            raise UsageError(f"{what}: shard {i}'s name {name!r} is not a .tar file name inside the folder")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 1 << 40:
+            raise UsageError(f"{what}: shard {name}'s 'nsamples' must be an integer >= 0, got {n!r}")
 
 
 def _join(base: str, name: str) -> str:
@@ -200,18 +242,31 @@ class ShardDataset(TrainCrops, torch.utils.data.Dataset):
 
     @classmethod
     def open(cls, location: str, **kw) -> "ShardDataset":
-        index = json.loads(_fetch(_join(location, "index.json")))
-        if index.get("format") != FORMAT:
-            raise UsageError(f"{location}/index.json is not a vitkit shard index (format {index.get('format')!r})")
+        index = parse_json(_fetch(_join(location, "index.json")), f"{location}/index.json")
+        _check_index(index, location)
         names = [s["name"] for s in index["shards"]]
         counts = [s["nsamples"] for s in index["shards"]]
-        labels = np.concatenate([cls._read_idx(location, n)[:, 2] for n in names]) if names else np.zeros(0, np.int64)
+        labels = (np.concatenate([cls._read_idx(location, n, c, len(index["classes"]))[:, 2] for n, c in zip(names, counts)])
+                  if names else np.zeros(0, np.int64))
         return cls(location, list(index["classes"]), counts, names, labels, in_chans=kw.pop("in_chans", index["in_chans"]),
                    name=kw.pop("name", location), **kw)
 
     @staticmethod
-    def _read_idx(location: str, shard: str) -> np.ndarray:
-        return np.load(io.BytesIO(_fetch(_join(location, shard[:-4] + ".idx.npy"))), allow_pickle=False)
+    def _read_idx(location: str, shard: str, nsamples: int | None = None, num_classes: int | None = None) -> np.ndarray:
+        """A shard's (offset, size, class) rows: nsamples of them (when given), classes in range, offsets and sizes
+        >= 0; a row whose bytes lie past the tar or over the per-sample cap is refused when it is read."""
+        url = _join(location, shard[:-4] + ".idx.npy")
+        limit = 4096 + 24 * nsamples if nsamples is not None else MAX_TEXT_BYTES
+        with untrusted(url, UsageError):
+            rows = np.load(io.BytesIO(_fetch(url, limit)), allow_pickle=False)
+        if rows.dtype.kind not in "iu" or rows.ndim != 2 or rows.shape[1] != 3 or (
+                nsamples is not None and rows.shape[0] != nsamples):
+            raise UsageError(f"{url}: expected {nsamples if nsamples is not None else 'n'} rows of 3 integers "
+                             f"(offset, size, class), got {rows.dtype} {rows.shape}")
+        rows = rows.astype(np.int64)
+        if len(rows) and (rows[:, :2].min() < 0 or (num_classes is not None and not 0 <= rows[:, 2].min() <= rows[:, 2].max() < num_classes)):
+            raise UsageError(f"{url}: a negative offset or size, or a class outside 0..{(num_classes or 1) - 1}")
+        return rows
 
     def __len__(self) -> int:
         return len(self.indices) if self.indices is not None else int(self._starts[-1])
@@ -230,15 +285,18 @@ class ShardDataset(TrainCrops, torch.utils.data.Dataset):
         g = int(self.indices[i]) if self.indices is not None else i
         s = int(np.searchsorted(self._starts, g, side="right") - 1)
         if s not in self._idx:
-            self._idx[s] = self._read_idx(self.location, self.shard_names[s])
+            self._idx[s] = self._read_idx(self.location, self.shard_names[s], self.counts[s], len(self.classes))
         offset, size, label = self._idx[s][g - self._starts[s]]
+        if size > MAX_SAMPLE_BYTES:
+            raise ImageDecodeError(f"{self.shard_names[s]}: sample {i} claims {size:,} bytes, over the per-sample limit "
+                                   f"of {MAX_SAMPLE_BYTES:,} (VITKIT_MAX_SAMPLE_BYTES)")
         return self._bytes.read(_join(self.location, self.shard_names[s]), int(offset), int(size)), int(label)
 
     def __getitem__(self, i: int):
         try:
             data, label = self.raw(i)
             img = load_image(io.BytesIO(data), self.in_chans)
-        except (ImageDecodeError, OSError) as e:
+        except (VitkitError, OSError, ValueError, MemoryError, http.client.HTTPException) as e:
             if self.strict:
                 raise ImageDecodeError(f"{self.name} sample {i}: {e}") from e
             return BadSample(f"{self.name} sample {i}", str(e))

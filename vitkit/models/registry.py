@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import itertools
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .resnet import ResNetV2, ResNetV2Config
@@ -16,6 +18,7 @@ from .vit import ViTConfig, VisionTransformer
 # arch -> (config class, model class)
 ARCHS = {"vit": (ViTConfig, VisionTransformer), "resnetv2": (ResNetV2Config, ResNetV2), "swin": (SwinConfig, SwinTransformer)}
 from ..errors import UsageError
+from ..safety import check_alloc
 
 # Table 1: width D, depth L, MLP size, heads.
 VIT_SIZES: dict[str, dict[str, int]] = {
@@ -200,7 +203,16 @@ def _check_fields(cls: type, overrides: dict) -> None:
 
 
 def build_model(config: ViTConfig | ResNetV2Config | SwinConfig) -> nn.Module:
-    return ARCHS[config.arch][1](config)
+    """The model a config describes, with random initialisation. A config whose model would not fit in this
+    process's memory (a hostile or mistyped size) is refused before anything is allocated."""
+    build = ARCHS[config.arch][1]
+    if torch.get_default_device().type != "meta":
+        with torch.device("meta"):
+            shell = build(config)
+        nbytes = sum(t.numel() * t.element_size() for t in itertools.chain(shell.parameters(), shell.buffers()))
+        params = sum(p.numel() for p in shell.parameters())
+        check_alloc(nbytes, f"the {config.arch} model of this config ({params:,} parameters)", UsageError)
+    return build(config)
 
 
 def create_model(name: str, **overrides) -> nn.Module:

@@ -19,6 +19,7 @@ from torch import nn
 from .layers import DropPath, Linear, StdConv2d, pad_same
 from .layers.tracing import is_fx_tracing
 from ..errors import UsageError
+from ..safety import check_sizes
 
 torch.fx.wrap("pad_same")  # one node in a torch.fx trace (its padding depends on the input's size)
 
@@ -197,6 +198,7 @@ class ResNetV2Config:
         self.channels = tuple(self.channels)
         if self.stem_width is None:
             self.stem_width = 64 * self.width_factor
+        check_sizes(self)
         if len(self.channels) != len(self.layers):
             raise UsageError(f"channels {self.channels} and layers {self.layers} differ in length")
 

@@ -34,6 +34,7 @@ from .layers import DropPath, LayerNorm, Linear, Mlp
 from .layers.attention import _CPU_BF16_NATIVE
 from .layers.patch_embed import to_2tuple
 from ..errors import UsageError
+from ..safety import check_sizes
 
 
 @dataclass
@@ -78,6 +79,7 @@ class SwinConfig:
         self.mean, self.std = tuple(self.mean), tuple(self.std)
         self.img_size, self.patch_size = to_2tuple(self.img_size), to_2tuple(self.patch_size)
         self.depths, self.num_heads = tuple(self.depths), tuple(self.num_heads)
+        check_sizes(self)
         if len(self.depths) != len(self.num_heads) or not self.depths:
             raise UsageError(f"depths {self.depths} and num_heads {self.num_heads}: one entry per stage, both")
         for s, heads in enumerate(self.num_heads):

@@ -48,6 +48,7 @@ from .layers.patch_embed import to_2tuple
 from .layers.tracing import is_fx_tracing
 from .resnet import ResNetBackbone, backbone_stride
 from ..errors import UsageError
+from ..safety import check_sizes
 
 CLASSIFIERS = ("token", "gap", "map")
 MLP_LAYERS = ("mlp", "swiglu")
@@ -163,6 +164,9 @@ class ViTConfig:
     def __post_init__(self) -> None:
         self.mean, self.std = tuple(self.mean), tuple(self.std)
         self.img_size, self.patch_size = to_2tuple(self.img_size), to_2tuple(self.patch_size)
+        if self.rope_ref_grid is not None:
+            self.rope_ref_grid = to_2tuple(self.rope_ref_grid)
+        check_sizes(self)
         if self.classifier not in CLASSIFIERS:
             raise UsageError(f"classifier must be one of {CLASSIFIERS}, got {self.classifier!r}")
         if self.pos_embed not in POS_EMBEDS:
@@ -187,8 +191,6 @@ class ViTConfig:
             raise UsageError(f"rope must be one of {ROPES}, got {self.rope!r}")
         if self.rope and (self.embed_dim // self.num_heads) % 4:
             raise UsageError(f"rope needs a head width divisible by 4, got {self.embed_dim // self.num_heads}")
-        if self.rope_ref_grid is not None:
-            self.rope_ref_grid = to_2tuple(self.rope_ref_grid)
         if self.reg_tokens < 0:
             raise UsageError(f"reg_tokens must be >= 0, got {self.reg_tokens}")
         if self.reg_tokens and self.distilled:

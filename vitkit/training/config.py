@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import sys
 import types
 import typing
@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-import yaml
-
 from ..data.augment import AugConfig
 from ..errors import UsageError
+from ..safety import parse_json, parse_yaml, read_bytes, untrusted
 
 
 @dataclass
@@ -214,10 +213,31 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _coerce(value: Any, tp: Any) -> Any:
+# Numbers a run cannot work with are refused by name: (lowest, highest) per key; every float must be finite.
+NUMBER_BOUNDS = {
+    "data.batch_size": (1, 1 << 20), "data.eval_batch_size": (1, 1 << 20), "data.num_workers": (0, 1024),
+    "data.subset": (0, None), "data.test_subset": (0, None), "data.val_split": (0.0, 0.99),
+    "optim.lr": (0.0, 1e3), "optim.weight_decay": (0.0, 1e3), "optim.layer_decay": (0.0, 1.0), "optim.clip_grad": (0.0, None),
+    "schedule.epochs": (0.0, 1e6), "schedule.warmup_epochs": (0.0, 1e6), "schedule.min_lr_ratio": (0.0, 1.0),
+    "run.accumulate": (1, 1 << 16), "run.threads": (1, 4096), "run.eval_every": (0.0, 1e6), "run.ckpt_every": (0, None),
+    "run.log_every": (0, None), "run.fewshot_draws": (1, 10_000), "run.ema": (0.0, 1.0), "distill.alpha": (0.0, 1.0),
+    "distill.tau": (1e-6, 1e6),
+}
+
+
+def _check_number(key: str, value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UsageError(f"{key}={value!r}: must be a finite number")
+    lo, hi = NUMBER_BOUNDS.get(key, (None, None))
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            (lo is not None and value < lo) or (hi is not None and value > hi)):
+        raise UsageError(f"{key}={value!r}: must be {'>= ' + str(lo) if hi is None else f'in [{lo}, {hi}]'}")
+
+
+def _coerce(value: Any, tp: Any, key: str = "a config value") -> Any:
     """A command-line or file value to the field's declared type (YAML syntax for lists, null, booleans)."""
     if isinstance(value, str):
-        value = yaml.safe_load(value) if value != "" else ""
+        value = parse_yaml(value, key) if value != "" else ""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     base = args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
     if value is None:
@@ -254,8 +274,8 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
             continue
         if len(parts) >= 3 and parts[0] == "model" and parts[1] == "overrides":
             try:
-                cfg.model.overrides[".".join(parts[2:])] = _coerce(value, Any)
-            except yaml.YAMLError as e:
+                cfg.model.overrides[".".join(parts[2:])] = _coerce(value, Any, key)
+            except UsageError as e:
                 raise UsageError(f"{key}={value!r}: not valid YAML ({e})") from e
             continue
         if len(parts) != 2 or not hasattr(cfg, parts[0]) or not dataclasses.is_dataclass(getattr(cfg, parts[0])):
@@ -265,7 +285,7 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
         if parts[1] not in hints:
             raise UsageError(f"unknown config key {key!r}; {parts[0]} has {sorted(hints)}")
         if parts[1] == "overrides" and (value is None or isinstance(value, (dict, str))):
-            value = yaml.safe_load(value) if isinstance(value, str) else value
+            value = parse_yaml(value, key) if isinstance(value, str) else value
             if not isinstance(value, (dict, type(None))):
                 raise UsageError(f"{key}={value!r}: not a mapping; use {key}='{{depth: 4, embed_dim: 192}}' or "
                                  f"{key}.KEY=VALUE")
@@ -273,17 +293,24 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
             cfg.model.overrides = dict(value or {})
             continue
         try:
-            setattr(section, parts[1], _coerce(value, hints[parts[1]]))
-        except (ValueError, TypeError, yaml.YAMLError) as e:
+            value = _coerce(value, hints[parts[1]], key)
+        except (ValueError, TypeError, OverflowError) as e:
             tp = getattr(hints[parts[1]], "__name__", str(hints[parts[1]]))
             raise UsageError(f"{key}={value!r}: not a valid {tp} ({e})") from e
+        _check_number(key, value)
+        setattr(section, parts[1], value)
     return cfg
 
 
 def load_config_file(path: str | Path) -> dict:
     """A YAML or JSON file of the same nested shape as `TrainConfig.to_dict()`."""
-    text = Path(path).read_text()
-    d = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    data = read_bytes(path)
+    if str(path).endswith(".json"):
+        d = parse_json(data, str(path))
+    else:
+        with untrusted(str(path), UsageError):
+            text = data.decode("utf-8")
+        d = parse_yaml(text, str(path))
     if not isinstance(d, dict):
         raise UsageError(f"{path} does not hold a mapping")
     return d

@@ -181,6 +181,7 @@ def serve(
     timeout_s: float = 30.0,
     threads: int | None = None,
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
+    api_key: str | None = None,
 ) -> int:
     """Serve a checkpoint over HTTP: POST /predict and /explain, GET /healthz, /model, /metrics, and a web page at /
     to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
@@ -199,12 +200,15 @@ def serve(
         threads: CPU threads for the model.
         precision: backend torch: auto (bf16 where measured faster than fp32 here for this model at max_batch) |
             fp32 | bf16 | fp16 (GPU).
+        api_key: requests must send this key (header X-API-Key or Authorization: Bearer KEY), else 401; the page
+            takes it as http://HOST:PORT/#key=KEY. Default: $VITKIT_API_KEY. Without one, binding an address other
+            than loopback prints a warning.
     """
     from .serve import Limits, serve as _serve
 
     _serve(checkpoint, host, port, backend, Limits(max_upload_mb=max_upload_mb, max_pixels=max_pixels, timeout_s=timeout_s,
                                                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue), threads,
-           precision)
+           precision, api_key or os.environ.get("VITKIT_API_KEY"))
     return 0
 
 

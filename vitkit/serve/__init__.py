@@ -11,9 +11,11 @@ __all__ = ["Limits", "create_app", "MicroBatcher", "OnnxPredictor", "TorchPredic
 
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: str = "torch", limits: Limits | None = None,
-          threads: int | None = None, precision: str = "auto") -> None:
+          threads: int | None = None, precision: str = "auto", api_key: str | None = None) -> None:
     """Run the service until interrupted: the checkpoint loaded and the port bound first (a taken port or a bad
-    checkpoint is a UsageError/CheckpointError before anything is announced), then "serving ..." on stderr."""
+    checkpoint is a UsageError/CheckpointError before anything is announced), then "serving ..." on stderr. Bound
+    to an address other than loopback without an `api_key`, it warns that anyone who reaches the port can use it."""
+    import ipaddress
     import socket
     import sys
     from pathlib import Path
@@ -24,7 +26,7 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: s
 
     limits = limits or Limits()
     app = create_app(load_predictor(checkpoint, backend, threads, precision, limits.max_batch), limits,
-                     name=Path(checkpoint).stem)
+                     name=Path(checkpoint).stem, api_key=api_key or None)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -38,5 +40,9 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: s
         sock.close()
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? pick one with --port)") from e
     shown = f"[{host}]" if family == socket.AF_INET6 else host
+    if not api_key and not ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
+        print(f"vitkit: warning: serving on {shown}, reachable from other machines, without an API key: anyone who "
+              f"can reach this port can use the model. Set --api-key (or VITKIT_API_KEY), or bind 127.0.0.1.",
+              file=sys.stderr, flush=True)
     print(f"vitkit: serving {checkpoint} ({backend}) on http://{shown}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

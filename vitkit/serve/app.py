@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import binascii
+import contextlib
 import json
 import re
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -29,9 +30,48 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..data.image import ImageDecodeError
+from ..errors import UsageError
+from ..safety import parse_json
 from .engine import MicroBatcher, Predictor, QueueFull, explanations, overlay_png, softmax_top
 
 STATIC = Path(__file__).parent / "static"
+
+
+# The request and response bodies in the OpenAPI schema (/openapi.json, /docs), which schemathesis tests against.
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+ERROR = {"description": "refused, with the reason", "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+ERROR_RESPONSES = {
+    400: {**ERROR, "description": "not an image, a truncated one, malformed JSON, multipart or base64, a bad top_k"},
+    401: {**ERROR, "description": "the service has an API key and the request did not send it"},
+    413: {**ERROR, "description": "a body over the upload limit, or an image over the pixel limit"},
+    415: {**ERROR, "description": "a content type other than multipart, JSON or image/*"},
+    503: {**ERROR, "description": "the queue is full: retry shortly"},
+    504: {**ERROR, "description": "the request took longer than its time limit"},
+}
+_TOP = {"type": "array", "items": {"type": "object", "required": ["index", "label", "probability"], "properties": {
+    "index": {"type": "integer"}, "label": {"type": "string"}, "probability": {"type": "number"}}}}
+PREDICT_OK = {"description": "the top-k classes", "content": {"application/json": {"schema": {
+    "type": "object", "required": ["top", "model"], "properties": {"top": _TOP, "model": {"type": "string"}}}}}}
+EXPLAIN_OK = {"description": "the top-k classes, the attention rollout overlay and per-layer maps", "content": {
+    "application/json": {"schema": {"type": "object", "required": ["top", "model", "class", "overlay_png", "image_png"],
+                                    "properties": {"top": _TOP, "model": {"type": "string"}, "class": {"type": "string"},
+                                                   "overlay_png": {"type": "string"}, "image_png": {"type": "string"}}}}}}
+MAX_TOP_K = 1_000_000
+_K = {"type": "integer", "minimum": 1, "maximum": MAX_TOP_K, "description": "how many classes (at most all)"}
+_TOP_K = {"name": "top_k", "in": "query", "required": False, "schema": _K}
+IMAGE_REQUEST = {
+    "parameters": [_TOP_K],
+    "requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
+            "file": {"type": "string", "format": "binary"}, "top_k": _K}}},
+        "application/json": {"schema": {"type": "object", "required": ["image"], "properties": {
+            "image": {"type": "string", "format": "byte", "description": "the image file, base64"},
+            "top_k": _K}}},
+        "image/png": {"schema": {"type": "string", "format": "binary"}},
+        "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+    }},
+}
 
 
 @dataclass
@@ -98,8 +138,9 @@ async def _send_error(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "model"):
-    """The FastAPI application serving `predictor` within `limits`."""
+def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "model", api_key: str | None = None):
+    """The FastAPI application serving `predictor` within `limits`. With an `api_key`, every endpoint but the page
+    and /healthz answers 401 to a request without it (header X-API-Key, or Authorization: Bearer KEY)."""
     limits = limits or Limits()
     c = predictor.config
     names = list(c.class_names or [str(i) for i in range(c.num_classes)])
@@ -141,12 +182,13 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
             return await f.read(), opts
         if ctype == "application/json":
             try:
-                body = json.loads(await request.body())
-                data = base64.b64decode(body["image"], validate=True)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                body = parse_json(await request.body(), "the JSON body")
+            except UsageError as e:
                 raise HTTPError(400, f"malformed JSON: {e}") from e
-            except (KeyError, TypeError) as e:
-                raise HTTPError(400, 'a JSON request needs {"image": "<base64 of the image file>"}') from e
+            if not isinstance(body, dict) or not isinstance(body.get("image"), str):
+                raise HTTPError(400, 'a JSON request needs {"image": "<base64 of the image file>"}')
+            try:
+                data = base64.b64decode(body["image"], validate=True)
             except (binascii.Error, ValueError) as e:
                 raise HTTPError(400, f'"image" is not valid base64: {e}') from e
             opts.update({k: v for k, v in body.items() if k != "image"})
@@ -165,15 +207,28 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
             status = 413 if "decompression bomb" in str(e) else 400
             raise HTTPError(status, re.sub(r"(image )?<_io\.BytesIO object at 0x[0-9a-f]+>", "the upload", str(e))) from e
 
-    def top_k(opts: dict) -> int:
-        try:
-            return max(1, min(int(opts.get("top_k", limits.top_k)), len(names)))
-        except (TypeError, ValueError) as e:
-            raise HTTPError(400, f"top_k must be an integer, got {opts.get('top_k')!r}") from e
+    def top_k(opts: dict, query) -> int:
+        if "top_k" in query and "top_k" in opts and opts["top_k"] is not query["top_k"]:
+            top_k({"top_k": query["top_k"]}, {})  # the query's own value is checked too, though the body's wins
+        value = opts.get("top_k", limits.top_k)
+        if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d{1,30}\s*", value):
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_TOP_K:
+            raise HTTPError(400, f"top_k must be an integer from 1 to {MAX_TOP_K:,}, got {str(value)[:100]!r}")
+        return min(value, len(names))
 
-    async def guarded(endpoint: str, work):
+    def authorised(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise HTTPError(401, "this service needs an API key: send it as the X-API-Key header (or Authorization: "
+                                 "Bearer KEY)")
+
+    async def guarded(endpoint: str, work, request: Request):
         t0 = time.perf_counter()
         try:
+            authorised(request)
             result = await asyncio.wait_for(work(), limits.timeout_s)
             status, payload = 200, result
         except HTTPError as e:
@@ -186,38 +241,42 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
         latency.labels(endpoint).observe(time.perf_counter() - t0)
         return JSONResponse(payload, status_code=status)
 
-    @app.post("/predict")
+    @app.post("/predict", openapi_extra=IMAGE_REQUEST, responses={200: PREDICT_OK, **ERROR_RESPONSES})
     async def predict(request: Request):
         async def work():
             data, opts = await read_image(request)
-            k = top_k(opts)
+            k = top_k(opts, request.query_params)
             x, _ = await decode(data)
             logits = await batcher.submit(x)
             return {"top": softmax_top(logits, names, k), "model": name}
-        return await guarded("predict", work)
+        return await guarded("predict", work, request)
 
-    @app.post("/explain")
+    @app.post("/explain", openapi_extra=IMAGE_REQUEST, responses={200: EXPLAIN_OK, 501: ERROR, **ERROR_RESPONSES})
     async def explain(request: Request):
         async def work():
             if not predictor.explains:
                 raise HTTPError(501, f"explanations need the attention maps of a ViT run by PyTorch "
                                      f"(this is a {predictor.backend} {getattr(c, 'arch', 'model')})")
             data, opts = await read_image(request)
-            k = top_k(opts)
+            k = top_k(opts, request.query_params)
             x, shown = await decode(data)
             maps = await batcher.run_exclusive(explanations, predictor.model, x)
             logits = await batcher.submit(x)
             return {"top": softmax_top(logits, names, k), "model": name, "class": names[maps["class_index"]],
                     "overlay_png": base64.b64encode(overlay_png(shown, maps["rollout"][-1])).decode(),  # the final rollout
                     "image_png": base64.b64encode(_plain_png(shown)).decode(), **maps}  # the model's crop, for the page
-        return await guarded("explain", work)
+        return await guarded("explain", work, request)
 
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "waiting": batcher.waiting}
 
-    @app.get("/model")
-    async def model_info():
+    @app.get("/model", responses=ERROR_RESPONSES)
+    async def model_info(request: Request):
+        try:
+            authorised(request)
+        except HTTPError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status)
         keys = ("arch", "img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "classifier",
                 "mean", "std", "interpolation", "crop_pct")
         cfg = {k: getattr(c, k) for k in keys if hasattr(c, k)}
@@ -226,11 +285,15 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
                                   "crop_pct": c.crop_pct, "interpolation": c.interpolation, "mean": list(c.mean), "std": list(c.std)},
                 "limits": asdict(limits)}
 
-    @app.get("/metrics")
-    async def metrics():
+    @app.get("/metrics", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+    async def metrics(request: Request):
+        try:
+            authorised(request)
+        except HTTPError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status)
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/")
+    @app.get("/", response_class=FileResponse)
     async def page():
         return FileResponse(STATIC / "index.html", media_type="text/html")
 

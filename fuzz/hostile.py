@@ -37,20 +37,37 @@ class _RepeatedDeflate:
         return self.tail
 
 
-def npz_bomb(path: Path, gib: int = 8, name: str = "embedding/kernel") -> Path:
-    """An .npz whose one float32 array is `gib` GiB of zeros, deflated into about gib MB."""
-    n = gib * (1 << 30) // 4
-    header = io.BytesIO()
-    np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False, "shape": (n,)})
+def zip_bomb(path: Path, entry: str, head: bytes, gib: int) -> Path:
+    """A zip archive whose one entry is `head` and then `gib` GiB of zeros, deflated into about gib MB."""
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
-        info = zipfile.ZipInfo(f"{name}.npy")
+        info = zipfile.ZipInfo(entry)
         info.compress_type = zipfile.ZIP_DEFLATED
         with z.open(info, "w", force_zip64=True) as f:
             f._compressor = _RepeatedDeflate()  # zipfile still computes the CRC over every byte written
-            f.write(header.getvalue())
+            f.write(head)
             zero = bytes(CHUNK)
-            for _ in range(n * 4 // CHUNK):
+            for _ in range(gib * (1 << 30) // CHUNK):
                 f.write(zero)
+    return path
+
+
+def npz_bomb(path: Path, gib: int = 8, name: str = "embedding/kernel") -> Path:
+    """An .npz whose one float32 array is `gib` GiB of zeros, deflated into about gib MB."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False, "shape": (gib * (1 << 30) // 4,)})
+    return zip_bomb(path, f"{name}.npy", header.getvalue(), gib)
+
+
+def pth_bomb(path: Path, gib: int = 8) -> Path:
+    """A torch.save zip archive of a small state dict with an extra 8 GiB entry of deflated zeros."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"patch_embed.proj.weight": torch.zeros(8, 3, 4, 4)}, buf)
+    zip_bomb(path, "archive/data/9", b"", gib)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "a") as z:
+        for info in src.infolist():
+            z.writestr(info, src.read(info))
     return path
 
 
@@ -147,7 +164,7 @@ def png_bomb(path: Path, side: int = 50_000) -> Path:
 
 
 ALL = {
-    "bomb.npz": npz_bomb, "lying.npz": npz_lying_header, "absurd.safetensors": safetensors_absurd,
+    "bomb.npz": npz_bomb, "bomb.pth": pth_bomb, "lying.npz": npz_lying_header, "absurd.safetensors": safetensors_absurd,
     "absurd_hf": hf_folder_absurd, "deep_json": deep_json_folder, "python_tag.yaml": yaml_python_tag,
     "laughs.yaml": yaml_laughs, "shards": shards_absurd_row, "bomb.png": png_bomb,
 }

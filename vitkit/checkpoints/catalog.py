@@ -254,8 +254,15 @@ def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 3
                 for where, h in [*redirects.seen, (r.url, r.headers)]:
                     published.update(_published_hashes(where, h))
                 resumed = have and r.status == 206
+                _check_download_size(url, r.headers.get("Content-Length"), part.parent)
                 with open(part, "ab" if resumed else "wb") as f:
-                    shutil.copyfileobj(r, f, 1 << 20)
+                    written = f.tell()
+                    while chunk := r.read(1 << 20):
+                        written += len(chunk)
+                        if written > MAX_DOWNLOAD_BYTES:  # a server that sends without end (or lies in its header)
+                            raise CheckpointError(f"{url}: more than {MAX_DOWNLOAD_BYTES:,} bytes: refused "
+                                                  f"(VITKIT_MAX_DOWNLOAD_BYTES)")
+                        f.write(chunk)
     except (urllib.error.URLError, OSError, TimeoutError) as e:
         raise CheckpointError(
             f"could not download {url} ({getattr(e, 'reason', e)}). If this machine is offline, fetch that URL by "
@@ -273,6 +280,21 @@ def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 3
                                   f"the download was removed")
     os.replace(part, dest)
     return dest
+
+
+MAX_DOWNLOAD_BYTES = int(os.environ.get("VITKIT_MAX_DOWNLOAD_BYTES", 64 << 30))
+
+
+def _check_download_size(url: str, length: str | None, folder: Path) -> None:
+    """A download whose declared size is over the limit or over the disk's free space is refused before it starts."""
+    if length is None or not length.isdigit():
+        return
+    n, free = int(length), shutil.disk_usage(folder).free
+    if n > MAX_DOWNLOAD_BYTES:
+        raise CheckpointError(f"{url} declares {n:,} bytes, over the limit of {MAX_DOWNLOAD_BYTES:,} "
+                              f"(VITKIT_MAX_DOWNLOAD_BYTES): refused")
+    if n > free:
+        raise CheckpointError(f"{url} declares {n:,} bytes; {folder} has {free:,} free: refused before downloading")
 
 
 def _offline() -> bool:

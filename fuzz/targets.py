@@ -1,0 +1,251 @@
+"""The doors vitkit opens to untrusted bytes, as fuzz targets, and the property each must keep.
+
+Every target takes arbitrary bytes, feeds them through one door (a checkpoint format, a config, a shard set, a
+request to the service) and must end in a result or a vitkit error (`VitkitError`: the CLI's one-line refusal) --
+never another exception, a hang or a file written outside its scratch folder. `check(target, data)` runs one input
+and raises `PropertyViolation` when the property fails; `fuzz/run.py` drives it under atheris (coverage-guided,
+time and memory capped), and tests/test_hostile.py replays every input in tests/fuzz_regressions/.
+
+Each target's seeds (`seeds(target)`) are small valid inputs made from the project's own fixtures and models.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+REGRESSIONS = ROOT / "tests" / "fuzz_regressions"
+
+
+class PropertyViolation(AssertionError):
+    """An input that ended in something other than a result or a vitkit error."""
+
+
+def _tiny_model(**kw):
+    import torch
+
+    import vitkit
+
+    torch.manual_seed(0)
+    cfg = dict(img_size=8, patch_size=4, num_classes=3, depth=1, embed_dim=8, num_heads=2, mlp_dim=16)
+    cfg.update(kw)
+    return vitkit.create_model("vit_ti16", **cfg).eval()
+
+
+# ---- the doors ------------------------------------------------------------------------------------------------
+
+def _load_file(suffix: str) -> Callable[[bytes, Path], None]:
+    def run(data: bytes, tmp: Path) -> None:
+        import vitkit
+
+        path = tmp / f"model{suffix}"
+        path.write_bytes(data)
+        vitkit.load(path)
+    return run
+
+
+def _load_folder(weights: Path) -> Callable[[bytes, Path], None]:
+    """A hub folder: the fuzzed bytes are its config.json beside real weights."""
+    def run(data: bytes, tmp: Path) -> None:
+        import vitkit
+
+        folder = tmp / "folder"
+        folder.mkdir()
+        (folder / "config.json").write_bytes(data)
+        os.symlink(weights, folder / "model.safetensors")
+        vitkit.load(folder)
+    return run
+
+
+def _overrides(data: bytes, tmp: Path) -> None:
+    """key=value lines, as `vitkit train` takes them, applied to the default preset, and the model they describe."""
+    from vitkit.models.registry import build_config, build_model
+    from vitkit.training import apply_overrides, get_preset
+
+    text = data.decode("utf-8", "replace")
+    pairs = dict(line.split("=", 1) for line in text.splitlines()[:32] if "=" in line)
+    cfg = apply_overrides(get_preset("fashion-mnist", smoke=True), pairs)
+    build_model(build_config(cfg.model.name, **cfg.model.overrides))
+
+
+def _config_file(data: bytes, tmp: Path) -> None:
+    """A YAML config file, as `vitkit train --config` reads it."""
+    from vitkit.models.registry import build_config, build_model
+    from vitkit.training import TrainConfig, load_config_file
+
+    path = tmp / "config.yaml"
+    path.write_bytes(data)
+    cfg = TrainConfig.from_dict(load_config_file(path))
+    build_model(build_config(cfg.model.name, **cfg.model.overrides))
+
+
+def _shards(data: bytes, tmp: Path) -> None:
+    """A shard set whose index.json, .idx.npy or tar is replaced by the input (its first byte says which), every
+    sample then read as the trainer's DataLoader workers read them."""
+    from vitkit.data.shards import ShardDataset
+
+    root = _shard_set(tmp / "shards")
+    which = (data[:1] or b"\0")[0] % 3
+    target = root / ("index.json", "shard-000000.idx.npy", "shard-000000.tar")[which]
+    target.write_bytes(data[1:])
+    ds = ShardDataset.open(str(root), img_size=(8, 8))
+    for i in range(min(len(ds), 16)):
+        ds[i]
+
+
+def _shard_set(root: Path) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    from vitkit.data.shards import write_split
+
+    def samples():
+        for i in range(3):
+            buf = io.BytesIO()
+            Image.fromarray(np.full((6, 6, 3), 70 * i, np.uint8)).save(buf, format="PNG")
+            yield buf.getvalue(), "png", i
+
+    write_split(samples(), root, ["a", "b", "c"], 3, shard_size=8, name="fuzz")
+    return root
+
+
+_CLIENT = None
+
+
+def _service(endpoint: str) -> Callable[[bytes, Path], None]:
+    """A request to the service: the first byte picks the content type, the rest is the body. Any answer under 500
+    keeps the property; a 5xx breaks it."""
+    def run(data: bytes, tmp: Path) -> None:
+        global _CLIENT
+        if _CLIENT is None:
+            from fastapi.testclient import TestClient
+
+            from vitkit.serve import Limits, TorchPredictor, create_app
+
+            _CLIENT = TestClient(create_app(TorchPredictor(_tiny_model(img_size=16), precision="fp32"),
+                                            Limits(max_upload_mb=1, max_pixels=1_000_000, timeout_s=10), name="fuzz"))
+            _CLIENT.__enter__()  # the app's lifespan: the micro-batcher runs
+        ctypes = ("image/png", "application/json", "multipart/form-data; boundary=xyz", "application/octet-stream",
+                  "text/plain", "multipart/form-data")
+        ctype = ctypes[(data[:1] or b"\0")[0] % len(ctypes)]
+        r = _CLIENT.post(endpoint, content=data[1:], headers={"content-type": ctype})
+        if r.status_code >= 500:
+            raise PropertyViolation(f"POST {endpoint} ({ctype}) answered {r.status_code}: {r.text[:300]}")
+        json.loads(r.text)  # every answer, error or not, is JSON
+    return run
+
+
+def _image(data: bytes, tmp: Path) -> None:
+    """Image decoding, as predict, eval and the service decode files."""
+    from vitkit.data.image import load_image
+
+    load_image(io.BytesIO(data), 3, max_pixels=4_000_000)
+
+
+TARGETS: dict[str, Callable[[bytes, Path], None]] = {
+    "npz": _load_file(".npz"),
+    "safetensors": _load_file(".safetensors"),
+    "pth": _load_file(".pth"),
+    "hf_config": _load_folder(FIXTURES / "modern" / "hf_dinov2" / "model.safetensors"),
+    "timm_config": _load_folder(FIXTURES / "modern" / "timm_dinov2" / "model.safetensors"),
+    "overrides": _overrides,
+    "config_yaml": _config_file,
+    "shards": _shards,
+    "predict": _service("/predict"),
+    "explain": _service("/explain"),
+    "image": _image,
+}
+
+
+def check(target: str, data: bytes) -> None:
+    """Run one input through `target`: a result or a vitkit error passes; anything else raises PropertyViolation
+    (with the original exception as its cause), as does a file left outside the scratch folder."""
+    from vitkit.errors import VitkitError
+
+    with tempfile.TemporaryDirectory(prefix="vitkit-fuzz-") as tmp:
+        cwd = os.getcwd()
+        os.chdir(tmp)
+        scratch = Path(tmp) / "scratch"
+        scratch.mkdir()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                TARGETS[target](data, scratch)
+        except VitkitError:
+            pass
+        except PropertyViolation:
+            raise
+        except Exception as e:  # noqa: BLE001 - the property: nothing else may escape
+            raise PropertyViolation(f"{target}: {type(e).__name__}: {str(e)[:500]}") from e
+        finally:
+            os.chdir(cwd)
+        stray = [p.name for p in Path(tmp).iterdir() if p.name != "scratch"]
+        if stray:
+            raise PropertyViolation(f"{target}: wrote {stray} into its working folder")
+
+
+# ---- seeds -------------------------------------------------------------------------------------------------
+
+def seeds(target: str) -> dict[str, bytes]:
+    """Small valid inputs for `target`, from the project's fixtures and a tiny model in every format."""
+    import numpy as np
+
+    import vitkit
+
+    out: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if target in ("npz", "safetensors", "pth"):
+            m = _tiny_model()
+            if target == "npz":
+                out["official"] = vitkit.export(_tiny_model(act="gelu_tanh"), tmp / "m.npz", "npz").read_bytes()
+            elif target == "safetensors":
+                out["vitkit"] = vitkit.save(m, tmp / "m.safetensors").read_bytes()
+                out["timm"] = vitkit.export(m, tmp / "t.safetensors", "timm").read_bytes()
+            else:
+                out["timm"] = vitkit.export(m, tmp / "t.pth", "timm").read_bytes()
+        elif target in ("hf_config", "timm_config"):
+            prefix = "hf_" if target == "hf_config" else "timm_"
+            for f in sorted(FIXTURES.glob(f"**/{prefix}*/config.json")):
+                out[f.parent.name] = f.read_bytes()
+        elif target == "overrides":
+            out["model"] = b"model.name=vit_ti16\nmodel.overrides.depth=2\nmodel.overrides.img_size=32\n"
+            out["optim"] = b"optim.lr=2e-3\ndata.batch_size=64\nschedule.epochs=1.5\nrun.ema=0.999\n"
+            out["swin"] = b"model.name=swin_t\nmodel.overrides={depths: [1, 1], num_heads: [2, 4]}\n"
+        elif target == "config_yaml":
+            out["train"] = (b"preset: fashion-mnist\ndata: {dataset: digits, batch_size: 32}\n"
+                            b"model: {name: vit_ti16, overrides: {depth: 2, img_size: 8, patch_size: 4}}\n"
+                            b"optim: {lr: 0.001, betas: [0.9, 0.99]}\n")
+        elif target == "shards":
+            root = _shard_set(tmp / "s")
+            out["index"] = b"\0" + (root / "index.json").read_bytes()
+            out["idx"] = b"\1" + (root / "shard-000000.idx.npy").read_bytes()
+            out["tar"] = b"\2" + (root / "shard-000000.tar").read_bytes()
+        elif target in ("predict", "explain", "image"):
+            from PIL import Image
+
+            buf = io.BytesIO()
+            Image.fromarray(np.arange(16 * 20 * 3, dtype=np.uint8).reshape(16, 20, 3)).save(buf, format="PNG")
+            png = buf.getvalue()
+            if target == "image":
+                out["png"] = png
+            else:
+                import base64
+
+                out["raw"] = b"\0" + png
+                out["json"] = b"\1" + json.dumps({"image": base64.b64encode(png).decode(), "top_k": 2}).encode()
+                out["multipart"] = (b"\2--xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.png\"\r\n"
+                                    b"Content-Type: image/png\r\n\r\n" + png + b"\r\n--xyz--\r\n")
+    return out
+
+
+def regressions(target: str | None = None) -> list[tuple[str, Path]]:
+    """The inputs a campaign once found breaking the property, kept as regression tests: (target, file)."""
+    return [(d.name, f) for d in sorted(REGRESSIONS.iterdir()) if d.is_dir() and (target is None or d.name == target)
+            for f in sorted(d.iterdir()) if f.is_file()] if REGRESSIONS.exists() else []

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install data browser clean
+.PHONY: demo test install data browser clean fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ demo: $(STAMP) data
 
 test: $(STAMP) data browser
 	$(PY) -m pytest tests --durations=15
+
+# A fuzzing campaign (fuzz/README.md): every door under atheris for FUZZ_SECONDS each, then schemathesis against
+# the service. A crash stops with the input in fuzz/crashes/; fixed, it joins tests/fuzz_regressions/.
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	$(PY) -m pip install -q -e '.[fuzz]'
+	$(PY) -m fuzz.run all --seconds $(FUZZ_SECONDS)
+	$(PY) -m fuzz.service --max-examples 500
 
 clean:
 	rm -rf $(VENV) build *.egg-info

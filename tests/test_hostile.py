@@ -332,3 +332,24 @@ def test_a_download_declaring_a_petabyte_is_refused_before_it_starts(tmp_path):
         assert not (tmp_path / "w.safetensors").exists()
     finally:
         srv.shutdown()
+
+
+def test_a_run_checkpoint_whose_index_pickles_a_command_runs_nothing(tmp_path):
+    """torch.distributed.checkpoint writes its .metadata with pickle; vitkit unpickles it through an allow-list."""
+    import json
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    (step / ".metadata").write_bytes(pickle.dumps(Evil()))
+    cfg = vitkit.create_model("vit_ti16", img_size=8, patch_size=4, depth=1, embed_dim=8, num_heads=2, mlp_dim=16).config
+    (step / "meta.json").write_text(json.dumps({"model_config": cfg.to_dict(), "config": {}}))
+    with pytest.raises(CheckpointError, match=r"refusing posix\.system"):
+        vitkit.load(step)
+    assert not marker.exists()

@@ -63,6 +63,37 @@ def _load_folder(weights: Path) -> Callable[[bytes, Path], None]:
     return run
 
 
+_RUN_STEP: Path | None = None
+
+
+def _run_step() -> Path:
+    """A real step folder of a tiny run (written once per process)."""
+    global _RUN_STEP
+    if _RUN_STEP is None:
+        import torch
+
+        from vitkit.distributed import Dist
+        from vitkit.training import checkpoint
+
+        m = _tiny_model()
+        out = Path(tempfile.mkdtemp(prefix="vitkit-fuzz-run-"))
+        _RUN_STEP = checkpoint.save(out, 1, m, torch.optim.AdamW(m.parameters()), None,
+                                    {"model_config": m.config.to_dict(), "config": {}}, Dist())
+    return _RUN_STEP
+
+
+def _run_checkpoint(data: bytes, tmp: Path) -> None:
+    """A training run's step folder whose DCP index (.metadata, a pickle) is the input, beside real shards."""
+    import shutil
+
+    import vitkit
+
+    step = tmp / "step-00000001"
+    shutil.copytree(_run_step(), step)
+    (step / ".metadata").write_bytes(data)
+    vitkit.load(step)
+
+
 def _overrides(data: bytes, tmp: Path) -> None:
     """key=value lines, as `vitkit train` takes them, applied to the default preset, and the model they describe."""
     from vitkit.models.registry import build_config, build_model
@@ -154,6 +185,7 @@ TARGETS: dict[str, Callable[[bytes, Path], None]] = {
     "pth": _load_file(".pth"),
     "hf_config": _load_folder(FIXTURES / "modern" / "hf_dinov2" / "model.safetensors"),
     "timm_config": _load_folder(FIXTURES / "modern" / "timm_dinov2" / "model.safetensors"),
+    "run_checkpoint": _run_checkpoint,
     "overrides": _overrides,
     "config_yaml": _config_file,
     "shards": _shards,
@@ -214,6 +246,8 @@ def seeds(target: str) -> dict[str, bytes]:
             prefix = "hf_" if target == "hf_config" else "timm_"
             for f in sorted(FIXTURES.glob(f"**/{prefix}*/config.json")):
                 out[f.parent.name] = f.read_bytes()
+        elif target == "run_checkpoint":
+            out["metadata"] = (_run_step() / ".metadata").read_bytes()
         elif target == "overrides":
             out["model"] = b"model.name=vit_ti16\nmodel.overrides.depth=2\nmodel.overrides.img_size=32\n"
             out["optim"] = b"optim.lr=2e-3\ndata.batch_size=64\nschedule.epochs=1.5\nrun.ema=0.999\n"

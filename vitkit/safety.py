@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 import os
 import resource
 from pathlib import Path
@@ -194,6 +195,38 @@ SIZE_BOUNDS = {
 }
 
 
+def _fits(value: Any, base: str) -> bool:
+    if base == "int":
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if base == "float":
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if base == "bool":
+        return isinstance(value, (bool, numbers.Integral)) and value in (0, 1)
+    if base == "str":
+        return isinstance(value, str)
+    if base.startswith(("tuple[", "list[")):  # a tuple field also takes one value (img_size=224)
+        inner = base[base.index("[") + 1:].split(",")[0].rstrip("]").strip()
+        items = value if isinstance(value, (list, tuple)) else (value,) if base.startswith("tuple[") else None
+        return items is not None and len(items) <= 4096 and all(_fits(v, inner) for v in items)
+    return True
+
+
+def check_types(config: Any) -> None:
+    """Every field of a model config dataclass holds a value of its declared type (ints, finite floats, booleans,
+    strings, tuples of them; None only where the field allows it): a UsageError names the field otherwise. Run
+    before any conversion, so that a file's or an override's wrong value is refused by name."""
+    import dataclasses
+
+    for f in dataclasses.fields(config):
+        ann = f.type if isinstance(f.type, str) else str(f.type)
+        value, optional = getattr(config, f.name), "None" in ann
+        base = ann.replace("| None", "").replace("None |", "").strip()
+        if value is None and (optional or f.default is None):
+            continue
+        if value is None or not _fits(value, base):
+            raise UsageError(f"{type(config).__name__}.{f.name}={str(value)[:100]!r}: must be {ann}")
+
+
 def check_sizes(config: Any) -> None:
     """Every size field of a model config: integers within SIZE_BOUNDS (one value or each of a tuple); a
     UsageError names the field otherwise."""
@@ -202,7 +235,7 @@ def check_sizes(config: Any) -> None:
         if value is None:
             continue
         for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
                 raise UsageError(f"{type(config).__name__}.{name}={value!r}: must be "
                                  f"{'integers' if isinstance(value, (tuple, list)) else 'an integer'} in [{lo}, {hi}]")
     for name in ("mean", "std"):

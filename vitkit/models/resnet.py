@@ -19,7 +19,7 @@ from torch import nn
 from .layers import DropPath, Linear, StdConv2d, pad_same
 from .layers.tracing import is_fx_tracing
 from ..errors import UsageError
-from ..safety import check_sizes
+from ..safety import check_sizes, check_types
 
 torch.fx.wrap("pad_same")  # one node in a torch.fx trace (its padding depends on the input's size)
 
@@ -188,6 +188,7 @@ class ResNetV2Config:
     arch: str = "resnetv2"
 
     def __post_init__(self) -> None:
+        check_types(self)
         self.mean, self.std = tuple(self.mean), tuple(self.std)
         from .layers.patch_embed import to_2tuple
 

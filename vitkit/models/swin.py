@@ -34,7 +34,7 @@ from .layers import DropPath, LayerNorm, Linear, Mlp
 from .layers.attention import _CPU_BF16_NATIVE
 from .layers.patch_embed import to_2tuple
 from ..errors import UsageError
-from ..safety import check_sizes
+from ..safety import check_sizes, check_types
 
 
 @dataclass
@@ -76,6 +76,7 @@ class SwinConfig:
     arch: str = "swin"
 
     def __post_init__(self) -> None:
+        check_types(self)
         self.mean, self.std = tuple(self.mean), tuple(self.std)
         self.img_size, self.patch_size = to_2tuple(self.img_size), to_2tuple(self.patch_size)
         self.depths, self.num_heads = tuple(self.depths), tuple(self.num_heads)

@@ -48,7 +48,7 @@ from .layers.patch_embed import to_2tuple
 from .layers.tracing import is_fx_tracing
 from .resnet import ResNetBackbone, backbone_stride
 from ..errors import UsageError
-from ..safety import check_sizes
+from ..safety import check_sizes, check_types
 
 CLASSIFIERS = ("token", "gap", "map")
 MLP_LAYERS = ("mlp", "swiglu")
@@ -162,6 +162,7 @@ class ViTConfig:
     arch: str = "vit"
 
     def __post_init__(self) -> None:
+        check_types(self)
         self.mean, self.std = tuple(self.mean), tuple(self.std)
         self.img_size, self.patch_size = to_2tuple(self.img_size), to_2tuple(self.patch_size)
         if self.rope_ref_grid is not None:

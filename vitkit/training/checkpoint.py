@@ -157,6 +157,7 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 def _dcp_load(state: dict, step_dir: Path) -> None:
     """dcp.load through the safe reader and planner. DCP wraps every failure in a CheckpointException (a
     BaseException, which no `except Exception` sees): the first rank's error is raised instead, as a vitkit error."""
+    SafeReader(str(step_dir)).read_metadata()  # refused here, before DCP logs its fallbacks' tracebacks
     try:
         with _single_process_quiet():
             dcp.load(state, storage_reader=SafeReader(str(step_dir)), planner=SafeLoadPlanner())

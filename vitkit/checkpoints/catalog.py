@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import os
 import re
 import shutil
@@ -263,7 +264,7 @@ def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 3
                             raise CheckpointError(f"{url}: more than {MAX_DOWNLOAD_BYTES:,} bytes: refused "
                                                   f"(VITKIT_MAX_DOWNLOAD_BYTES)")
                         f.write(chunk)
-    except (urllib.error.URLError, OSError, TimeoutError) as e:
+    except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException, ValueError) as e:
         raise CheckpointError(
             f"could not download {url} ({getattr(e, 'reason', e)}). If this machine is offline, fetch that URL by "
             f"hand and put the file at {dest} (a partial download is kept at {part} and resumed next time)"

@@ -289,6 +289,9 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
             if not isinstance(value, (dict, type(None))):
                 raise UsageError(f"{key}={value!r}: not a mapping; use {key}='{{depth: 4, embed_dim: 192}}' or "
                                  f"{key}.KEY=VALUE")
+            bad = [k for k in (value or {}) if not isinstance(k, str) or not k.isidentifier()]
+            if bad:
+                raise UsageError(f"{key}: {str(bad[0])[:60]!r} is not a config field name")
             # model.overrides=null or {}: none of the preset's (e.g. to fine-tune a checkpoint as it is)
             cfg.model.overrides = dict(value or {})
             continue

@@ -3,7 +3,7 @@
     python -m fuzz.run TARGET [--seconds 60] [--mem-gb 6] [libFuzzer flags...]
     python -m fuzz.run all --seconds 60          every target in turn (what `make fuzz` runs)
 
-vitkit's own modules are instrumented for coverage. Each target starts from its seeds (`fuzz/targets.py`) plus the
+vitkit's own modules, PIL and PyYAML are instrumented for coverage. Each target starts from its seeds (`fuzz/targets.py`) plus the
 corpus earlier campaigns grew (fuzz/corpus/TARGET, not in git). The address space is capped with RLIMIT_AS
 (--mem-gb), each input with libFuzzer's -timeout and -rss_limit_mb. An input that breaks the property (an
 exception other than a vitkit error, a 5xx, a stray file, a timeout or the memory cap) stops the campaign and is
@@ -53,7 +53,7 @@ def _child(target: str, mem_gb: float, libfuzzer_args: list[str]) -> None:
     import atheris
 
     resource.setrlimit(resource.RLIMIT_AS, (int(mem_gb * 2**30), resource.RLIM_INFINITY))
-    with atheris.instrument_imports(include=["vitkit"]):
+    with atheris.instrument_imports(include=["vitkit", "PIL", "yaml"]):
         import vitkit  # noqa: F401 - every vitkit module imported below is instrumented too
         from vitkit import checkpoints, serve, training  # noqa: F401
         from vitkit.data import image, shards  # noqa: F401

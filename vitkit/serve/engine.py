@@ -91,7 +91,13 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
     if backend == "onnx":
         if not str(checkpoint).endswith(".onnx"):
             raise UsageError("--backend onnx serves a .onnx file made by `vitkit export`")
-        return OnnxPredictor(checkpoint, threads)
+        from ..errors import CheckpointError
+        from ..safety import untrusted
+
+        if not Path(checkpoint).is_file():
+            raise FileNotFoundError(f"no ONNX file at {checkpoint}")
+        with untrusted(str(checkpoint), CheckpointError):  # onnx and onnxruntime raise their own types on bad bytes
+            return OnnxPredictor(checkpoint, threads)
     if backend != "torch":
         raise UsageError(f"backend must be torch or onnx, got {backend!r}")
     from ..checkpoints import load

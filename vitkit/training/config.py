@@ -217,7 +217,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 NUMBER_BOUNDS = {
     "data.batch_size": (1, 1 << 20), "data.eval_batch_size": (1, 1 << 20), "data.num_workers": (0, 1024),
     "data.subset": (0, None), "data.test_subset": (0, None), "data.val_split": (0.0, 0.99),
-    "optim.lr": (0.0, 1e3), "optim.weight_decay": (0.0, 1e3), "optim.layer_decay": (0.0, 1.0), "optim.clip_grad": (0.0, None),
+    "optim.lr": (0.0, None), "optim.weight_decay": (0.0, None), "optim.layer_decay": (0.0, 1.0), "optim.clip_grad": (0.0, None),
     "schedule.epochs": (0.0, 1e6), "schedule.warmup_epochs": (0.0, 1e6), "schedule.min_lr_ratio": (0.0, 1.0),
     "run.accumulate": (1, 1 << 16), "run.threads": (1, 4096), "run.eval_every": (0.0, 1e6), "run.ckpt_every": (0, None),
     "run.log_every": (0, None), "run.fewshot_draws": (1, 10_000), "run.ema": (0.0, 1.0), "distill.alpha": (0.0, 1.0),
@@ -241,6 +241,8 @@ def _coerce(value: Any, tp: Any, key: str = "a config value") -> Any:
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     base = args[0] if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 else tp
     if value is None:
+        if type(None) not in typing.get_args(tp) and tp is not Any:
+            raise ValueError("null is not allowed here")
         return None
     if base is float:
         return float(value)  # YAML reads "2e-3" as a string
@@ -284,7 +286,7 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
         hints = get_type_hints(type(section))
         if parts[1] not in hints:
             raise UsageError(f"unknown config key {key!r}; {parts[0]} has {sorted(hints)}")
-        if parts[1] == "overrides" and (value is None or isinstance(value, (dict, str))):
+        if parts[0] == "model" and parts[1] == "overrides":
             value = parse_yaml(value, key) if isinstance(value, str) else value
             if not isinstance(value, (dict, type(None))):
                 raise UsageError(f"{key}={value!r}: not a mapping; use {key}='{{depth: 4, embed_dim: 192}}' or "

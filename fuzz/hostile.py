@@ -54,7 +54,8 @@ def zip_bomb(path: Path, entry: str, head: bytes, gib: int) -> Path:
 def npz_bomb(path: Path, gib: int = 8, name: str = "embedding/kernel") -> Path:
     """An .npz whose one float32 array is `gib` GiB of zeros, deflated into about gib MB."""
     header = io.BytesIO()
-    np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False, "shape": (gib * (1 << 30) // 4,)})
+    shape = (gib * (1 << 30) // 4,)
+    np.lib.format.write_array_header_2_0(header, {"descr": "<f4", "fortran_order": False, "shape": shape})
     return zip_bomb(path, f"{name}.npy", header.getvalue(), gib)
 
 

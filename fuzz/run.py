@@ -3,12 +3,12 @@
     python -m fuzz.run TARGET [--seconds 60] [--mem-gb 6] [libFuzzer flags...]
     python -m fuzz.run all --seconds 60          every target in turn (what `make fuzz` runs)
 
-vitkit's own modules, PIL and PyYAML are instrumented for coverage. Each target starts from its seeds (`fuzz/targets.py`) plus the
-corpus earlier campaigns grew (fuzz/corpus/TARGET, not in git). The address space is capped with RLIMIT_AS
-(--mem-gb), each input with libFuzzer's -timeout and -rss_limit_mb. An input that breaks the property (an
-exception other than a vitkit error, a 5xx, a stray file, a timeout or the memory cap) stops the campaign and is
-written to fuzz/crashes/TARGET/; `python -m fuzz.run keep TARGET FILE` copies it into tests/fuzz_regressions/,
-which `make test` replays.
+vitkit's own modules, PIL and PyYAML are instrumented for coverage. Each target starts from its seeds
+(`fuzz/targets.py`) plus the corpus earlier campaigns grew (fuzz/corpus/TARGET, not in git). The address space is
+capped with RLIMIT_AS (--mem-gb), each input with libFuzzer's -timeout and -rss_limit_mb. An input that breaks the
+property (an exception other than a vitkit error, a 5xx, a stray file, a timeout or the memory cap) stops that
+target's campaign and is written to fuzz/crashes/TARGET/; `python -m fuzz.run keep TARGET FILE` copies it
+into tests/fuzz_regressions/, which `make test` replays.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def _fuzz_one(target: str, seconds: int, mem_gb: float, extra: list[str]) -> dic
     (HERE / "logs" / f"{target}.log").write_text(log)
     stats = dict(re.findall(r"^stat::(\w+):\s*(\d+)", log, re.M))
     found = sorted(p.name for p in crashes.iterdir())
-    return {"target": target, "seconds": round(time.time() - t0), "executions": int(stats.get("number_of_executed_units", 0)),
+    return {"target": target, "seconds": round(time.time() - t0),
+            "executions": int(stats.get("number_of_executed_units", 0)),
             "exit": proc.returncode, "crash_files": found, "corpus": len(list(corpus.iterdir()))}
 
 

@@ -48,7 +48,8 @@ def main() -> int:
     args = p.parse_args()
     server, url = start_server()
     cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(HERE / "schemathesis.toml"), "run",
-           f"{url}/openapi.json", "--checks", "all", "--max-examples", str(args.max_examples), "-H", "X-API-Key: fuzz-key"]
+           f"{url}/openapi.json", "--checks", "all", "--max-examples", str(args.max_examples),
+           "-H", "X-API-Key: fuzz-key"]
     if args.seed is not None:
         cmd += ["--seed", str(args.seed)]
     code = subprocess.run(cmd).returncode

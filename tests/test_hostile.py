@@ -187,7 +187,8 @@ def keyed_server():
     from vitkit.serve import Limits, TorchPredictor, create_app
 
     srv = Server(create_app(TorchPredictor(_tiny_server_model(XSS), precision="fp32"),
-                            Limits(max_upload_mb=0.25, timeout_s=120), name='<b onmouseover="x()">tiny</b>', api_key="s3cret"))
+                            Limits(max_upload_mb=0.25, timeout_s=120), name='<b onmouseover="x()">tiny</b>',
+                            api_key="s3cret"))
     yield srv
     srv.stop()
 
@@ -213,7 +214,8 @@ def test_an_api_key_is_required_when_set(keyed_server):
     assert httpx.get(f"{url}/healthz").status_code == 200
     for r in (httpx.post(f"{url}/predict", content=_png(), headers={"content-type": "image/png"}),
               httpx.get(f"{url}/model"), httpx.get(f"{url}/metrics"),
-              httpx.post(f"{url}/predict", content=_png(), headers={"content-type": "image/png", "x-api-key": "wrong"})):
+              httpx.post(f"{url}/predict", content=_png(),
+                         headers={"content-type": "image/png", "x-api-key": "wrong"})):
         assert r.status_code == 401 and "API key" in r.json()["error"]
     ok = httpx.post(f"{url}/predict", content=_png(), headers={"content-type": "image/png", "x-api-key": "s3cret"})
     assert ok.status_code == 200 and len(ok.json()["top"]) == 3
@@ -262,7 +264,8 @@ def test_class_names_and_model_names_are_escaped_in_the_page(keyed_server, tmp_p
 def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(keyed_server):
     """schemathesis against the service's own OpenAPI schema: every endpoint, all of its checks (no 5xx, every
     status and body as documented, invalid input refused). `make fuzz` runs it with more examples."""
-    p = subprocess.run([sys.executable, "-m", "schemathesis.cli", "--config-file", str(ROOT / "fuzz" / "schemathesis.toml"),
+    config = str(ROOT / "fuzz" / "schemathesis.toml")
+    p = subprocess.run([sys.executable, "-m", "schemathesis.cli", "--config-file", config,
                         "run", f"{keyed_server.url}/openapi.json", "--checks", "all", "--max-examples", "25",
                         "-H", "X-API-Key: s3cret", "--seed", "1"], capture_output=True, text=True, timeout=600)
     summary = p.stdout[-3000:]
@@ -359,7 +362,8 @@ def test_a_run_checkpoint_whose_index_pickles_a_command_runs_nothing(tmp_path):
     step = tmp_path / "step-00000001"
     step.mkdir()
     (step / ".metadata").write_bytes(pickle.dumps(Evil()))
-    cfg = vitkit.create_model("vit_ti16", img_size=8, patch_size=4, depth=1, embed_dim=8, num_heads=2, mlp_dim=16).config
+    cfg = vitkit.create_model("vit_ti16", img_size=8, patch_size=4, depth=1, embed_dim=8, num_heads=2,
+                              mlp_dim=16).config
     (step / "meta.json").write_text(json.dumps({"model_config": cfg.to_dict(), "config": {}}))
     with pytest.raises(CheckpointError, match=r"refusing posix\.system"):
         vitkit.load(step)

@@ -132,7 +132,8 @@ def read_bytes(path: str | Path, what: str | None = None, limit: int = MAX_TEXT_
 def parse_json(data: str | bytes, what: str, error: type[VitkitError] = UsageError) -> Any:
     """JSON from untrusted bytes: size, nesting and values bounded; any failure is `error` naming `what`."""
     if len(data) > MAX_TEXT_BYTES:
-        raise error(f"{what}: {gib(len(data))} of JSON, over the limit of {gib(MAX_TEXT_BYTES)} (VITKIT_MAX_TEXT_BYTES)")
+        raise error(f"{what}: {gib(len(data))} of JSON, over the limit of {gib(MAX_TEXT_BYTES)} "
+                    f"(VITKIT_MAX_TEXT_BYTES)")
     with untrusted(what, error):
         return check_tree(json.loads(data), what, error)
 
@@ -142,7 +143,8 @@ def parse_yaml(text: str, what: str, error: type[VitkitError] = UsageError) -> A
     import yaml
 
     if len(text) > MAX_TEXT_BYTES:
-        raise error(f"{what}: {gib(len(text))} of YAML, over the limit of {gib(MAX_TEXT_BYTES)} (VITKIT_MAX_TEXT_BYTES)")
+        raise error(f"{what}: {gib(len(text))} of YAML, over the limit of {gib(MAX_TEXT_BYTES)} "
+                    f"(VITKIT_MAX_TEXT_BYTES)")
     with untrusted(what, error):
         try:
             return check_tree(yaml.safe_load(text), what, error)

@@ -174,7 +174,7 @@ def get_entry(name: str) -> ModelEntry:
     return _lookup(name)[0]
 
 
-def build_config(name: str, **overrides) -> ViTConfig | ResNetV2Config | SwinConfig:
+def build_config(name: str, /, **overrides) -> ViTConfig | ResNetV2Config | SwinConfig:
     entry, implied = _lookup(name)
     cls = ARCHS[entry.arch][0]
     _check_fields(cls, overrides)
@@ -215,7 +215,7 @@ def build_model(config: ViTConfig | ResNetV2Config | SwinConfig) -> nn.Module:
     return build(config)
 
 
-def create_model(name: str, **overrides) -> nn.Module:
+def create_model(name: str, /, **overrides) -> nn.Module:
     """Build a registered model with random (official-style) initialisation.
 
     Args:

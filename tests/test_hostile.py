@@ -239,26 +239,16 @@ def test_a_slow_upload_is_cut_by_the_time_limit(impatient_server):
 
 def test_class_names_and_model_names_are_escaped_in_the_page(keyed_server, tmp_path):
     """A checkpoint whose class names hold HTML and script: the page shows them as text and runs nothing."""
-    from playwright.sync_api import sync_playwright
+    from test_serve import page_with_upload
 
     img = tmp_path / '<img src=x onerror="window.__pwned=3">.png'
     img.write_bytes(_png(1))
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"])
-        try:
-            page = browser.new_page()
-            page.goto(keyed_server.url + "/#key=s3cret")
-            page.wait_for_function("document.getElementById('modelname').textContent.includes('tiny')")
-            page.set_input_files("#file", str(img))
-            page.wait_for_selector("body[data-ready='1']", timeout=30_000)
-            labels = page.locator("#top5 li .label").all_text_contents()
-            assert sorted(labels) == sorted(XSS)  # shown as the text they are
-            assert page.evaluate("window.__pwned === undefined")
-            assert page.locator("#top5 img, #top5 script, #modelname b").count() == 0
-            assert '<b onmouseover="x()">' in page.locator("#modelname").text_content()
-        finally:
-            browser.close()
+    with page_with_upload(keyed_server.url + "/#key=s3cret", img) as page:
+        labels = page.locator("#top5 li .label").all_text_contents()
+        assert sorted(labels) == sorted(XSS)  # shown as the text they are
+        assert page.evaluate("window.__pwned === undefined")
+        assert page.locator("#top5 img, #top5 script, #modelname b").count() == 0
+        assert '<b onmouseover="x()">' in page.locator("#modelname").text_content()
 
 
 def test_schemathesis_finds_no_5xx_and_no_undocumented_answer(keyed_server):

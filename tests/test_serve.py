@@ -1,6 +1,7 @@
 """The HTTP service on 127.0.0.1: predictions, explanations, metrics, bad input answered with a 4xx while the
 next request is served, a bounded queue, and the web page in headless Chromium."""
 import base64
+import contextlib
 import io
 import socket
 import struct
@@ -155,44 +156,51 @@ def test_a_full_queue_answers_503_and_a_late_request_504():
         srv.stop()
 
 
-def test_the_web_page_in_headless_chromium(server, tmp_path):
-    """Upload an image in the page: the top-5 and the attention overlay render; the layer slider and the
-    single-head view redraw it."""
+@contextlib.contextmanager
+def page_with_upload(url: str, img):
+    """Headless Chromium (Debian's) on the service's page at `url`, once `img` is uploaded and its answer drawn."""
     from playwright.sync_api import sync_playwright
 
-    img = tmp_path / "digit.png"
-    img.write_bytes(_png((64, 64), seed=3))
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
             "--disable-component-update", "--disable-sync"])
         try:
             page = browser.new_page()
-            page.goto(server.url + "/")
+            page.goto(url)
             page.wait_for_function("document.getElementById('modelname').textContent.includes('tiny')")
             page.set_input_files("#file", str(img))
             page.wait_for_selector("body[data-ready='1']", timeout=30_000)
-            labels = page.locator("#top5 li .label").all_text_contents()
-            assert len(labels) == 5 and set(labels) <= set(CLASSES)
-
-            def painted() -> list:
-                return page.evaluate("""() => { const c = document.getElementById('overlay');
-                    const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-                    let s = 0; for (let i = 0; i < d.length; i += 4) s += d[i] + d[i + 1] + d[i + 2];
-                    return [c.width, c.height, s]; }""")
-
-            w, h, last = painted()
-            assert w == h == 320 and last > 0
-            page.locator("#layer").fill("0")
-            page.check("input[value='head']")
-            page.locator("#head").fill("2")
-            page.locator("#head").dispatch_event("input")
-            assert page.locator("#layerval").text_content() == "1 of 2"
-            assert painted()[2] != last  # another map drawn
-            page.screenshot(path=str(tmp_path / "page.png"))
-            assert Image.open(tmp_path / "page.png").size[0] > 600
+            yield page
         finally:
             browser.close()
+
+
+def test_the_web_page_in_headless_chromium(server, tmp_path):
+    """Upload an image in the page: the top-5 and the attention overlay render; the layer slider and the
+    single-head view redraw it."""
+    img = tmp_path / "digit.png"
+    img.write_bytes(_png((64, 64), seed=3))
+    with page_with_upload(server.url + "/", img) as page:
+        labels = page.locator("#top5 li .label").all_text_contents()
+        assert len(labels) == 5 and set(labels) <= set(CLASSES)
+
+        def painted() -> list:
+            return page.evaluate("""() => { const c = document.getElementById('overlay');
+                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                let s = 0; for (let i = 0; i < d.length; i += 4) s += d[i] + d[i + 1] + d[i + 2];
+                return [c.width, c.height, s]; }""")
+
+        w, h, last = painted()
+        assert w == h == 320 and last > 0
+        page.locator("#layer").fill("0")
+        page.check("input[value='head']")
+        page.locator("#head").fill("2")
+        page.locator("#head").dispatch_event("input")
+        assert page.locator("#layerval").text_content() == "1 of 2"
+        assert painted()[2] != last  # another map drawn
+        page.screenshot(path=str(tmp_path / "page.png"))
+        assert Image.open(tmp_path / "page.png").size[0] > 600
 
 
 def test_the_onnx_backend_answers_as_the_torch_one(tmp_path):

@@ -9,10 +9,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ..safety import (MAX_SAFETENSORS_HEADER, check_alloc, check_tensor, check_zip_entry, gib, parse_json, read_bytes,
-                      untrusted)
-
-from ..safety import MAX_TENSOR_BYTES as MAX_TENSOR_BYTES
+from ..safety import (MAX_SAFETENSORS_HEADER, MAX_TENSOR_BYTES, check_alloc, check_tensor, check_zip_entry, gib,
+                      parse_json, read_bytes, untrusted)
 
 __all__ = ["CheckpointError", "sniff", "read_npz", "read_safetensors", "read_torch", "read_hf_dir", "rename"]
 

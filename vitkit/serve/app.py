@@ -207,15 +207,18 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
             status = 413 if "decompression bomb" in str(e) else 400
             raise HTTPError(status, re.sub(r"(image )?<_io\.BytesIO object at 0x[0-9a-f]+>", "the upload", str(e))) from e
 
-    def top_k(opts: dict, query) -> int:
-        if "top_k" in query and "top_k" in opts and opts["top_k"] is not query["top_k"]:
-            top_k({"top_k": query["top_k"]}, {})  # the query's own value is checked too, though the body's wins
-        value = opts.get("top_k", limits.top_k)
+    def one_k(value) -> int:
         if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d{1,30}\s*", value):
             value = int(value)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_TOP_K:
             raise HTTPError(400, f"top_k must be an integer from 1 to {MAX_TOP_K:,}, got {str(value)[:100]!r}")
-        return min(value, len(names))
+        return value
+
+    def top_k(opts: dict, query) -> int:
+        """The body's top_k (else the query's, else the default), at most every class; the query's is checked too."""
+        if "top_k" in query:
+            one_k(query["top_k"])
+        return min(one_k(opts.get("top_k", limits.top_k)), len(names))
 
     def authorised(request: Request) -> None:
         if api_key is None:
@@ -224,6 +227,13 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
         if not secrets.compare_digest(given.encode(), api_key.encode()):
             raise HTTPError(401, "this service needs an API key: send it as the X-API-Key header (or Authorization: "
                                  "Bearer KEY)")
+
+    def denied(request: Request) -> JSONResponse | None:
+        try:
+            authorised(request)
+        except HTTPError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status)
+        return None
 
     async def guarded(endpoint: str, work, request: Request):
         t0 = time.perf_counter()
@@ -273,10 +283,8 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
 
     @app.get("/model", responses=ERROR_RESPONSES)
     async def model_info(request: Request):
-        try:
-            authorised(request)
-        except HTTPError as e:
-            return JSONResponse({"error": e.message}, status_code=e.status)
+        if (refused := denied(request)) is not None:
+            return refused
         keys = ("arch", "img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "classifier",
                 "mean", "std", "interpolation", "crop_pct")
         cfg = {k: getattr(c, k) for k in keys if hasattr(c, k)}
@@ -287,10 +295,8 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
     async def metrics(request: Request):
-        try:
-            authorised(request)
-        except HTTPError as e:
-            return JSONResponse({"error": e.message}, status_code=e.status)
+        if (refused := denied(request)) is not None:
+            return refused
         return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
     @app.get("/", response_class=FileResponse)

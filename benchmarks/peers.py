@@ -114,6 +114,41 @@ class OrtSession:
         return torch.from_numpy(self.session.run(None, {self.input: x.numpy()})[0])
 
 
+class OvSession:
+    """vitkit's model in OpenVINO's CPU plugin, called as a model is: from vitkit's own ONNX export (`ov`) or from
+    `openvino.convert_model` of the module (`ov-pt`), compiled for the case's static shape with
+    INFERENCE_PRECISION_HINT f32 or bf16, and that hint read back from the compiled model (OpenVINO computes in bf16
+    by default on CPUs with avx512_bf16 unless asked for f32)."""
+
+    config = SimpleNamespace(num_classes=1000)
+
+    def __init__(self, model: torch.nn.Module, tmp: Path, name: str, x: torch.Tensor, dtype: str, source: str) -> None:
+        import openvino as ov
+
+        from vitkit.deploy import export_model
+
+        core = ov.Core()
+        if source == "ov":
+            ovm = core.read_model(str(export_model(model, tmp / f"{name}.onnx", "onnx", dynamic_batch=True).path))
+        else:
+            ovm = ov.convert_model(model, example_input=x[:1])
+        ovm.reshape({ovm.inputs[0]: list(x.shape)})
+        want = {"fp32": "f32", "bf16": "bf16"}[dtype]
+        self.compiled = core.compile_model(ovm, "CPU", {"INFERENCE_PRECISION_HINT": want,
+                                                        "INFERENCE_NUM_THREADS": torch.get_num_threads()})
+        got = self.compiled.get_property("INFERENCE_PRECISION_HINT")
+        self.precision = got.get_type_name() if hasattr(got, "get_type_name") else str(got)
+        if self.precision != want:
+            raise RuntimeError(f"OpenVINO compiled with INFERENCE_PRECISION_HINT {self.precision}, not {want}")
+        self.request = self.compiled.create_infer_request()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape) != tuple(self.compiled.inputs[0].shape):  # the parity check's smaller batch
+            return torch.cat([self(x[i:i + 1].expand(self.compiled.inputs[0].shape[0], -1, -1, -1))[:1]
+                              for i in range(len(x))])
+        return torch.from_numpy(self.request.infer({0: x.numpy()})[0].copy())
+
+
 class PeerLogits(torch.nn.Module):
     """A peer's model called as vitkit's are: images in, logits out (HF takes `pixel_values=`, returns `.logits`)."""
 
@@ -132,7 +167,7 @@ def runner(model, kind: str, x: torch.Tensor, dtype: str, train: bool, compile_:
     (the same autocast, optimizer and scaler), vitkit compiled with a full graph, the peers without. In fp32
     CPU inference vitkit runs its Linear layers from MKL-packed weights unless `pack` is off (a peer model has
     no vitkit Linear, so make_step's packing changes nothing there)."""
-    if kind == "ort":
+    if kind in ("ort", "ov", "ov-pt"):
         return lambda: model(x)
     if kind != "vitkit":
         model = PeerLogits(model, kind)
@@ -156,7 +191,7 @@ def measure(fn, batch: int, seconds: float, device: torch.device) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help="model:infer|train:fp32|bf16|fp16")
-    ap.add_argument("--peers", nargs="*", default=["timm", "hf", "ort"], choices=["timm", "hf", "ort"])
+    ap.add_argument("--peers", nargs="*", default=["timm", "hf", "ort"], choices=["timm", "hf", "ort", "ov", "ov-pt"])
     ap.add_argument("--img-size", type=int, default=224)
     ap.add_argument("--batch-infer", type=int, default=8)
     ap.add_argument("--batch-train", type=int, default=16)
@@ -183,6 +218,12 @@ def main() -> None:
         except ImportError as e:
             print(f"onnxruntime not importable ({e}); skipping it. See this script's docstring.")
             peers.remove("ort")
+    if {"ov", "ov-pt"} & set(peers):
+        try:
+            import openvino  # noqa: F401
+        except ImportError as e:
+            print(f"openvino not importable ({e}); skipping it (pip install openvino).")
+            peers = [p for p in peers if p not in ("ov", "ov-pt")]
     torch.manual_seed(0)
     dtypes = sorted({c.split(":")[2] for c in args.cases})
     rates = {d: gemm_rates(d, device) for d in dtypes}
@@ -204,19 +245,24 @@ def main() -> None:
                     continue
                 if peer == "ort" and (train or dtype != "fp32" or device.type != "cpu" or args.compile):
                     continue  # ONNX Runtime: fp32 CPU inference
-                if peer == "ort":  # vitkit's own model (timm's weights), exported
+                if peer in ("ov", "ov-pt") and (train or dtype not in ("fp32", "bf16") or device.type != "cpu"
+                                                or args.compile):
+                    continue  # OpenVINO: CPU inference in f32 or bf16
+                engine = peer in ("ort", "ov", "ov-pt")
+                if engine:  # vitkit's own model (timm's or HF's weights), exported or converted
                     _, ours = build_timm(model_name, img, tmp) if "timm" in peers else build_hf(model_name, img, tmp)
                     ours = ours.eval()
-                    ref = OrtSession(ours, tmp, model_name)
+                    ref = OrtSession(ours, tmp, model_name) if peer == "ort" else \
+                        OvSession(ours, tmp, model_name, x, dtype, peer)
                 else:
                     ref, ours = (build_hf if peer == "hf" else build_timm)(model_name, img, tmp)
                     ref, ours = ref.to(device), ours.to(device)
-                peer_logits = ref if peer == "ort" else PeerLogits(ref, peer)
+                peer_logits = ref if engine else PeerLogits(ref, peer)
                 with torch.no_grad():
-                    if peer != "ort":
+                    if not engine:
                         ref.eval()
                     ours.eval()
-                    diff = (peer_logits(x[:2]) - ours(x[:2])).abs().max().item()
+                    diff = (peer_logits(x[:2]) - ours(x[:2])).abs().max().item()  # against vitkit in fp32
                 impls = {"vitkit": ours, peer: ref}
                 if args.lowp_stream:
                     lp = copy.deepcopy(ours)

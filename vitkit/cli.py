@@ -137,20 +137,21 @@ def data(action: Literal["pack"], src: str, out: str, shard_size: int = 1000, da
 def export(
     checkpoint: str,
     out: str,
-    format: Literal["onnx", "torch-export"] = "onnx",
+    format: Literal["onnx", "torch-export", "openvino"] = "onnx",
     dynamic_batch: bool = False,
     dynamic_size: bool = False,
     opset: int = 18,
     quantize: Literal["none", "int8"] = "none",
 ) -> dict:
-    """Export a checkpoint for deployment (ONNX for onnxruntime, or a torch.export .pt2 program), checked against
-    eager PyTorch on two batch sizes and two resolutions: the worst difference is printed, and above 1e-4 the
-    export fails.
+    """Export a checkpoint for deployment (ONNX for onnxruntime, an OpenVINO IR, or a torch.export .pt2 program),
+    checked against eager PyTorch on two batch sizes and two resolutions: the worst difference is printed, and above
+    1e-4 the export fails.
 
     Args:
         checkpoint: any checkpoint vitkit loads (ViT, hybrid or BiT).
-        out: the file to write (.onnx or .pt2).
-        format: onnx | torch-export.
+        out: the file to write (.onnx, .pt2, or .xml for OpenVINO: PATH.xml + PATH.bin).
+        format: onnx | torch-export | openvino (converted from the ONNX export, fp32 weights; checked in OpenVINO's
+            CPU plugin in f32).
         dynamic_batch: accept any batch size.
         dynamic_size: accept any H x W that is a multiple of the patch size (the position embedding is resampled
             in the graph, bilinear; BiT: multiples of 32).
@@ -172,7 +173,7 @@ def serve(
     checkpoint: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    backend: Literal["torch", "onnx"] = "torch",
+    backend: Literal["torch", "onnx", "openvino"] = "torch",
     max_batch: int = 8,
     max_wait_ms: float = 5.0,
     max_queue: int = 64,
@@ -187,10 +188,12 @@ def serve(
     to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
 
     Args:
-        checkpoint: any checkpoint vitkit loads (backend torch), or an ONNX file made by `vitkit export` (backend onnx).
+        checkpoint: any checkpoint vitkit loads (backend torch), an ONNX file (backend onnx) or an OpenVINO .xml
+            (backend openvino) made by `vitkit export`.
         host: the address to listen on (127.0.0.1: this machine only).
         port: the port.
-        backend: torch (eager PyTorch; explanations too) or onnx (onnxruntime).
+        backend: torch (eager PyTorch; explanations too), onnx (onnxruntime) or openvino (an IR from `vitkit
+            export --format openvino`; --precision bf16 compiles it for bf16, otherwise f32).
         max_batch: the most images one forward pass takes.
         max_wait_ms: how long the first request of a batch waits for others.
         max_queue: the most requests waiting for the model; more are answered 503.

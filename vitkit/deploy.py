@@ -1,4 +1,5 @@
-"""Exporting a model for deployment: ONNX (run by onnxruntime) or a torch.export program, checked against eager.
+"""Exporting a model for deployment: ONNX (run by onnxruntime), an OpenVINO IR or a torch.export program, checked
+against eager.
 
 `export_model` traces the model with `torch.export` (the dynamo-based ONNX exporter for ONNX). With a dynamic
 size, a ViT takes any H x W that is a multiple of its patch size: the position embedding is resampled inside the
@@ -22,7 +23,7 @@ from torch import nn
 
 from .errors import UsageError, VitkitError
 
-FORMATS = ("onnx", "torch-export")
+FORMATS = ("onnx", "torch-export", "openvino")
 TOLERANCE = 1e-4  # float32: max |exported - eager| over the check inputs
 
 
@@ -95,7 +96,9 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
     """Export `model` to `out` and check it against eager PyTorch.
 
     Args:
-        format: "onnx" or "torch-export" (a .pt2 program: `torch.export.load(path).module()`).
+        format: "onnx", "torch-export" (a .pt2 program: `torch.export.load(path).module()`) or "openvino" (an
+            OpenVINO IR, PATH.xml + PATH.bin, converted from this ONNX export with fp32 weights; checked in
+            OpenVINO's CPU plugin with INFERENCE_PRECISION_HINT f32).
         dynamic_batch: any batch size.
         dynamic_size: any H x W that is a multiple of the patch size (ViTs and hybrids: the position embedding is
             resampled in the graph; BiT: multiples of 32).
@@ -126,6 +129,8 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
             warnings.simplefilter("ignore")
             if format == "onnx":
                 run = _export_onnx(m, example, dyn, out, opset, quantize)
+            elif format == "openvino":
+                run = _export_openvino(m, example, dyn, out, opset)
             else:
                 ep = torch.export.export(m, (example,), dynamic_shapes=dyn)
                 torch.export.save(ep, str(out))
@@ -138,6 +143,8 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
         raise
     except Exception as e:  # noqa: BLE001 - the exporters raise many types; all mean "this model did not export"
         out.unlink(missing_ok=True)
+        if format == "openvino":
+            out.with_suffix(".bin").unlink(missing_ok=True)
         raise ExportError(f"exporting {type(model).__name__} to {format} failed: {type(e).__name__}: {e}") from e
     for shape in check_shapes(m, dynamic_batch, dynamic_size):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
@@ -147,6 +154,8 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
         report.checks.append({"shape": list(shape), "max_abs_diff": float(np.abs(got - ref).max())})
     if not quantize and report.worst > tolerance:
         out.unlink(missing_ok=True)
+        if format == "openvino":
+            out.with_suffix(".bin").unlink(missing_ok=True)
         raise ExportError(f"the {format} export differs from eager PyTorch by {report.worst:.3g} (> {tolerance}): "
                           f"{report.checks}; the file was removed")
     return report
@@ -191,6 +200,53 @@ def _export_onnx(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset: int
     sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     name = sess.get_inputs()[0].name
     return lambda x: sess.run(None, {name: x})[0]
+
+
+def _export_openvino(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset: int):
+    """The ONNX export (dynamic batch and size as asked) converted to an OpenVINO IR with fp32 weights, the config
+    in its rt_info; returns a runner compiled for f32 on the CPU."""
+    try:
+        import openvino as ov
+    except ImportError as e:
+        raise UsageError("OpenVINO export needs openvino: pip install 'vitkit[openvino]'") from e
+    if out.suffix != ".xml":
+        raise UsageError(f"an OpenVINO IR is PATH.xml (+ PATH.bin); got {out}")
+    onnx_file = out.with_suffix(".tmp.onnx")
+    try:
+        _export_onnx(m, example, dyn, onnx_file, opset, None)
+        ovm = ov.convert_model(str(onnx_file))
+    finally:
+        for f in (onnx_file, _external(onnx_file)):
+            f.unlink(missing_ok=True)
+    ovm.set_rt_info(json.dumps(m.config.to_dict()), ["vitkit_config"])
+    ov.save_model(ovm, str(out), compress_to_fp16=False)  # the default halves the weights: not an fp32 export
+    compiled = openvino_compile(out, "fp32")
+    return lambda x: compiled(x)[0]
+
+
+def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | None = None):
+    """An OpenVINO IR compiled for the CPU with INFERENCE_PRECISION_HINT f32 or bf16, the hint read back (the CPU
+    plugin computes in bf16 by default where the CPU has it): a CompiledModel, called as model(x)."""
+    import openvino as ov
+
+    want = {"fp32": "f32", "bf16": "bf16"}[precision]
+    cfg = {"INFERENCE_PRECISION_HINT": want, **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
+    compiled = ov.Core().compile_model(str(path), "CPU", cfg)
+    got = compiled.get_property("INFERENCE_PRECISION_HINT")
+    got = got.get_type_name() if hasattr(got, "get_type_name") else str(got)
+    if got != want:
+        raise ExportError(f"OpenVINO compiled {path} for {got}, not the {want} asked for")
+    return compiled
+
+
+def openvino_config(path: str | Path) -> dict:
+    """The vitkit config an OpenVINO export carries in its rt_info."""
+    import openvino as ov
+
+    ovm = ov.Core().read_model(str(path))
+    if not ovm.has_rt_info(["vitkit_config"]):
+        raise UsageError(f"{path} carries no vitkit config: export it with `vitkit export --format openvino`")
+    return json.loads(ovm.get_rt_info(["vitkit_config"]).astype(str))
 
 
 def _external(path: Path) -> Path:

@@ -86,8 +86,44 @@ class OnnxPredictor(Predictor):
         return self.session.run(None, {self.input: x})[0]
 
 
+class OpenVinoPredictor(Predictor):
+    """An OpenVINO IR made by `vitkit export --format openvino`, compiled for the CPU in fp32 or bf16
+    (INFERENCE_PRECISION_HINT, read back)."""
+
+    backend = "openvino"
+
+    def __init__(self, path: str | Path, threads: int | None = None, precision: str = "fp32") -> None:
+        from ..deploy import openvino_compile, openvino_config
+
+        d = openvino_config(path)
+        d.pop("arch", None)
+        self.config = SimpleNamespace(**{**d, "img_size": tuple(d["img_size"]), "mean": tuple(d["mean"]), "std": tuple(d["std"])})
+        self.precision = precision
+        self.compiled = openvino_compile(path, precision, threads)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.compiled(x)[0]
+
+
 def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None = None, precision: str = "auto",
                    max_batch: int = 8) -> Predictor:
+    if backend == "openvino":
+        from ..errors import CheckpointError
+        from ..safety import untrusted
+
+        if not str(checkpoint).endswith(".xml"):
+            raise UsageError("--backend openvino serves an OpenVINO IR (.xml + .bin) made by `vitkit export "
+                             "--format openvino`")
+        if not Path(checkpoint).is_file():
+            raise FileNotFoundError(f"no OpenVINO IR at {checkpoint}")
+        if precision not in ("auto", "fp32", "bf16"):
+            raise UsageError(f"--backend openvino computes in fp32 or bf16, not {precision}")
+        try:
+            import openvino  # noqa: F401
+        except ImportError as e:
+            raise UsageError("--backend openvino needs openvino: pip install 'vitkit[openvino]'") from e
+        with untrusted(str(checkpoint), CheckpointError):
+            return OpenVinoPredictor(checkpoint, threads, "bf16" if precision == "bf16" else "fp32")
     if backend == "onnx":
         if not str(checkpoint).endswith(".onnx"):
             raise UsageError("--backend onnx serves a .onnx file made by `vitkit export`")
@@ -99,7 +135,7 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
         with untrusted(str(checkpoint), CheckpointError):  # onnx and onnxruntime raise their own types on bad bytes
             return OnnxPredictor(checkpoint, threads)
     if backend != "torch":
-        raise UsageError(f"backend must be torch or onnx, got {backend!r}")
+        raise UsageError(f"backend must be torch, onnx or openvino, got {backend!r}")
     from ..checkpoints import load
 
     if threads:

@@ -189,3 +189,30 @@ def test_a_failing_path_is_no_candidate(monkeypatch):
 
     monkeypatch.setattr(gemm, "run", broken)
     assert set(gemm.measure(32, 48, 16, seconds=0.01)) == {"mkl"}
+
+
+def test_bf16_inference_casts_and_packs_each_weight_once():
+    """Under bf16 autocast a packed model's Linears use a bf16 copy of each weight made once (and remade when the
+    weight changes), with autocast's own numbers: the same logits as autocast's F.linear to bf16 rounding."""
+    torch.manual_seed(0)
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=2, num_classes=7).eval()
+    torch.nn.init.normal_(m.head.weight, std=0.5)
+    x = torch.randn(3, 3, 32, 32)
+
+    def run():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x).float()
+
+    pack_linears(m, enable=False)
+    plain = run()
+    pack_linears(m)
+    packed = run()
+    assert packed.dtype == plain.dtype and (packed - plain).abs().max() <= 2e-2 * plain.abs().max()
+    cached = m.blocks[0].mlp.fc1._packed_bf16
+    assert cached is not None and cached[1].dtype == torch.bfloat16
+    run()
+    assert m.blocks[0].mlp.fc1._packed_bf16 is cached  # not recast at the next call
+    with torch.no_grad():
+        m.head.weight.mul_(-1)  # an in-place change: the cast copy is remade
+    torch.nn.init.zeros_(m.head.bias)
+    assert (run() + packed).abs().max() <= 2e-2 * packed.abs().max()  # the head's sign flipped: so did the logits

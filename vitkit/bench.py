@@ -173,7 +173,7 @@ def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compil
     fwd = torch.compile(model, fullgraph=fullgraph, mode=compile_mode) if compile_ else model
     if not train:
         model.eval()
-        pack_linears(model, enable=pack and dtype == "fp32" and device.type == "cpu" and not compile_)
+        pack_linears(model, enable=pack and dtype in ("fp32", "bf16") and device.type == "cpu" and not compile_)
 
         def infer() -> None:  # compiled: no_grad, which Inductor's freezing needs
             with torch.no_grad() if compile_ else torch.inference_mode(), torch.autocast(device.type, dtype=DTYPES[dtype], enabled=amp):

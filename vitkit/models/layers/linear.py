@@ -65,6 +65,12 @@ class _PackedLinear(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
+def _bf16_autocast(x: torch.Tensor, param: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and param.dtype == torch.float32 and param.device.type == "cpu"
+            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            and x.numel() > 0 and not hasattr(param, "to_local") and not torch.compiler.is_compiling())
+
+
 class FastGemm:
     """Mixin for modules whose forward is a matmul y = x W^T + b with a weight they own (`Linear`, `PatchEmbed`):
     `_linear` runs it on the packed fast path where `pack_linears` allowed it, on `F.linear` otherwise."""
@@ -74,6 +80,7 @@ class FastGemm:
     # (path, packed W, packed W^T or None, rows, weight version, data_ptr, dW path or None, dX path or None,
     #  optimizer steps so far)
     _packed: tuple | None = None
+    _packed_bf16: tuple | None = None  # ((weight version, data_ptr, bias version), bf16 W, bf16 b, oneDNN-packed W)
 
     def _fast(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, grad: bool) -> tuple | None:
         if not (self.train_fast if grad else self.packable) or is_fx_tracing() or torch.compiler.is_compiling():
@@ -101,6 +108,8 @@ class FastGemm:
         if is_fx_tracing():  # proxies: nothing to read (requires_grad included), the plain op is traced
             return F.linear(x, w2d, bias)
         grad = torch.is_grad_enabled() and (x.requires_grad or param.requires_grad)
+        if not grad and self.packable and _bf16_autocast(x, param):
+            return self._linear_bf16(x, param, w2d, bias)
         p = self._fast(x, param, w2d, grad)
         if p is None or (p[0] == "mkl" and (not grad or p[6] == p[7] == "mkl")):
             return F.linear(x, w2d, bias)
@@ -112,9 +121,29 @@ class FastGemm:
         # a 2-D input's output is the function's own tensor, not a view of it (FSDP2 warns of a root returning a view)
         return y if x.dim() == 2 else y.view(*lead, w2d.shape[0])
 
+    def _linear_bf16(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None
+                     ) -> torch.Tensor:
+        """Inference under bf16 autocast on a CPU: the weight cast to bf16 and reordered for oneDNN once (autocast
+        casts every weight at every call, which at batch 1 costs more than the matmuls), recast when it changes.
+        The same numbers as autocast's F.linear: bf16 operands, fp32 accumulation, a bf16 result."""
+        versions = (param._version, param.data_ptr(), None if bias is None else bias._version)
+        p = self._packed_bf16
+        if p is None or p[0] != versions:
+            wb = w2d.detach().to(torch.bfloat16)
+            bb = None if bias is None else bias.detach().to(torch.bfloat16)
+            rows = x.numel() // x.shape[-1]
+            packed = gemm.pack("onednn-packed", wb, rows) if gemm.available("onednn-packed") else None
+            p = self._packed_bf16 = (versions, wb, bb, packed)
+        _, wb, bb, packed = p
+        xb = x.to(torch.bfloat16)
+        if packed is not None:
+            return gemm.run("onednn-packed", xb, packed, wb, bb, 0)
+        return F.linear(xb, wb, bb)
+
     def __getstate__(self) -> dict:
         # copies (copy.deepcopy, pickling) leave the packed weights behind: opaque tensors, rebuilt on demand
-        return {k: v for k, v in super().__getstate__().items() if k != "_packed"}  # type: ignore[misc]
+        return {k: v for k, v in super().__getstate__().items()  # type: ignore[misc]
+                if k not in ("_packed", "_packed_bf16")}
 
 
 class Linear(FastGemm, nn.Linear):
@@ -135,5 +164,5 @@ def pack_linears(model: nn.Module, enable: bool = True, training: bool = False) 
     if on and _hook is None:
         _hook = register_optimizer_step_post_hook(_optimizer_stepped)
     for m in layers:
-        m.packable, m.train_fast, m._packed = on, on and training, None
+        m.packable, m.train_fast, m._packed, m._packed_bf16 = on, on and training, None, None
     return len(layers) if on else 0

@@ -1,5 +1,7 @@
 """Any input size in eager mode, and exports (ONNX, OpenVINO, torch.export) checked against eager on two batch sizes and two
 resolutions from one dynamic file, for a ViT, a hybrid and BiT."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -65,6 +67,9 @@ def test_openvino_export_matches_eager_at_two_batches_and_two_sizes(kind, tmp_pa
 
     from vitkit.serve.engine import TorchPredictor, load_predictor
 
+    if kind == "hybrid" and os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        pytest.skip("OpenVINO 2026.4's CPU plugin segfaults running this hybrid under the ONEDNN_MAX_CPU_ISA cap "
+                    "(benchmarks/NOTES.md section 29); it runs without the cap")
     m = _model(kind)
     rep = export_model(m, tmp_path / "m.xml", "openvino", dynamic_batch=True, dynamic_size=True)
     shapes = {tuple(c["shape"]) for c in rep.checks}

@@ -65,6 +65,23 @@ class _PackedLinear(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
+_BF16_PACKS: bool | None = None  # oneDNN reorders bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+
+
+def _pack_bf16(wb: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """A bf16 weight reordered for oneDNN, or None where this CPU cannot (then F.linear on the cast copy)."""
+    global _BF16_PACKS
+    if _BF16_PACKS is False or not gemm.available("onednn-packed"):
+        return None
+    try:
+        packed = gemm.pack("onednn-packed", wb, rows)
+    except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+        _BF16_PACKS = False
+        return None
+    _BF16_PACKS = True
+    return packed
+
+
 def _bf16_autocast(x: torch.Tensor, param: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and param.dtype == torch.float32 and param.device.type == "cpu"
             and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
@@ -131,8 +148,7 @@ class FastGemm:
         if p is None or p[0] != versions:
             wb = w2d.detach().to(torch.bfloat16)
             bb = None if bias is None else bias.detach().to(torch.bfloat16)
-            rows = x.numel() // x.shape[-1]
-            packed = gemm.pack("onednn-packed", wb, rows) if gemm.available("onednn-packed") else None
+            packed = _pack_bf16(wb, x.numel() // x.shape[-1])
             p = self._packed_bf16 = (versions, wb, bb, packed)
         _, wb, bb, packed = p
         xb = x.to(torch.bfloat16)

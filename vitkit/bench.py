@@ -246,6 +246,8 @@ def bench(
     num_classes: int = 1000,
     min_seconds: float = 3.0,
     no_pack: bool = False,
+    backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
+    backends: bool = False,
     json_out: bool = False,
 ) -> dict:
     """Measure a model: images/s, latency at batch 1, peak memory, achieved FLOP/s and the fraction of this
@@ -268,6 +270,12 @@ def bench(
         min_seconds: measure for at least this long.
         no_pack: in fp32 on a CPU, call the Linear layers on PyTorch's own GEMM (MKL) instead of the fastest one
             measured here (`vitkit.models.layers.gemm`).
+        backend: inference on a CPU: torch (eager, the measurements above) | auto (the engine `--backend auto`
+            picks for this model and batch: `vitkit.inference.backends`) | onnx | openvino (vitkit's ONNX export,
+            made once and cached); --dtype picks fp32 or bf16 (OpenVINO) where it applies.
+        backends: inference on a CPU: measure every engine installed (eager fp32/bf16, onnxruntime, OpenVINO
+            fp32/bf16) for this model and batch, each one's difference from fp32 eager, and print the table with
+            the one `--backend auto` picks (the measurement also refreshes its cache).
         json_out: print JSON.
     """
     import json
@@ -279,6 +287,11 @@ def bench(
     dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}
     net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
+    if backends or backend != "torch":
+        if not Path(model).exists():  # random weights: the zero-initialised head would make every engine's logits 0
+            _random_head(net)
+        return _bench_engines(net.to(dev), model, dev, batch_size, dtype, backend, backends, train, compile, min_seconds,
+                              json_out)
     if dtype == "auto":
         from .precision import resolve
 
@@ -307,4 +320,55 @@ def bench(
               f"{res.matmul_peak_tflops * 1e3:.0f} GFLOP/s; " + ", ".join(f"{k} {v:.0f}" for k, v in res.gemm_rates_gflops.items()) + ")")
         for shape, ch in (res.gemm_choices or {}).items():
             print(f"  GEMM {shape}: {ch['path']} (" + ", ".join(f"{k} {v:.0f}" for k, v in ch["gflops"].items()) + " GFLOP/s)")
+    return d
+
+
+def _random_head(net: nn.Module) -> None:
+    """Give a registry model's zero-initialised Linears (its head) seeded random weights, so that logits depend on
+    every layer and engines' differences from fp32 eager show."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.Linear) and not m.weight.any():
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g) * m.in_features ** -0.5)
+
+
+def _bench_engines(net: nn.Module, name: str, dev: torch.device, batch: int, dtype: str, backend: str, table: bool,
+                   train: bool, compile_: bool, min_seconds: float, json_out: bool) -> dict:
+    """`vitkit bench --backends` (every engine's rate and difference from fp32 eager, the pick) and
+    `vitkit bench --backend auto|onnx|openvino` (the rate and batch-1 latency of one engine)."""
+    import json
+
+    from .inference.backends import BackendModel, calibration_batch, check_backend, choose, resolve
+
+    check_backend(backend)
+    if dev.type != "cpu" or train or compile_:
+        raise UsageError("--backend and --backends measure CPU inference engines: no --train, --compile or GPU")
+    say = lambda s: print(f"vitkit: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    where = f"{torch.get_num_threads()} threads, {cpu_model()}"
+    if table:
+        if dtype not in ("auto", "fp32", "bf16"):
+            raise UsageError(f"--backends measures fp32 and bf16 engines, not {dtype}")
+        choice = choose(net, batch, refresh=True, log=say)
+        d = choice.to_dict() | {"model": name, "cpu": cpu_model(), "threads": torch.get_num_threads()}
+        if json_out:
+            print(json.dumps(d, indent=1))
+        else:
+            print(f"{name} inference {net.config.img_size[0]}px batch {choice.batch} on cpu ({where}):")
+            print(choice.format_table())
+            print(f"--backend {choice.reason}")
+        return d
+    choice = resolve(net, backend, dtype, batch, log=say)
+    say(f"backend {choice.reason}")
+    m = BackendModel(net, choice)
+    x = calibration_batch(net, batch)
+    times = time_fn(lambda: m.run(x), dev, 2, 5, min_seconds)
+    lat = statistics.median(time_fn(lambda: m.run(x[:1]), dev, 2, 10, 1.0)) * 1e3
+    d = {"model": name, "backend": choice.name, "reason": choice.reason, "batch_size": batch, "cpu": cpu_model(),
+         "threads": torch.get_num_threads(), "img_per_s": batch / statistics.median(times), "latency_ms_b1": lat}
+    if json_out:
+        print(json.dumps(d, indent=1))
+    else:
+        print(f"{name} inference {net.config.img_size[0]}px batch {batch} on {choice.name} ({where}): "
+              f"{d['img_per_s']:.2f} img/s, latency (batch 1) {lat:.1f} ms")
     return d

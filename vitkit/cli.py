@@ -173,7 +173,7 @@ def serve(
     checkpoint: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    backend: Literal["torch", "onnx", "openvino"] = "torch",
+    backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
     max_batch: int = 8,
     max_wait_ms: float = 5.0,
     max_queue: int = 64,
@@ -188,12 +188,15 @@ def serve(
     to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
 
     Args:
-        checkpoint: any checkpoint vitkit loads (backend torch), an ONNX file (backend onnx) or an OpenVINO .xml
-            (backend openvino) made by `vitkit export`.
+        checkpoint: any checkpoint vitkit loads, or an ONNX file (backend onnx) or an OpenVINO .xml (backend
+            openvino) made by `vitkit export`.
         host: the address to listen on (127.0.0.1: this machine only).
         port: the port.
-        backend: torch (eager PyTorch; explanations too), onnx (onnxruntime) or openvino (an IR from `vitkit
-            export --format openvino`; --precision bf16 compiles it for bf16, otherwise f32).
+        backend: torch (eager PyTorch; explanations too) | auto (the fastest engine measured on this machine for
+            this model at max_batch among eager fp32/bf16, onnxruntime and OpenVINO fp32/bf16, within 5% of fp32
+            eager's logits; measured once, then cached; the table is printed; explanations from eager fp32) | onnx
+            (onnxruntime) | openvino (an IR from `vitkit export --format openvino`; --precision bf16 compiles it
+            for bf16, otherwise f32). onnx and openvino given a checkpoint export it once (cached).
         max_batch: the most images one forward pass takes.
         max_wait_ms: how long the first request of a batch waits for others.
         max_queue: the most requests waiting for the model; more are answered 503.
@@ -337,6 +340,7 @@ def evaluate(
     tta: Literal["none", "flip", "flip-shift"] = "none",
     device: str = "auto",
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
+    backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
 ) -> dict:
     """Evaluate a checkpoint on a test set: top-1, top-5, per-class accuracy, a confusion-matrix PNG and a JSON report.
 
@@ -353,6 +357,8 @@ def evaluate(
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 on this machine for this model, else fp32) | fp32 |
             bf16 | fp16 (GPU).
+        backend: torch | auto (the fastest engine measured here within 5% of fp32 eager, as for `vitkit predict`) |
+            onnx | openvino.
     """
     from .checkpoints import load
     from .data.datasets import csv_list, decodes_files, folder_test_split, image_folder, is_shards, load_dataset
@@ -360,11 +366,10 @@ def evaluate(
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
 
     from .device import resolve_device
-    from .precision import for_inference
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
-    choice = for_inference(model, dev, precision, batch_size)
+    runner, prec, reason = _inference_engine(model, dev, precision, backend, batch_size)
     c = model.config
     names = c.class_names
     replicate = None
@@ -386,11 +391,11 @@ def evaluate(
     if decodes_files(test):
         test = test.configured(c)  # decoded with the checkpoint's own size, crop and interpolation
     transform = EvalTransform.for_model(c, replicate_to=replicate, geometry=not decodes_files(test))
-    res = _evaluate(model, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta,
-                    device=dev, precision=choice.precision)
+    res = _evaluate(runner, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta,
+                    device=dev, precision=prec)
     out_dir = Path(out) if out else Path(checkpoint).parent
     write_report(res, out_dir / "eval_report.json", {"checkpoint": str(checkpoint), "data": data, "tta": tta,
-                                                     "precision": choice.reason})
+                                                     "precision": reason, "backend": backend})
     save_confusion_png(res, out_dir / "confusion.png")
     print(f"{checkpoint} on {data}: top-1 {res.acc1:.4f}  top-5 {res.acc5:.4f}  loss {res.loss:.4f}  (n = {res.n}, skipped {res.skipped})")
     width = max(len(n) for n in res.classes)
@@ -580,6 +585,7 @@ def predict(
     tta: Literal["none", "flip", "flip-shift"] = "none",
     device: str = "auto",
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
+    backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
 ) -> int:
     """Classify image files with a checkpoint's own preprocessing and class names. A file that cannot be read is
     reported in the output and the others are still classified; the exit status is then 1.
@@ -592,16 +598,18 @@ def predict(
         tta: test-time augmentation, as for `vitkit eval`.
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
+        backend: torch (eager PyTorch) | auto (the fastest engine measured on this machine for this model and batch
+            among eager fp32/bf16, onnxruntime and OpenVINO fp32/bf16, within 5% of fp32 eager's logits; measured
+            once, then cached; prints the table) | onnx | openvino (the checkpoint exported once and cached).
     """
     from .checkpoints import load
     from .inference import predict as _predict
     from .device import resolve_device
-    from .precision import for_inference
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
-    choice = for_inference(model, dev, precision, min(len(images), 32))
-    records = _predict(model, images, top_k, tta=tta, precision=choice.precision)
+    runner, prec, _ = _inference_engine(model, dev, precision, backend, min(len(images), 32))
+    records = _predict(runner, images, top_k, tta=tta, precision=prec)
     if format == "json":
         print(json.dumps(records, indent=1))
     elif format == "csv":
@@ -621,6 +629,30 @@ def predict(
             for label, p in r["top"]:
                 print(f"  {p:7.2%}  {label}")
     return _exit_status(records)
+
+
+def _inference_engine(model, dev, precision: str, backend: str, batch: int):
+    """What `predict` and `eval` run on: (the model to call, the autocast precision around it, the reason line).
+    backend torch: the eager model, `precision` resolved (`vitkit.precision`); auto / onnx / openvino: a
+    `BackendModel` on the engine chosen (`vitkit.inference.backends`), which applies its own precision."""
+    from .inference.backends import BackendModel, check_backend, resolve
+    from .precision import for_inference
+
+    check_backend(backend)
+    if backend == "torch":
+        choice = for_inference(model, dev, precision, batch)
+        return model, choice.precision, choice.reason
+    if dev.type != "cpu":
+        if backend != "auto":
+            raise UsageError(f"--backend {backend} runs on the CPU: add --device cpu")
+        choice = for_inference(model, dev, precision, batch)
+        return model, choice.precision, f"backend auto on {dev}: torch; precision {choice.reason}"
+    say = lambda s: print(f"vitkit: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    choice = resolve(model, backend, precision, batch, log=say)
+    say(f"backend {choice.reason}")
+    if backend == "auto":
+        print(choice.format_table(), file=sys.stderr, flush=True)
+    return BackendModel(model, choice), "fp32", f"backend {choice.reason}"
 
 
 def _exit_status(records: list[dict]) -> int:

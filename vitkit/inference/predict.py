@@ -23,7 +23,7 @@ def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_si
     c = model.config
     transform = EvalTransform.for_model(c, geometry=False)  # decode_for already resized and cropped
     names = c.class_names or [str(i) for i in range(c.num_classes)]
-    device = next(model.parameters()).device
+    device = getattr(model, "device", None) or next(model.parameters()).device  # a BackendModel names its own
     records: list[dict] = []
     pending: list[tuple[int, torch.Tensor]] = []
 

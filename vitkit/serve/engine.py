@@ -105,15 +105,47 @@ class OpenVinoPredictor(Predictor):
         return self.compiled(x)[0]
 
 
+class EnginePredictor(Predictor):
+    """A checkpoint on the engine `vitkit.inference.backends` chose (`--backend auto`) or exported for (onnx or
+    openvino given a checkpoint): predictions there, explanations from the eager fp32 model."""
+
+    def __init__(self, model: torch.nn.Module, backend: str, precision: str, batch: int, threads: int | None) -> None:
+        import sys
+
+        from ..inference.backends import BackendModel, resolve
+
+        say = lambda s: print(f"vitkit: {s}", file=sys.stderr, flush=True)  # noqa: E731
+        choice = resolve(model.eval(), backend, precision, batch, threads=threads, log=say)
+        say(f"backend {choice.reason}")
+        if backend == "auto":
+            print(choice.format_table(), file=sys.stderr, flush=True)
+        self.choice, self.engine = choice, BackendModel(model, choice, threads)
+        self.backend, self.precision = choice.name, choice.precision
+        self.model, self.config = model, model.config
+        self.explains = hasattr(model, "embed")
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.engine.run(x)
+
+
 def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None = None, precision: str = "auto",
                    max_batch: int = 8) -> Predictor:
+    exported = str(checkpoint).endswith((".onnx", ".xml"))
+    if backend == "auto" or (backend in ("onnx", "openvino") and not exported):  # a checkpoint: measured or exported
+        from ..checkpoints import load
+        from ..inference.backends import check_backend
+
+        check_backend(backend)
+        if threads:
+            torch.set_num_threads(threads)
+        return EnginePredictor(load(checkpoint), backend, precision, max_batch, threads)
     if backend == "openvino":
         from ..errors import CheckpointError
         from ..safety import untrusted
 
         if not str(checkpoint).endswith(".xml"):
             raise UsageError("--backend openvino serves an OpenVINO IR (.xml + .bin) made by `vitkit export "
-                             "--format openvino`")
+                             "--format openvino`, or a checkpoint (exported once and cached)")
         if not Path(checkpoint).is_file():
             raise FileNotFoundError(f"no OpenVINO IR at {checkpoint}")
         if precision not in ("auto", "fp32", "bf16"):
@@ -135,7 +167,7 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
         with untrusted(str(checkpoint), CheckpointError):  # onnx and onnxruntime raise their own types on bad bytes
             return OnnxPredictor(checkpoint, threads)
     if backend != "torch":
-        raise UsageError(f"backend must be torch, onnx or openvino, got {backend!r}")
+        raise UsageError(f"backend must be auto, torch, onnx or openvino, got {backend!r}")
     from ..checkpoints import load
 
     if threads:

@@ -1,14 +1,16 @@
 """A bounded load test of `vitkit serve` on 127.0.0.1: concurrent clients, mixed valid and invalid requests.
 
     python benchmarks/serve_load.py [--checkpoint runs/demo/best.safetensors] [--seconds 60] [--clients 16] \
-        [--invalid 0.2] [--backend torch|onnx]
+        [--invalid 0.2] [--backend torch|auto|onnx|openvino]
 
 Starts the service in a child process on a free port of 127.0.0.1, waits for /healthz, then runs `--clients`
 threads for `--seconds`, each with its own kept-alive connection, sending a valid image (a Fashion-MNIST test image
 as PNG, multipart) or, with probability `--invalid`, one of five bad requests (not an image, a truncated PNG, a
 decompression bomb's header, a wrong content type, malformed JSON). Prints requests/s, the p50/p99 latency of the
 valid requests, the status codes, and fails (exit 1) if any valid request did not get 200 or any invalid one got
-a 5xx. Every loop is bounded by the deadline; nothing leaves 127.0.0.1.
+a 5xx. Every loop is bounded by the deadline; nothing leaves 127.0.0.1. With `--backend auto` the service first
+measures the engines (`vitkit.inference.backends`; up to a few minutes the first time, then cached): the result
+names the engine it picked and why, from its /model answer and its log.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def main() -> int:
                                "--backend", args.backend, "--max-batch", str(args.max_batch), "--max-queue", "256"],
                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + (900 if args.backend == "auto" else 120)  # auto measures (and exports) first
         while time.time() < deadline:
             try:
                 c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
@@ -84,6 +86,8 @@ def main() -> int:
                 if c.getresponse().status == 200:
                     break
             except OSError:
+                if server.poll() is not None:
+                    raise RuntimeError("the service exited: " + server.stderr.read().decode()[-2000:]) from None
                 time.sleep(0.2)
         else:
             raise RuntimeError("the service did not start: " + server.stderr.read().decode()[-2000:])
@@ -130,15 +134,21 @@ def main() -> int:
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         c.request("GET", "/metrics")
         metrics = c.getresponse().read().decode()
+        c.request("GET", "/model")
+        served = json.loads(c.getresponse().read())
     finally:
         server.terminate()
         server.wait(10)
+    log = server.stderr.read().decode()
+    reason = next((line.split("backend ", 1)[1] for line in log.splitlines() if line.startswith("vitkit: backend ")), None)
     total = sum(codes.values())
     lat = sorted(latencies)
     pct = lambda q: lat[min(len(lat) - 1, int(q / 100 * (len(lat) - 1)))] * 1000  # noqa: E731
     batches = next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vitkit_batches ")), float("nan"))
     batched = next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vitkit_batched_images ")), float("nan"))
-    res = {"seconds": elapsed, "clients": args.clients, "requests": total, "requests_per_s": total / elapsed,
+    from vitkit.bench import cpu_model
+
+    res = {"backend": served["backend"], "backend_reason": reason, "cpu": cpu_model(), "seconds": elapsed, "clients": args.clients, "requests": total, "requests_per_s": total / elapsed,
            "valid": len(lat), "valid_per_s": len(lat) / elapsed, "p50_ms": pct(50), "p99_ms": pct(99),
            "mean_batch": batched / max(batches, 1), "codes": {f"{k[0]} {k[1]}": v for k, v in sorted(codes.items(), key=str)},
            "failed": len(failures), "png_bytes": len(png)}

@@ -216,3 +216,45 @@ def test_bf16_inference_casts_and_packs_each_weight_once():
         m.head.weight.mul_(-1)  # an in-place change: the cast copy is remade
     torch.nn.init.zeros_(m.head.bias)
     assert (run() + packed).abs().max() <= 2e-2 * packed.abs().max()  # the head's sign flipped: so did the logits
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh"])
+def test_inference_gelu_runs_inside_oneDNNs_gemm_with_the_unfused_numbers(act, monkeypatch):
+    """On oneDNN's packed path (bf16 where oneDNN packs bf16; fp32 where it is the path chosen) the MLP's GELU is
+    the GEMM's post-op: no separate GELU op runs, and the output is the unfused MLP's (fp32: to rounding; bf16: to
+    bf16 rounding, computed from the fp32 accumulator). Elsewhere the GELU runs as its own op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vitkit.models.layers import gemm, linear
+    from vitkit.models.layers.mlp import Mlp
+
+    torch.manual_seed(0)
+    mlp = Mlp(64, 256, act=act).eval()
+    x = torch.randn(2, 10, 64)
+    with torch.no_grad():
+        ref = mlp(x)  # not packed: F.linear, GELU, F.linear
+
+    def ops(fn) -> set[str]:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return {e.key for e in prof.key_averages()}
+
+    def bf16():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return mlp(x).float()
+
+    pack_linears(mlp)
+    y = bf16()
+    assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
+    assert ("aten::gelu" in ops(bf16)) == (linear._BF16_PACKS is False)  # fused where oneDNN packs bf16 weights
+    monkeypatch.setattr(gemm, "FORCE", "onednn-packed")
+    pack_linears(mlp)
+
+    def fp32():
+        with torch.no_grad():
+            return mlp(x)
+
+    assert torch.allclose(fp32(), ref, atol=1e-5, rtol=1e-5)
+    assert "aten::gelu" not in ops(fp32) and "mkldnn::_linear_pointwise" in ops(fp32)
+    x.requires_grad_(True)  # training: the plain op, which autograd differentiates
+    assert "aten::gelu" in ops(lambda: mlp(x))

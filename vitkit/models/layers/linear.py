@@ -65,6 +65,7 @@ class _PackedLinear(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
+_GELU_POST_OPS = {"gelu": "none", "gelu_tanh": "tanh"}  # vitkit's act -> oneDNN's GELU post-op algorithm
 _BF16_PACKS: bool | None = None  # oneDNN reorders bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
 
 
@@ -138,11 +139,8 @@ class FastGemm:
         # a 2-D input's output is the function's own tensor, not a view of it (FSDP2 warns of a root returning a view)
         return y if x.dim() == 2 else y.view(*lead, w2d.shape[0])
 
-    def _linear_bf16(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None
-                     ) -> torch.Tensor:
-        """Inference under bf16 autocast on a CPU: the weight cast to bf16 and reordered for oneDNN once (autocast
-        casts every weight at every call, which at batch 1 costs more than the matmuls), recast when it changes.
-        The same numbers as autocast's F.linear: bf16 operands, fp32 accumulation, a bf16 result."""
+    def _bf16_weights(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        """(versions, bf16 W, bf16 b, oneDNN-packed W or None): cast (and reordered) once, again when they change."""
         versions = (param._version, param.data_ptr(), None if bias is None else bias._version)
         p = self._packed_bf16
         if p is None or p[0] != versions:
@@ -150,11 +148,37 @@ class FastGemm:
             bb = None if bias is None else bias.detach().to(torch.bfloat16)
             packed = _pack_bf16(wb, x.numel() // x.shape[-1])
             p = self._packed_bf16 = (versions, wb, bb, packed)
-        _, wb, bb, packed = p
+        return p
+
+    def _linear_bf16(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None
+                     ) -> torch.Tensor:
+        """Inference under bf16 autocast on a CPU: the weight cast to bf16 and reordered for oneDNN once (autocast
+        casts every weight at every call, which at batch 1 costs more than the matmuls), recast when it changes.
+        The same numbers as autocast's F.linear: bf16 operands, fp32 accumulation, a bf16 result."""
+        _, wb, bb, packed = self._bf16_weights(x, param, w2d, bias)
         xb = x.to(torch.bfloat16)
         if packed is not None:
             return gemm.run("onednn-packed", xb, packed, wb, bb, 0)
         return F.linear(xb, wb, bb)
+
+    def _linear_act(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None,
+                    act: str) -> torch.Tensor | None:
+        """act(x W^T + b) as one oneDNN call (the activation applied to the fp32 accumulator, as a post-op) where
+        this inference call runs on oneDNN's packed path: bf16 under autocast, or fp32 where oneDNN is the path
+        measured fastest. None elsewhere (the caller applies the activation itself). act: gelu | gelu_tanh."""
+        algorithm = _GELU_POST_OPS.get(act)
+        if algorithm is None or not self.packable or is_fx_tracing() \
+                or (torch.is_grad_enabled() and (x.requires_grad or param.requires_grad)):
+            return None
+        if _bf16_autocast(x, param):
+            _, _, bb, packed = self._bf16_weights(x, param, w2d, bias)
+            if packed is None:
+                return None
+            return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, bb, "gelu", [], algorithm)
+        p = self._fast(x, param, w2d, False)
+        if p is None or p[0] != "onednn-packed":
+            return None
+        return torch.ops.mkldnn._linear_pointwise(x, p[1], bias, "gelu", [], algorithm)
 
     def __getstate__(self) -> dict:
         # copies (copy.deepcopy, pickling) leave the packed weights behind: opaque tensors, rebuilt on demand
@@ -167,6 +191,11 @@ class Linear(FastGemm, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.weight, self.weight, self.bias)
+
+    def forward_act(self, x: torch.Tensor, act: str, fallback: nn.Module) -> torch.Tensor:
+        """`fallback(self(x))`, with a GELU (`act` gelu or gelu_tanh) fused into the GEMM where oneDNN runs it."""
+        y = self._linear_act(x, self.weight, self.weight, self.bias, act)
+        return fallback(self(x)) if y is None else y
 
 
 def pack_linears(model: nn.Module, enable: bool = True, training: bool = False) -> int:

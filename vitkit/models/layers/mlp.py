@@ -38,6 +38,7 @@ class Mlp(nn.Module):
         super().__init__()
         self.fc1 = Linear(dim, hidden)
         self.act = make_act(act)
+        self.act_name = act
         self.drop1 = nn.Dropout(drop)
         self.fc2 = Linear(hidden, dim)
         self.drop2 = nn.Dropout(drop)
@@ -50,7 +51,8 @@ class Mlp(nn.Module):
             nn.init.normal_(fc.bias, std=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        h = self.fc1.forward_act(x, self.act_name, self.act)  # (B, T, M); inference on oneDNN: GELU in the GEMM
+        return self.drop2(self.fc2(self.drop1(h)))
 
 
 class SwiGLU(nn.Module):

@@ -24,7 +24,9 @@ In fp32 on a CPU vitkit runs its Linear layers on the fastest GEMM measured on t
 (`vitkit.models.layers.gemm`), inference and training, as `vitkit bench`, `train`, `eval` and `predict` do
 (`--no-pack`: PyTorch's own GEMM, as the peers). The `ort` peer is vitkit's own model exported to ONNX
 (`vitkit export`'s exporter, dynamic batch) in ONNX Runtime's CPU provider with as many threads: fp32 inference
-cases only. The % of peak divides by the fastest GEMM path measured in this process (`vitkit.bench.gemm_rates`),
+cases only; `ort-int8` is that export after onnxruntime's dynamic int8 quantization of the weights (`vitkit export
+--quantize int8`), its difference from vitkit's fp32 printed as its parity. OpenVINO's own int8 needs NNCF's
+post-training quantization with a calibration set; it is not a peer here. The % of peak divides by the fastest GEMM path measured in this process (`vitkit.bench.gemm_rates`),
 not by `torch.mm`'s rate. `--lowp-stream` also times vitkit with its bf16/fp16 token stream between blocks (`run.lowp_stream`), as
 an extra row, and prints how far its logits are from the fp32 model next to autocast's own error.
 
@@ -99,12 +101,13 @@ class OrtSession:
 
     config = SimpleNamespace(num_classes=1000)
 
-    def __init__(self, model: torch.nn.Module, tmp: Path, name: str) -> None:
+    def __init__(self, model: torch.nn.Module, tmp: Path, name: str, quantize: str | None = None) -> None:
         import onnxruntime as ort
 
         from vitkit.deploy import export_model
 
-        report = export_model(model, tmp / f"{name}.onnx", "onnx", dynamic_batch=True)
+        report = export_model(model, tmp / f"{name}{'.int8' if quantize else ''}.onnx", "onnx", dynamic_batch=True,
+                              quantize=quantize)  # int8: onnxruntime's dynamic quantization of the weights
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = torch.get_num_threads()
         self.session = ort.InferenceSession(str(report.path), opts, providers=["CPUExecutionProvider"])
@@ -167,7 +170,7 @@ def runner(model, kind: str, x: torch.Tensor, dtype: str, train: bool, compile_:
     (the same autocast, optimizer and scaler), vitkit compiled with a full graph, the peers without. In fp32
     CPU inference vitkit runs its Linear layers from MKL-packed weights unless `pack` is off (a peer model has
     no vitkit Linear, so make_step's packing changes nothing there)."""
-    if kind in ("ort", "ov", "ov-pt"):
+    if kind in ("ort", "ort-int8", "ov", "ov-pt"):
         return lambda: model(x)
     if kind != "vitkit":
         model = PeerLogits(model, kind)
@@ -191,7 +194,7 @@ def measure(fn, batch: int, seconds: float, device: torch.device) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="*", default=DEFAULT_CASES, help="model:infer|train:fp32|bf16|fp16")
-    ap.add_argument("--peers", nargs="*", default=["timm", "hf", "ort"], choices=["timm", "hf", "ort", "ov", "ov-pt"])
+    ap.add_argument("--peers", nargs="*", default=["timm", "hf", "ort"], choices=["timm", "hf", "ort", "ort-int8", "ov", "ov-pt"])
     ap.add_argument("--img-size", type=int, default=224)
     ap.add_argument("--batch-infer", type=int, default=8)
     ap.add_argument("--batch-train", type=int, default=16)
@@ -212,12 +215,12 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print(f"timm not importable ({type(e).__name__}: {e}); skipping it. See this script's docstring.")
             peers.remove("timm")
-    if "ort" in peers:
+    if {"ort", "ort-int8"} & set(peers):
         try:
             import onnxruntime  # noqa: F401
         except ImportError as e:
             print(f"onnxruntime not importable ({e}); skipping it. See this script's docstring.")
-            peers.remove("ort")
+            peers = [p for p in peers if p not in ("ort", "ort-int8")]
     if {"ov", "ov-pt"} & set(peers):
         try:
             import openvino  # noqa: F401
@@ -243,16 +246,17 @@ def main() -> None:
             for peer in peers:
                 if "patch" in SIZES[model_name] and peer != "timm":
                     continue
-                if peer == "ort" and (train or dtype != "fp32" or device.type != "cpu" or args.compile):
+                if peer in ("ort", "ort-int8") and (train or dtype != "fp32" or device.type != "cpu" or args.compile):
                     continue  # ONNX Runtime: fp32 CPU inference
                 if peer in ("ov", "ov-pt") and (train or dtype not in ("fp32", "bf16") or device.type != "cpu"
                                                 or args.compile):
                     continue  # OpenVINO: CPU inference in f32 or bf16
-                engine = peer in ("ort", "ov", "ov-pt")
+                engine = peer in ("ort", "ort-int8", "ov", "ov-pt")
                 if engine:  # vitkit's own model (timm's or HF's weights), exported or converted
                     _, ours = build_timm(model_name, img, tmp) if "timm" in peers else build_hf(model_name, img, tmp)
                     ours = ours.eval()
-                    ref = OrtSession(ours, tmp, model_name) if peer == "ort" else \
+                    ref = OrtSession(ours, tmp, model_name, "int8" if peer == "ort-int8" else None) \
+                        if peer.startswith("ort") else \
                         OvSession(ours, tmp, model_name, x, dtype, peer)
                 else:
                     ref, ours = (build_hf if peer == "hf" else build_timm)(model_name, img, tmp)

@@ -227,16 +227,12 @@ def _export_openvino(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset:
 def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | None = None):
     """An OpenVINO IR compiled for the CPU with INFERENCE_PRECISION_HINT f32 or bf16, the hint read back (the CPU
     plugin computes in bf16 by default where the CPU has it): a CompiledModel, called as model(x)."""
-    import openvino as ov
+    from .inference.engine_probe import EngineError, openvino_compile as compile_
 
-    want = {"fp32": "f32", "bf16": "bf16"}[precision]
-    cfg = {"INFERENCE_PRECISION_HINT": want, **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
-    compiled = ov.Core().compile_model(str(path), "CPU", cfg)
-    got = compiled.get_property("INFERENCE_PRECISION_HINT")
-    got = got.get_type_name() if hasattr(got, "get_type_name") else str(got)
-    if got != want:
-        raise ExportError(f"OpenVINO compiled {path} for {got}, not the {want} asked for")
-    return compiled
+    try:
+        return compile_(path, precision, threads)
+    except EngineError as e:
+        raise ExportError(str(e)) from e
 
 
 def openvino_config(path: str | Path) -> dict:

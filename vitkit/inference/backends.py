@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -39,19 +37,35 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..precision import _save  # the atomic JSON write of the precision cache
+from . import engine_probe
+from .engine_probe import timed_rate
 
 BACKENDS = ("auto", "torch", "onnx", "openvino")
 CANDIDATES = ("torch-fp32", "torch-bf16", "onnx-fp32", "openvino-fp32", "openvino-bf16")  # simplest first
 TOLERANCE = 0.05  # max |logit - fp32 eager logit| <= TOLERANCE * max |fp32 logit| + ATOL on the calibration batch
 ATOL = 1e-3
 MARGIN = 1.05  # a later candidate must be this much faster than an earlier one to be preferred
-MIN_ROUND_S = 0.25  # a timed round repeats the call until it lasts this long
 PROBE_BATCH = 32  # the most images a measured call takes (larger batches run in chunks of the measured size)
 CACHE_VERSION = 1
 
 
+class _Named:
+    """`name` is "<backend>-<precision>", as in CANDIDATES."""
+
+    name: str
+
+    @property
+    def backend(self) -> str:
+        return self.name.split("-")[0]
+
+    @property
+    def precision(self) -> str:
+        return self.name.split("-")[1]
+
+
 @dataclass
-class Candidate:
+class Candidate(_Named):
     """One engine's measurement: `rate` img/s at `batch`, `error` its max |logit - fp32 eager| relative to the largest
     fp32 logit; `skipped` why it is not a candidate (not installed, failed, outside the tolerance)."""
 
@@ -60,17 +74,9 @@ class Candidate:
     error: float | None = None
     skipped: str = ""
 
-    @property
-    def backend(self) -> str:
-        return self.name.split("-")[0]
-
-    @property
-    def precision(self) -> str:
-        return self.name.split("-")[1]
-
 
 @dataclass
-class BackendChoice:
+class BackendChoice(_Named):
     """The engine inference runs on and why: `name` (a CANDIDATES entry), one line of `reason`, every candidate's
     measurement in `table`, and for onnx/openvino the exported file."""
 
@@ -79,14 +85,6 @@ class BackendChoice:
     table: list[Candidate] = field(default_factory=list)
     batch: int = 1
     export: Path | None = None
-
-    @property
-    def backend(self) -> str:
-        return self.name.split("-")[0]
-
-    @property
-    def precision(self) -> str:
-        return self.name.split("-")[1]
 
     def format_table(self) -> str:
         fp32 = next((c.rate for c in self.table if c.name == "torch-fp32" and c.rate), 0.0)
@@ -162,22 +160,6 @@ def within(y: np.ndarray, ref: np.ndarray, tolerance: float) -> bool:
         tolerance * float(np.abs(ref).max()) + ATOL
 
 
-def timed_rate(fn: Callable[[], object], batch: int, min_round_s: float = MIN_ROUND_S) -> float:
-    """Images per second of `fn` (one call = `batch` images): a warm-up call, then the best of two rounds (one when a
-    call takes over a second), each repeating the call until it lasts `min_round_s`."""
-    t0 = time.perf_counter()
-    fn()
-    once = time.perf_counter() - t0
-    calls = max(1, math.ceil(min_round_s / max(once, 1e-6)))
-    best = float("inf")
-    for _ in range(1 if once > 1.0 else 2):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return batch / best
-
-
 # ---------------------------------------------------------------------------------------------------- runners
 
 
@@ -207,23 +189,10 @@ def export_for(model: nn.Module, digest: str | None = None) -> Path:
 def engine(backend: str, precision: str, path: str | Path, threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """An exported model compiled for this CPU: onnxruntime (fp32) or OpenVINO (fp32 or bf16, the hint read back),
     as a function (B, C, H, W) float32 -> logits."""
-    if backend == "onnx":
-        import onnxruntime as ort
-
-        if precision != "fp32":
-            raise UsageError(f"the onnx backend computes in fp32, not {precision}")
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        name = sess.get_inputs()[0].name
-        return lambda x: sess.run(None, {name: x})[0]
-    if backend == "openvino":
-        from ..deploy import openvino_compile
-
-        compiled = openvino_compile(path, precision, threads)
-        return lambda x: compiled(x)[0]
-    raise UsageError(f"no exported engine {backend!r}")
+    try:
+        return engine_probe.compile_engine(backend, precision, path, threads)
+    except engine_probe.EngineError as e:
+        raise UsageError(str(e)) from e
 
 
 def torch_runner(model: nn.Module, precision: str) -> Callable[[np.ndarray], np.ndarray]:
@@ -258,7 +227,7 @@ def _probe_child(backend: str, precision: str, path: Path, x: np.ndarray, thread
     """Rate and calibration logits of an exported engine, measured in a child process."""
     with tempfile.TemporaryDirectory(prefix="vitkit-probe-") as d:
         np.save(Path(d) / "x.npy", x)
-        cmd = [sys.executable, "-m", "vitkit.inference.backends", backend, precision, str(path), d, str(threads)]
+        cmd = [sys.executable, engine_probe.__file__, backend, precision, str(path), d, str(threads)]  # no torch there
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -423,29 +392,3 @@ def _load(path: Path) -> dict:
         return {k: v for k, v in data.items() if isinstance(v, list)} if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
-
-
-def _save(path: Path, known: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measured again next time
-
-
-def _child(argv: list[str]) -> None:
-    """The child process of a measurement: BACKEND PRECISION MODEL.onnx DIR THREADS; reads DIR/x.npy, writes
-    DIR/y.npy (the logits) and DIR/rate.json."""
-    backend, precision, path, d, threads = argv
-    x = np.load(Path(d) / "x.npy", allow_pickle=False)
-    fn = engine(backend, precision, path, int(threads))
-    y = fn(x)
-    rate = timed_rate(lambda: fn(x), len(x))
-    np.save(Path(d) / "y.npy", y)
-    (Path(d) / "rate.json").write_text(json.dumps({"rate": rate}))
-
-
-if __name__ == "__main__":
-    _child(sys.argv[1:])

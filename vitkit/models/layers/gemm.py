@@ -180,9 +180,13 @@ def _bucket(rows: int) -> int:
     return 1 << max(0, (rows - 1).bit_length())
 
 
+MAX_CALLS = 500  # a round of a tiny problem (calls under 0.1 ms) ends after this many calls, not at its time
+
+
 def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3, kind: str = "linear") -> dict[str, float]:
     """GFLOP/s of every available path on a problem, its packing excluded: the best of `rounds` interleaved rounds
-    per path, so that a neighbour's burst of load does not decide the choice.
+    per path, so that a neighbour's burst of load does not decide the choice. A round lasts seconds / rounds, or
+    MAX_CALLS calls where those take less (a 10-us problem is timed over 500 calls, not 5,000).
     kind "linear": y = x W^T + b with x (rows, k), W (n, k); "wgrad": dW = dY^T X with dY (rows, n), X (rows, k)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -215,7 +219,7 @@ def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3, k
         for _ in range(rounds):
             for path, fn in calls.items():
                 done, t0 = 0, time.perf_counter()
-                while done < 2 or time.perf_counter() - t0 < seconds / rounds:
+                while done < 2 or (time.perf_counter() - t0 < seconds / rounds and done < MAX_CALLS):
                     fn()
                     done += 1
                 best[path] = max(best[path], 2 * rows * k * n * done / (time.perf_counter() - t0) / 1e9)

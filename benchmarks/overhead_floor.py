@@ -1,0 +1,65 @@
+"""The fixed cost of one forward in each engine: ViT-S/16's graph (12 blocks, 197 tokens, the same ops and the same
+number of them) at a width where the arithmetic is nearly free (D 24, 6 heads of 4, MLP 96), so the time per call
+is what an engine spends around the ops: dispatch, allocation, Python. Eager vitkit against OpenVINO on vitkit's
+own ONNX export, batch 1, interleaved rounds, the best of each.
+
+    python benchmarks/overhead_floor.py [--model vit_s16] [--dtype bf16]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vitkit  # noqa: E402
+from vitkit.bench import cpu_model, make_step  # noqa: E402
+from vitkit.inference.backends import engine  # noqa: E402
+from vitkit.deploy import export_model  # noqa: E402
+
+
+def best_ms(fn, seconds: float = 1.0) -> float:
+    fn()
+    best, end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="vit_s16")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    results = {}
+    for label, kw in (("narrow (D 24)", dict(embed_dim=24, num_heads=6, mlp_dim=96)), ("full", {})):
+        m = vitkit.create_model(args.model, **kw).eval()
+        x = torch.randn(1, 3, *m.config.img_size)
+        eager = make_step(m, x, args.dtype, False, False)
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "m.onnx"
+            export_model(m, path, "onnx", dynamic_batch=True)
+            ov = engine("openvino", args.dtype, path, torch.get_num_threads())
+            xn = x.numpy().astype(np.float32)
+            e, o = [], []
+            for _ in range(args.rounds):
+                e.append(best_ms(eager))
+                o.append(best_ms(lambda: ov(xn)))
+        results[label] = (min(e), min(o))
+    print(f"{args.model} graph, batch 1, {args.dtype}, {cpu_model()}, {torch.get_num_threads()} threads "
+          f"(best ms per call):")
+    for label, (e, o) in results.items():
+        print(f"  {label:<14} vitkit eager {e:7.2f}   OpenVINO {o:7.2f}   difference {e - o:+6.2f}")
+
+
+if __name__ == "__main__":
+    main()

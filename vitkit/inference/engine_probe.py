@@ -1,0 +1,87 @@
+"""Exported models compiled for this CPU, and their timing: onnxruntime (fp32) and OpenVINO (f32 or bf16, the
+precision hint read back). Standalone on purpose: `--backend auto` runs this file as a child process
+(`python engine_probe.py BACKEND PRECISION MODEL.onnx DIR THREADS`) to measure an engine without importing torch or
+vitkit there (faster to start), and so that an engine that crashes takes down only the child."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+MIN_ROUND_S = 0.25  # a timed round repeats the call until it lasts this long
+
+
+class EngineError(RuntimeError):
+    """The engine cannot run the model as asked (another precision than the one compiled for)."""
+
+
+def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | None = None):
+    """A model file (IR .xml or .onnx) compiled by OpenVINO for the CPU with INFERENCE_PRECISION_HINT f32 or bf16,
+    the hint read back (the CPU plugin computes in bf16 by default where the CPU has it): a CompiledModel, called as
+    model(x)."""
+    import openvino as ov
+
+    want = {"fp32": "f32", "bf16": "bf16"}[precision]
+    cfg = {"INFERENCE_PRECISION_HINT": want, **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
+    compiled = ov.Core().compile_model(str(path), "CPU", cfg)
+    got = compiled.get_property("INFERENCE_PRECISION_HINT")
+    got = got.get_type_name() if hasattr(got, "get_type_name") else str(got)
+    if got != want:
+        raise EngineError(f"OpenVINO compiled {path} for {got}, not the {want} asked for")
+    return compiled
+
+
+def compile_engine(backend: str, precision: str, path: str | Path, threads: int | None = None
+                   ) -> Callable[[np.ndarray], np.ndarray]:
+    """onnxruntime (fp32) or OpenVINO (fp32 or bf16) running the model file: (B, C, H, W) float32 -> logits."""
+    if backend == "onnx":
+        import onnxruntime as ort
+
+        if precision != "fp32":
+            raise EngineError(f"the onnx backend computes in fp32, not {precision}")
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        name = sess.get_inputs()[0].name
+        return lambda x: sess.run(None, {name: x})[0]
+    if backend == "openvino":
+        compiled = openvino_compile(path, precision, threads)
+        return lambda x: compiled(x)[0]
+    raise EngineError(f"no exported engine {backend!r}")
+
+
+def timed_rate(fn: Callable[[], object], batch: int, min_round_s: float = MIN_ROUND_S) -> float:
+    """Images per second of `fn` (one call = `batch` images): a warm-up call, then the best of two rounds (one when a
+    call takes over a second), each repeating the call until it lasts `min_round_s`."""
+    t0 = time.perf_counter()
+    fn()
+    once = time.perf_counter() - t0
+    calls = max(1, math.ceil(min_round_s / max(once, 1e-6)))
+    best = float("inf")
+    for _ in range(1 if once > 1.0 else 2):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return batch / best
+
+
+def main(argv: list[str]) -> None:
+    """BACKEND PRECISION MODEL.onnx DIR THREADS: reads DIR/x.npy, writes DIR/y.npy (the logits) and DIR/rate.json."""
+    backend, precision, path, d, threads = argv
+    x = np.load(Path(d) / "x.npy", allow_pickle=False)
+    fn = compile_engine(backend, precision, path, int(threads))
+    y = fn(x)
+    rate = timed_rate(lambda: fn(x), len(x))
+    np.save(Path(d) / "y.npy", y)
+    (Path(d) / "rate.json").write_text(json.dumps({"rate": rate}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

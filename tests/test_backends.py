@@ -128,3 +128,15 @@ def test_predict_and_eval_run_on_an_engine_and_agree_with_eager(home, tmp_path, 
     assert reports["openvino"]["acc1"] == reports["torch"]["acc1"] and reports["openvino"]["n"] == 10
     assert abs(reports["openvino"]["loss"] - reports["torch"]["loss"]) <= 1e-4
     assert "openvino-fp32" in reports["openvino"]["precision"]
+
+
+def test_bench_backends_prints_the_table_and_the_pick(home, capsys):
+    """`vitkit bench MODEL --backends`: every engine measured afresh, with the pick `--backend auto` makes."""
+    assert cli.main(["bench", "vit_ti16", "--img-size", "32", "--batch-size", "2", "--backends", "--json-out"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    rows = {r["name"]: r for r in d["table"]}
+    assert list(rows) == list(CANDIDATES) and d["batch"] == 2 and d["cpu"]
+    assert rows["torch-fp32"]["max_rel_diff"] == 0 and rows["onnx-fp32"]["max_rel_diff"] <= 1e-5  # a random head
+    kept = {n: r["img_per_s"] for n, r in rows.items() if r["img_per_s"] and not r["skipped"]}
+    assert d["choice"] in kept and kept[d["choice"]] * backends.MARGIN >= max(kept.values())
+    assert d["reason"].startswith(f"auto -> {d['choice']}")

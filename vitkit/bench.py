@@ -339,12 +339,11 @@ def _bench_engines(net: nn.Module, name: str, dev: torch.device, batch: int, dty
     `vitkit bench --backend auto|onnx|openvino` (the rate and batch-1 latency of one engine)."""
     import json
 
-    from .inference.backends import BackendModel, calibration_batch, check_backend, choose, resolve
+    from .inference.backends import BackendModel, calibration_batch, check_backend, choose, resolve_and_announce, say
 
     check_backend(backend)
     if dev.type != "cpu" or train or compile_:
         raise UsageError("--backend and --backends measure CPU inference engines: no --train, --compile or GPU")
-    say = lambda s: print(f"vitkit: {s}", file=sys.stderr, flush=True)  # noqa: E731
     where = f"{torch.get_num_threads()} threads, {cpu_model()}"
     if table:
         if dtype not in ("auto", "fp32", "bf16"):
@@ -358,8 +357,7 @@ def _bench_engines(net: nn.Module, name: str, dev: torch.device, batch: int, dty
             print(choice.format_table())
             print(f"--backend {choice.reason}")
         return d
-    choice = resolve(net, backend, dtype, batch, log=say)
-    say(f"backend {choice.reason}")
+    choice = resolve_and_announce(net, backend, dtype, batch)
     m = BackendModel(net, choice)
     x = calibration_batch(net, batch)
     times = time_fn(lambda: m.run(x), dev, 2, 5, min_seconds)

@@ -635,7 +635,7 @@ def _inference_engine(model, dev, precision: str, backend: str, batch: int):
     """What `predict` and `eval` run on: (the model to call, the autocast precision around it, the reason line).
     backend torch: the eager model, `precision` resolved (`vitkit.precision`); auto / onnx / openvino: a
     `BackendModel` on the engine chosen (`vitkit.inference.backends`), which applies its own precision."""
-    from .inference.backends import BackendModel, check_backend, resolve
+    from .inference.backends import BackendModel, check_backend, resolve_and_announce
     from .precision import for_inference
 
     check_backend(backend)
@@ -647,11 +647,7 @@ def _inference_engine(model, dev, precision: str, backend: str, batch: int):
             raise UsageError(f"--backend {backend} runs on the CPU: add --device cpu")
         choice = for_inference(model, dev, precision, batch)
         return model, choice.precision, f"backend auto on {dev}: torch; precision {choice.reason}"
-    say = lambda s: print(f"vitkit: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    choice = resolve(model, backend, precision, batch, log=say)
-    say(f"backend {choice.reason}")
-    if backend == "auto":
-        print(choice.format_table(), file=sys.stderr, flush=True)
+    choice = resolve_and_announce(model, backend, precision, batch)
     return BackendModel(model, choice), "fp32", f"backend {choice.reason}"
 
 

@@ -360,6 +360,21 @@ def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threa
     return BackendChoice(f"{backend}-{p}", f"{backend}-{p}: asked for", batch=batch, export=export_for(model))
 
 
+def say(line: str) -> None:
+    """A progress line on stderr, as the commands print their choices."""
+    print(f"vitkit: {line}", file=sys.stderr, flush=True)
+
+
+def resolve_and_announce(model: nn.Module, backend: str, precision: str, batch: int, *,
+                         threads: int | None = None) -> BackendChoice:
+    """`resolve`, with its progress, its reason and (for auto) the whole table printed on stderr."""
+    choice = resolve(model, backend, precision, batch, threads=threads, log=say)
+    say(f"backend {choice.reason}")
+    if backend == "auto":
+        print(choice.format_table(), file=sys.stderr, flush=True)
+    return choice
+
+
 class BackendModel(nn.Module):
     """A model running on the engine a `BackendChoice` names, called like the eager model: (B, C, H, W) float32
     tensor -> logits (fp32, on the CPU). Holds `config` for preprocessing and class names. For torch it is the

@@ -110,15 +110,9 @@ class EnginePredictor(Predictor):
     openvino given a checkpoint): predictions there, explanations from the eager fp32 model."""
 
     def __init__(self, model: torch.nn.Module, backend: str, precision: str, batch: int, threads: int | None) -> None:
-        import sys
+        from ..inference.backends import BackendModel, resolve_and_announce
 
-        from ..inference.backends import BackendModel, resolve
-
-        say = lambda s: print(f"vitkit: {s}", file=sys.stderr, flush=True)  # noqa: E731
-        choice = resolve(model.eval(), backend, precision, batch, threads=threads, log=say)
-        say(f"backend {choice.reason}")
-        if backend == "auto":
-            print(choice.format_table(), file=sys.stderr, flush=True)
+        choice = resolve_and_announce(model.eval(), backend, precision, batch, threads=threads)
         self.choice, self.engine = choice, BackendModel(model, choice, threads)
         self.backend, self.precision = choice.name, choice.precision
         self.model, self.config = model, model.config

@@ -33,6 +33,7 @@ STATE_DICT_FORMATS = (
     ("hf-vision", lambda keys: hf_vision.family(keys) is not None, hf_vision.to_vitkit),
     ("hf", hf.is_hf, hf.to_vitkit),
     ("torchvision", torchvision.is_torchvision, torchvision.to_vitkit),
+    ("timm-naflex", timm.is_timm_naflex, timm.naflex_to_vitkit),
     ("timm-vit", timm.is_timm_vit, timm.vit_to_vitkit),
     ("timm-resnetv2", timm.is_timm_resnetv2, timm.resnetv2_to_vitkit),
     ("official-npz", official.is_official, official.to_vitkit),
@@ -105,7 +106,9 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
                 facts.update(hf.preprocessing_facts(_json_file(pre)))
         elif timm.is_timm_folder(hub_config):
             keys = set(raw)
-            if timm.is_timm_vit(keys):
+            if timm.is_timm_naflex(keys):
+                fmt, (sd, facts, unused) = "timm-naflex", timm.naflex_to_vitkit(raw)
+            elif timm.is_timm_vit(keys):
                 fmt, (sd, facts, unused) = "timm-vit", timm.vit_to_vitkit(raw)
             elif timm.is_timm_resnetv2(keys):
                 fmt, (sd, facts, unused) = "timm-resnetv2", timm.resnetv2_to_vitkit(raw)
@@ -361,6 +364,9 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
         if c.arch == "swin":
             out, kind, fmt = swin.from_vitkit(sd), "a timm Swin", swin
             back, facts, _ = swin.to_vitkit(out)
+        elif getattr(c, "naflex", False):  # timm's NaFlexVit (packed mixed-size batches): `embeds.*` names
+            out, kind, fmt = timm.naflex_from_vitkit(sd, c), "a timm NaFlexVit", timm
+            back, facts, _ = timm.naflex_to_vitkit(out, c.in_chans)
         else:
             vit = c.arch == "vit"
             out, kind, fmt = (timm.vit_from_vitkit(sd, c) if vit else timm.resnetv2_from_vitkit(sd, c)), "a timm", timm

@@ -22,7 +22,7 @@ import torch
 from .io import CheckpointError
 
 FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "siglip_vision_model": "siglip", "siglip": "siglip",
-            "clip_vision_model": "clip", "clip": "clip"}
+            "clip_vision_model": "clip", "clip": "clip", "siglip2_vision_model": "siglip2", "siglip2": "siglip2"}
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
         "quick_gelu": "quick_gelu"}
 _TOWER_PREFIXES = ("", "dinov2.")  # CLIPModel/SiglipModel's vision half; Dinov2ForImageClassification
@@ -33,11 +33,14 @@ def family(keys, hf_config: dict | None = None) -> str | None:
     """'dinov2', 'siglip' or 'clip' for such a checkpoint (by its config's model_type, else by its keys), else None."""
     if hf_config and hf_config.get("model_type") in FAMILIES:
         return FAMILIES[hf_config["model_type"]]
-    keys = {k.removeprefix("").removeprefix("dinov2.") for k in keys}
+    keys = {k.removeprefix("dinov2."): (keys[k] if isinstance(keys, dict) else None) for k in keys}
     if "encoder.layer.0.layer_scale1.lambda1" in keys:
         return "dinov2"
     if "embeddings.patch_embedding.weight" in keys and "encoder.layers.0.self_attn.q_proj.weight" in keys:
-        return "clip" if "embeddings.class_embedding" in keys else "siglip"
+        if "embeddings.class_embedding" in keys:
+            return "clip"
+        w = keys.get("embeddings.patch_embedding.weight") if isinstance(keys, dict) else None
+        return "siglip2" if w is not None and w.ndim == 2 else "siglip"
     return None
 
 
@@ -87,6 +90,10 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
             sd["pos_embed.weight"] = v
         elif key == "embeddings.position_embedding.weight":
             sd["pos_embed.weight"] = v[None]  # nn.Embedding (T, D) -> (1, T, D)
+        elif key == "embeddings.patch_embedding.weight" and v.ndim == 2:  # SigLIP 2: a Linear over (ph, pw, C) patches
+            c = _vision_config(hf_config).get("num_channels", 3)
+            p = round((v.shape[1] / c) ** 0.5)
+            sd["patch_embed.proj.weight"] = v.reshape(v.shape[0], p, p, c).permute(0, 3, 1, 2)  # -> (D, C, ph, pw)
         elif m := re.match(r"embeddings\.patch_embeddings?(?:\.projection)?\.(weight|bias)$", key):
             sd[f"patch_embed.proj.{m.group(1)}"] = v
         elif m := re.match(r"(layernorm|post_layernorm|pre_layrnorm)\.(weight|bias)$", key):
@@ -108,7 +115,14 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         sd["cls_token"], sd["pos_embed.weight"] = sd["cls_token"] + pe[:, :1], pe[:, 1:]
     c = _vision_config(hf_config)
     facts: dict = {"norm_eps": c.get("layer_norm_eps", 1e-5 if fam == "clip" else 1e-6),
-                   "act": {"clip": "quick_gelu", "siglip": "gelu_tanh"}.get(fam, "gelu")}
+                   "act": {"clip": "quick_gelu", "siglip": "gelu_tanh", "siglip2": "gelu_tanh"}.get(fam, "gelu")}
+    if fam == "siglip2":  # NaFlex: any size, the 16x16 (num_patches) grid resampled per image, antialiased bilinear
+        facts.update(naflex=True, dynamic_img_size=True, pos_resample="bilinear_aa", no_embed_class=True)
+        n = sd["pos_embed.weight"].shape[1]
+        side = round(n ** 0.5)
+        if side * side != n:
+            raise CheckpointError(f"SigLIP 2 position embedding of {n} entries is not a square grid")
+        facts["img_size"] = side * sd["patch_embed.proj.weight"].shape[-1]
     if "reg_token" in sd:
         facts["no_embed_class"] = True
     act = c.get("hidden_act")
@@ -118,9 +132,9 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         facts["act"] = _ACT[act]
     if "num_attention_heads" in c:
         facts["num_heads"] = c["num_attention_heads"]
-    if fam == "siglip" and "attn_pool.latent" not in sd:
+    if fam in ("siglip", "siglip2") and "attn_pool.latent" not in sd:
         facts["classifier"] = "gap"  # vision_use_head=False: no pooled output in transformers; vitkit averages
-    if "image_size" in c:
+    if "image_size" in c and fam != "siglip2":
         facts["img_size"] = c["image_size"]
     return sd, facts, unused
 

@@ -47,6 +47,68 @@ def is_timm_vit(keys) -> bool:
     return "patch_embed.proj.weight" in keys and any(k.startswith("blocks.0.") for k in keys)
 
 
+def is_timm_naflex(keys) -> bool:
+    """timm's `NaFlexVit` (`naflexvit_*`): the patch embedding, tokens and position grid under `embeds.`."""
+    return "embeds.proj.weight" in keys and any(k.startswith("blocks.0.") for k in keys)
+
+
+# timm's NaFlexVit resamples its position grid with antialiased bicubic (the SigLIP ones: antialiased bilinear),
+# corners not aligned; the `par` ones resample to a square and crop (aspect preserving).
+NAFLEX_FACTS = {"no_embed_class": True, "naflex": True, "pos_resample": "bicubic", "dynamic_img_size": True}
+
+
+def naflex_to_vitkit(w: dict[str, torch.Tensor], in_chans: int = 3) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    """A timm NaFlexVit state dict -> vitkit names: `embeds.proj` (a Linear over (ph, pw, C) patches) becomes the
+    patch conv, `embeds.pos_embed` (1, gh, gw, D) the learned grid over the patches alone; the rest is timm's ViT."""
+    classic = {}
+    for k, v in w.items():
+        if k == "embeds.proj.weight" and v.ndim == 2:
+            p = round((v.shape[1] / in_chans) ** 0.5)
+            if p * p * in_chans != v.shape[1]:
+                raise CheckpointError(f"timm NaFlexVit patch embedding of {v.shape[1]} inputs is not P x P x "
+                                      f"{in_chans} (pass in_chans=... for another channel count)")
+            v = v.reshape(v.shape[0], p, p, in_chans).permute(0, 3, 1, 2)  # (D, ph*pw*C) -> (D, C, ph, pw)
+            classic["patch_embed.proj.weight"] = v
+        elif k.startswith("embeds.proj."):
+            classic["patch_embed.proj." + k[len("embeds.proj."):]] = v
+        elif k == "embeds.pos_embed":
+            if v.ndim != 4:
+                raise CheckpointError(f"timm NaFlexVit position embedding of shape {tuple(v.shape)}: vitkit reads the "
+                                      f"learned grid (1, gh, gw, D), not factorized ones")
+            classic["pos_embed"] = v.flatten(1, 2)  # (1, gh, gw, D) -> (1, gh * gw, D)
+        elif k in ("embeds.cls_token", "embeds.reg_token"):
+            classic[k[len("embeds."):]] = v
+        elif k.startswith("embeds."):
+            raise CheckpointError(f"timm NaFlexVit key {k!r} (an embedding option vitkit does not implement)")
+        else:
+            classic[k] = v
+    sd, facts, unused = vit_to_vitkit(classic)
+    return sd, {**facts, **NAFLEX_FACTS}, unused
+
+
+def naflex_grid(w: dict[str, torch.Tensor]) -> tuple[int, int] | None:
+    pe = w.get("embeds.pos_embed")
+    return tuple(pe.shape[1:3]) if pe is not None and pe.ndim == 4 else None
+
+
+def naflex_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """vitkit weights -> timm NaFlexVit names (the inverse of `naflex_to_vitkit`)."""
+    out = {}
+    for k, v in vit_from_vitkit(sd, config).items():
+        if k == "patch_embed.proj.weight":
+            out["embeds.proj.weight"] = v.permute(0, 2, 3, 1).flatten(1)  # (D, C, ph, pw) -> (D, ph*pw*C)
+        elif k.startswith("patch_embed.proj."):
+            out["embeds.proj." + k[len("patch_embed.proj."):]] = v
+        elif k == "pos_embed":
+            gh, gw = config.grid_size
+            out["embeds.pos_embed"] = v.reshape(1, gh, gw, -1)
+        elif k in ("cls_token", "reg_token"):
+            out["embeds." + k] = v
+        else:
+            out[k] = v
+    return out
+
+
 def is_timm_resnetv2(keys) -> bool:
     return "stem.conv.weight" in keys and any(k.startswith("stages.0.blocks.0.") for k in keys)
 
@@ -195,6 +257,8 @@ def _pretrained_cfg(c) -> dict:
 def folder_config(c) -> dict:
     """The config.json of a timm hub folder holding a vitkit model, or a CheckpointError naming what timm's
     constructors cannot express."""
+    if c.arch == "vit" and c.naflex:
+        return naflex_folder_config(c)
     cfg: dict = {"num_classes": c.num_classes}
     if c.class_names:
         cfg["label_names"] = list(c.class_names)
@@ -254,6 +318,45 @@ def folder_config(c) -> dict:
     return cfg
 
 
+_NAFLEX_MODES = {"bicubic": ("bicubic", True, False), "bilinear_aa": ("bilinear", True, False),
+                 "bilinear": ("bilinear", False, True), "bicubic_noaa": ("bicubic", False, False)}
+
+
+def naflex_folder_config(c) -> dict:
+    """The config.json of a timm hub folder holding a vitkit model as timm's NaFlexVit (every constructor argument
+    that matters spelled out in model_args, so the architecture's own defaults do not)."""
+    if c.hybrid_layers is not None or c.distilled or c.pos_embed != "learned_1d" or eva_style(c) or c.qk_norm:
+        raise CheckpointError("timm's NaFlexVit holds a plain ViT with a learned position grid: no hybrid, "
+                              "distillation token, rotary embeddings, SwiGLU or inner norms")
+    if c.act not in ("gelu", "gelu_tanh") or c.norm_eps != 1e-6 or c.pre_norm != (not c.patch_bias):
+        raise CheckpointError("timm's NaFlexVit: exact or tanh GELU, LayerNorm eps 1e-6, a patch bias unless "
+                              "there is a pre-norm")
+    if not c.no_embed_class and c.num_prefix_tokens:
+        raise CheckpointError("timm's NaFlexVit gives the class and register tokens no position: this model's "
+                              "position embedding covers them (no_embed_class=False)")
+    mode, aa, corners = _NAFLEX_MODES[c.pos_resample]
+    pool = {"token": "token", "gap": "avg", "map": "map"}[c.classifier]
+    arch = ("naflexvit_base_patch16_siglip" if c.classifier == "map" and c.act == "gelu_tanh" else
+            "naflexvit_base_patch16_map" if c.classifier == "map" else
+            "naflexvit_base_patch16_par_gap" if c.pos_resample_square else "naflexvit_base_patch16_gap")
+    args = {"patch_size": list(c.patch_size), "in_chans": c.in_chans, "embed_dim": c.embed_dim, "depth": c.depth,
+            "num_heads": c.num_heads, "mlp_ratio": c.mlp_dim / c.embed_dim, "qkv_bias": c.qkv_bias,
+            "init_values": c.init_values, "class_token": c.class_token, "reg_tokens": c.reg_tokens,
+            "pos_embed_grid_size": list(c.grid_size), "pos_embed_interp_mode": mode, "pos_embed_antialias": aa,
+            "pos_embed_align_corners": corners, "pos_embed_ar_preserving": c.pos_resample_square,
+            "global_pool": pool, "fc_norm": c.fc_norm, "pre_norm": c.pre_norm, "act_layer": _TIMM_ACTS[c.act],
+            "num_classes": c.num_classes}
+    if int(c.embed_dim * args["mlp_ratio"]) != c.mlp_dim:
+        raise CheckpointError(f"timm computes the MLP width as int(D * mlp_ratio), which cannot give {c.mlp_dim}")
+    cfg = {"architecture": arch, "num_classes": c.num_classes, "num_features": c.embed_dim, "global_pool": pool,
+           "model_args": args}
+    if c.class_names:
+        cfg["label_names"] = list(c.class_names)
+    cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "fixed_input_size": False, "first_conv": "embeds.proj",
+                             "classifier": "head"}
+    return cfg
+
+
 def _eva_folder_config(c, cfg: dict) -> dict:
     """timm's `Eva` constructor arguments for a model with rotary embeddings or a SwiGLU MLP (EVA-02)."""
     hidden = c.mlp_dim
@@ -284,10 +387,16 @@ def _eva_folder_config(c, cfg: dict) -> dict:
 
 def _arch_facts(arch: str) -> dict:
     """What a timm architecture's name fixes beyond its tensors and model_args (its registered defaults)."""
-    if re.match(r"vit_.*dinov3|vit_pe_|vit_.*_rope|naflexvit", arch):
-        raise CheckpointError(f"timm's {arch} uses a rotary or patch scheme vitkit does not implement "
-                              f"(vitkit: EVA-02's rotary embeddings)")
+    if re.match(r"vit_.*dinov3|vit_pe_|vit_.*_rope|naflexvit_.*(parfac|radio)", arch):
+        raise CheckpointError(f"timm's {arch} uses a rotary, factorized or patch scheme vitkit does not implement "
+                              f"(vitkit: EVA-02's rotary embeddings, NaFlexVit's learned grid)")
     facts: dict = {}
+    if arch.startswith("naflexvit_"):
+        facts.update(NAFLEX_FACTS)
+        if arch.endswith("_siglip"):
+            facts.update(pos_resample="bilinear_aa", act="gelu_tanh")
+        if "_par_" in arch:
+            facts["pos_resample_square"] = True
     if arch.startswith("eva02_"):
         facts.update(EVA02_ROPE)
     if re.match(r"vit_.*_clip_", arch):
@@ -347,10 +456,24 @@ def folder_facts(cfg: dict) -> dict:
     if "ref_feat_shape" in args:
         ref = args["ref_feat_shape"]
         facts["rope_ref_grid"] = None if ref is None else tuple(ref) if isinstance(ref, (list, tuple)) else (ref, ref)
-    if "img_size" in args:
+    if arch.startswith("naflexvit_"):
+        pass  # any size: the position grid's own (from the tensors) is the native one
+    elif "img_size" in args:
         facts["img_size"] = args["img_size"]
     elif "input_size" in pre:
         facts["img_size"] = tuple(pre["input_size"][1:])
+    for key in ("pos_embed_interp_mode", "pos_embed_ar_preserving", "pos_embed_antialias", "pos_embed_align_corners"):
+        if key in args:
+            mode = (args.get("pos_embed_interp_mode", "bicubic"), args.get("pos_embed_antialias", True),
+                    args.get("pos_embed_align_corners", False))
+            method = {("bicubic", True, False): "bicubic", ("bilinear", True, False): "bilinear_aa",
+                      ("bilinear", False, True): "bilinear", ("bicubic", False, False): "bicubic_noaa"}.get(mode)
+            if method is None:
+                raise CheckpointError(f"timm's config.json resamples positions as {mode} (mode, antialias, "
+                                      f"align_corners), which vitkit does not implement")
+            facts["pos_resample"] = method
+            facts["pos_resample_square"] = bool(args.get("pos_embed_ar_preserving", False))
+            break
     for key, default in _ONLY_DEFAULT.items():
         if args.get(key, default) != default:
             raise CheckpointError(f"timm's config.json sets {key}={args[key]!r}, which vitkit does not implement")

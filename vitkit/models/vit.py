@@ -44,7 +44,9 @@ from .layers import (
     SwiGLU,
 )
 from .layers.mlp import ACTIVATIONS, lecun_normal_
+from .layers.packing import PackedBatch, as_packed, grid_sizes, key_mask, masked_mean
 from .layers.patch_embed import to_2tuple
+from .layers.pos_embed import RESAMPLE_METHODS
 from .layers.tracing import is_fx_tracing
 from .resnet import ResNetBackbone, backbone_stride
 from ..errors import UsageError
@@ -112,6 +114,12 @@ class ViTConfig:
         rope: "eva": 2-D rotary embeddings of the patch tokens' queries and keys, as EVA-02 (`layers/rope.py`);
             None: none. rope_ref_grid: the grid whose coordinates the rotation uses at every resolution (EVA-02:
             (16, 16)); None: the grid itself. rope_temperature: the base of the frequencies.
+        pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
+            learned position grid to each image's: "bilinear" (the official method), "bicubic" (timm's NaFlexVit),
+            "bilinear_aa" (SigLIP 2), "bicubic_noaa" (transformers' DINOv2). pos_resample_square: resample to the
+            square of the image's longer side and read the top-left part (timm's `pos_embed_ar_preserving`).
+        naflex: the weights came from (or go to) a NaFlex model, timm's `NaFlexVit` or SigLIP 2's tower: a timm
+            export writes a NaFlexVit (`embeds.*` names, a Linear patch embedding over (ph, pw, C) patches).
     """
 
     img_size: tuple[int, int] = (224, 224)
@@ -159,6 +167,9 @@ class ViTConfig:
     rope: str | None = None
     rope_ref_grid: tuple[int, int] | None = None
     rope_temperature: float = 10000.0
+    pos_resample: str = "bilinear"
+    pos_resample_square: bool = False
+    naflex: bool = False
     arch: str = "vit"
 
     def __post_init__(self) -> None:
@@ -188,6 +199,8 @@ class ViTConfig:
             raise UsageError(f"mlp_layer must be one of {MLP_LAYERS}, got {self.mlp_layer!r}")
         if self.mlp_norm and self.mlp_layer != "swiglu":
             raise UsageError("mlp_norm (a LayerNorm inside the MLP) is implemented for mlp_layer='swiglu' only")
+        if self.pos_resample not in RESAMPLE_METHODS:
+            raise UsageError(f"pos_resample must be one of {RESAMPLE_METHODS}, got {self.pos_resample!r}")
         if self.rope not in ROPES:
             raise UsageError(f"rope must be one of {ROPES}, got {self.rope!r}")
         if self.rope and (self.embed_dim // self.num_heads) % 4:
@@ -313,18 +326,20 @@ class Block(nn.Module):
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None,
-                grid: tuple[int, int] | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+                grid: tuple[int, int] | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None):
         """(B, T, D) -> (B, T, D); with `queries`, only the first `queries` tokens' outputs: (B, queries, D).
         `grid`: the input's patch grid when it is not the model's (dynamic_img_size: the relative bias);
-        `rope`: the rotary embedding's (sin, cos) for that grid."""
+        `rope`: the rotary embedding's (sin, cos) for that grid; `mask`: a packed batch's keys (B, 1, 1, T)."""
         if queries is not None:  # every token is normed for the keys and values; only the queries go on
-            x = x[:, :queries] + self.drop_path1(self.ls1(self.attn(self.norm1(x), queries=queries, grid=grid, rope=rope)))
+            x = x[:, :queries] + self.drop_path1(self.ls1(self.attn(self.norm1(x), queries=queries, grid=grid, rope=rope,
+                                                                    mask=mask)))
             return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         if return_attention:
-            y, attn = self.attn(self.norm1(x), return_attention=True, grid=grid, rope=rope)
+            y, attn = self.attn(self.norm1(x), return_attention=True, grid=grid, rope=rope, mask=mask)
             x = x + self.drop_path1(self.ls1(y))
             return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))), attn
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid=grid, rope=rope)))
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid=grid, rope=rope, mask=mask)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
@@ -360,6 +375,7 @@ class VisionTransformer(nn.Module):
         # the prefix tokens the position embedding covers: all of them (the paper) or none (no_embed_class)
         covered = 0 if c.no_embed_class else c.num_prefix_tokens
         self.pos_embed = POS_EMBEDS[c.pos_embed](c.grid_size, c.embed_dim, covered)
+        self.pos_embed.method = c.pos_resample
         self.rope = (RotaryEmbedding2d(c.embed_dim // c.num_heads, c.grid_size, c.rope_ref_grid, c.rope_temperature)
                      if c.rope else None)
         self.pos_drop = nn.Dropout(c.drop_rate)
@@ -486,10 +502,14 @@ class VisionTransformer(nn.Module):
             return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self.blocks[-1].modules())
 
-    def forward(self, x: torch.Tensor, mpp_pixels: torch.Tensor | None = None, mpp_generator: torch.Generator | None = None):
+    def forward(self, x, mpp_pixels: torch.Tensor | None = None, mpp_generator: torch.Generator | None = None):
         """Image (B, C, H, W) -> logits (B, num_classes), or pooled features if num_classes == 0.
+        Images of different sizes (a list of (C, H, W), sides multiples of the patch size), a `PackedBatch` or the
+        dict of timm's NaFlex collator: one packed forward, `forward_packed`.
         With `mpp_pixels` (the images in [0, 1]): masked patch prediction, `forward_mpp` (through forward, so that
         DDP and FSDP2 see the call)."""
+        if isinstance(x, (list, tuple, dict, PackedBatch)):
+            return self.forward_packed(as_packed(x, self.config.patch_size))
         if mpp_pixels is not None and not is_fx_tracing():  # fx traces the classifier; mpp through forward_mpp
             return self.forward_mpp(x, mpp_pixels, mpp_generator)
         if not self._cls_only_last_block():
@@ -546,6 +566,71 @@ class VisionTransformer(nn.Module):
             out["patch_grid"] = {i: t[:, p:].transpose(1, 2).reshape(t.shape[0], t.shape[2], gh, gw)  # (B, N, D) -> (B, D, gh, gw)
                                  for i, t in tokens.items()}
         return out
+
+    # ---- packed batches: images of different sizes and aspect ratios in one forward (NaViT, NaFlex) -----------
+
+    def _check_packable(self) -> None:
+        c = self.config
+        if c.hybrid_layers is not None:
+            raise UsageError("a hybrid's ResNet reads whole images: packed batches of patches are for plain ViTs "
+                             "(run a hybrid on one size per batch, or one image at a time)")
+        if c.pos_embed == "relative":
+            raise UsageError("packed batches need an absolute position embedding, not the relative bias")
+
+    def embed_packed(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """A packed batch -> (the encoder's input (B, p + L, D), the attention mask (B, 1, 1, p + L), the rotary
+        embedding's (sin, cos) per token or None). Each image's patches get the position grid resampled to that
+        image's grid (`config.pos_resample`, per token: `packing.resample_for_coords`)."""
+        self._check_packable()
+        c, p = self.config, self.config.num_prefix_tokens
+        x = self.patch_embed.embed_patches(batch.patches)  # (B, L, D)
+        sizes = grid_sizes(batch.coords, batch.valid)  # (B, 2): every image's grid
+        pe = self.pos_embed.for_coords(batch.coords, sizes, c.pos_resample, c.pos_resample_square)  # (B, L, D)
+        if pe is not None:
+            x = x + pe.to(x.dtype)
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
+        if prefix:
+            pre = torch.cat(prefix, dim=1)  # (B, p, D)
+            pos = None if c.no_embed_class else self.pos_embed.prefix_embed()
+            x = torch.cat([pre if pos is None else pre + pos, x], dim=1)  # (B, p + L, D)
+        x = self.norm_pre(self.pos_drop(x))
+        if self.lowp_stream and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        rope = self.rope.for_coords(batch.coords, sizes) if self.rope is not None else None
+        return x, key_mask(batch.valid, p), rope
+
+    def forward_features_packed(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed batch (or a list of images) -> (all tokens after the final norm (B, p + L, D), valid (B, L))."""
+        batch = as_packed(x, self.config.patch_size)
+        h, mask, rope = self.embed_packed(batch)
+        for blk in self.blocks:
+            h = self._run(blk, h, rope=rope, mask=mask)
+        return self.norm(h), batch.valid
+
+    def pool_packed(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`pool` per image of a packed batch: the class token, the mean of the image's own patches, or the
+        attention pooling over them."""
+        p = self.config.num_prefix_tokens
+        if self.config.classifier == "token":
+            return x[:, 0]
+        if self.attn_pool is not None:
+            return self.attn_pool(x[:, p:], valid=valid)
+        return self.fc_norm(masked_mean(x[:, p:], valid))
+
+    def forward_packed(self, x) -> torch.Tensor:
+        """Images of different sizes in one forward: a PackedBatch (or a list of (C, H, W) images, or timm's NaFlex
+        dict) -> logits (B, num_classes), one row per image, each as the image alone would give."""
+        batch = as_packed(x, self.config.patch_size)
+        if not self._cls_only_last_block():
+            feats, valid = self.forward_features_packed(batch)
+            if self.config.classifier == "token":
+                return self.forward_head(feats)
+            return self.head(self.head_drop(self.pre_logits(self.pool_packed(feats, valid))))
+        h, mask, rope = self.embed_packed(batch)
+        for blk in self.blocks[:-1]:
+            h = self._run(blk, h, rope=rope, mask=mask)
+        h = self._run(self.blocks[-1], h, queries=self.config.num_prefix_tokens, rope=rope, mask=mask)
+        return self.forward_head(self.norm(h))
 
     # ---- changing the model after construction --------------------------------------------------
 

@@ -159,10 +159,13 @@ class Attention(nn.Module):
         return q.requires_grad or not _CPU_HAS_AMX
 
     def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None,
-                grid: tuple[int, int] | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+                grid: tuple[int, int] | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None):
         """x: (B, T, D) -> (B, T, D); with `return_attention`, also the softmax weights (B, H, T, T).
         grid: the patch grid of this input, when it is not the model's (dynamic_img_size; the relative bias).
-        rope: (sin, cos), each (N, head_dim), rotating the patch tokens' queries and keys (`rope.py`).
+        rope: (sin, cos), each (N, head_dim) (or (B, 1, N, head_dim) for a packed batch), rotating the patch tokens'
+            queries and keys (`rope.py`).
+        mask: (B, 1, 1, T) bool, the keys each row may read (a packed batch's `packing.key_mask`); None: all.
 
         queries: only the first `queries` tokens attend (keys and values still come from all T tokens), and
             only their outputs are returned: (B, queries, D). What the model's last block needs when the head
@@ -192,6 +195,8 @@ class Attention(nn.Module):
             logits = (q * self.scale) @ k.transpose(-2, -1)  # (B, H, Q, T)
             if bias is not None:
                 logits = logits + bias
+            if mask is not None:
+                logits = logits.masked_fill(~mask, float("-inf"))
             attn = logits.softmax(dim=-1)
             out = F.dropout(attn, drop) @ v  # (B, H, Q, hd)
             if not return_attention:
@@ -200,6 +205,8 @@ class Attention(nn.Module):
             attn = None
             if bias is not None:
                 bias = bias.to(q.dtype)
+            if mask is not None:  # a packed batch has no relative bias (refused by the model)
+                bias = mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=drop)  # (B, H, Q, hd)
         out = out.transpose(1, 2).reshape(B, Q, D)  # (B, H, Q, hd) -> (B, Q, D)
         if self.norm is not None:

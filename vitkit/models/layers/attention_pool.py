@@ -30,19 +30,22 @@ class AttentionPool(nn.Module):
         self.norm = LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, mlp_dim, act=act)
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False):
-        """Tokens (B, N, D) -> pooled (B, D); with `return_attention`, also the probe's weights (B, H, 1, N)."""
+    def forward(self, x: torch.Tensor, return_attention: bool = False, valid: torch.Tensor | None = None):
+        """Tokens (B, N, D) -> pooled (B, D); with `return_attention`, also the probe's weights (B, H, 1, N).
+        valid: (B, N) bool, the tokens the probe may read (a packed batch's patches); None: all."""
         B, N, D = x.shape
         # the probe's query is the same for every image: projected once, then broadcast
         q = self.q(self.latent).view(1, 1, self.num_heads, self.head_dim).transpose(1, 2).expand(B, -1, -1, -1)  # (B, H, 1, hd)
         k, v = self.kv(x).split(D, dim=-1)  # each (B, N, D)
         k, v = (t.view(B, N, self.num_heads, self.head_dim).transpose(1, 2) for t in (k, v))  # each (B, H, N, hd)
         attn = None
+        mask = None if valid is None else valid[:, None, None, :]  # (B, 1, 1, N)
         if return_attention:
-            attn = ((q * self.head_dim**-0.5) @ k.transpose(-2, -1)).softmax(-1)  # (B, H, 1, N)
+            logits = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)  # (B, H, 1, N)
+            attn = (logits if mask is None else logits.masked_fill(~mask, float("-inf"))).softmax(-1)
             a = attn @ v
         else:
-            a = F.scaled_dot_product_attention(q, k, v)  # (B, H, 1, hd)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, 1, hd)
         a = self.proj(a.transpose(1, 2).reshape(B, 1, D))  # (B, 1, D)
         a = a + self.mlp(self.norm(a))
         return (a[:, 0], attn) if return_attention else a[:, 0]

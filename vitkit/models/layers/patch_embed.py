@@ -88,6 +88,20 @@ class PatchEmbed(FastGemm, nn.Module):
         x = self.proj(x)  # (B, D, gh, gw)
         return x.flatten(2).transpose(1, 2)  # (B, D, gh, gw) -> (B, N, D)
 
+    def embed_patches(self, patches: torch.Tensor) -> torch.Tensor:
+        """Flattened pixel patches (B, L, ph*pw*C), channel fastest (a packed batch's, timm NaFlex's and SigLIP 2's
+        layout) -> tokens (B, L, D): the same map as `proj` on the image they came from."""
+        kh, kw = self.proj.kernel_size
+        if self.backbone is not None or (kh, kw) != tuple(self.patch_size):
+            raise UsageError("pixel patches embed in a plain ViT only (a hybrid's ResNet reads whole images)")
+        B, L, n = patches.shape
+        c = self.in_chans
+        if n != kh * kw * c:
+            raise UsageError(f"patches of {n} values, expected {kh}x{kw}x{c} = {kh * kw * c} (ph, pw, C)")
+        x = patches.reshape(B, L, kh, kw, c).permute(0, 1, 4, 2, 3).reshape(B, L, c * kh * kw)  # (ph, pw, C) -> (C, ph, pw)
+        w = self.proj.weight
+        return self._linear(x, w, w.reshape(w.shape[0], -1), self.proj.bias)  # (B, L, D)
+
     def _patches_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The same map as `proj` (kernel = stride), as the paper writes Eq. 1: cut the image (or a hybrid's feature
         map) into flattened patches, then one matmul, on the packed fast GEMM where `pack_linears` allows. On a CPU

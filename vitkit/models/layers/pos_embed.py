@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import UsageError
+from .packing import resample_for_coords
 
-RESAMPLE_METHODS = ("bilinear", "bicubic", "bicubic_noaa")
+RESAMPLE_METHODS = ("bilinear", "bicubic", "bicubic_noaa", "bilinear_aa")
 
 
 def resample_pos_embed_grid(
@@ -29,7 +30,8 @@ def resample_pos_embed_grid(
         method: "bilinear" is the official method (`scipy.ndimage.zoom(order=1)` on the grid, which
             equals bilinear interpolation with aligned corners); "bicubic" is timm's
             (bicubic, corners not aligned, antialiased: PyTorch's antialiased kernel, a = -0.5, at any scale);
-            "bicubic_noaa" is PyTorch's plain bicubic (a = -0.75, no antialiasing), as transformers' Dinov2Model.
+            "bicubic_noaa" is PyTorch's plain bicubic (a = -0.75, no antialiasing), as transformers' Dinov2Model;
+            "bilinear_aa" is PyTorch's antialiased bilinear, corners not aligned (SigLIP 2's NaFlex towers).
     """
     if method not in RESAMPLE_METHODS:
         raise UsageError(f"resampling method must be one of {RESAMPLE_METHODS}, got {method!r}")
@@ -39,6 +41,8 @@ def resample_pos_embed_grid(
     x = grid.permute(2, 0, 1)[None].float()  # (gh, gw, D) -> (1, D, gh, gw)
     if method == "bilinear":
         x = F.interpolate(x, size=new_size, mode="bilinear", align_corners=True)
+    elif method == "bilinear_aa":
+        x = F.interpolate(x, size=new_size, mode="bilinear", align_corners=False, antialias=True)
     else:
         x = F.interpolate(x, size=new_size, mode="bicubic", align_corners=False, antialias=method == "bicubic")
     return x[0].permute(1, 2, 0).to(grid.dtype)  # (1, D, nh, nw) -> (nh, nw, D)
@@ -55,6 +59,15 @@ def sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 10000.0
     y = y.flatten()[:, None] * omega[None, :]  # (N, D/4)
     x = x.flatten()[:, None] * omega[None, :]
     return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=1).float()  # (N, D)
+
+
+def sincos_at(coords: torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """`sincos_2d` at given (row, column) coordinates (..., 2) -> (..., D)."""
+    omega = torch.arange(dim // 4, dtype=torch.float64, device=coords.device) / max(dim // 4 - 1, 1)
+    omega = 1.0 / temperature**omega  # (D/4,)
+    y = coords[..., :1].double() * omega  # (..., D/4)
+    x = coords[..., 1:].double() * omega
+    return torch.cat([x.sin(), x.cos(), y.sin(), y.cos()], dim=-1).float()
 
 
 def tracing() -> bool:
@@ -92,6 +105,7 @@ class LearnedPosEmbed1d(nn.Module):
         super().__init__()
         self.grid_size, self.num_prefix_tokens = tuple(grid_size), num_prefix_tokens
         self.weight = nn.Parameter(torch.empty(1, num_prefix_tokens + grid_size[0] * grid_size[1], dim))
+        self.method = "bilinear"  # how another grid is resampled from this one (the model's `pos_resample`)
         nn.init.normal_(self.weight, std=0.02)
         self._cache = _GridCache()
 
@@ -104,12 +118,23 @@ class LearnedPosEmbed1d(nn.Module):
         """(1, p + nh * nw, D): the embedding for another grid, the class position kept."""
         p, (gh, gw) = self.num_prefix_tokens, self.grid_size
         w = self.weight[0]
-        patches = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), grid)  # (nh, nw, D)
+        patches = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), grid, self.method)  # (nh, nw, D)
         return torch.cat([w[:p], patches.flatten(0, 1)])[None]
 
     def grid(self) -> torch.Tensor:
         """(gh * gw, D): the patch positions only."""
         return self.weight[0, self.num_prefix_tokens :]
+
+    def for_coords(self, coords: torch.Tensor, sizes: torch.Tensor, method: str = "bilinear",
+                   square: bool = False) -> torch.Tensor:
+        """A packed batch's patch embeddings (B, L, D): each image's grid resampled from the learned one
+        (`packing.resample_for_coords`)."""
+        gh, gw = self.grid_size
+        return resample_for_coords(self.grid().reshape(gh, gw, -1), coords, sizes, method, square)
+
+    def prefix_embed(self) -> torch.Tensor | None:
+        """(1, p, D): the prefix tokens' positions, or None when the embedding covers the patches alone."""
+        return self.weight[:, : self.num_prefix_tokens] if self.num_prefix_tokens else None
 
     def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
         p, (gh, gw) = self.num_prefix_tokens, self.grid_size
@@ -148,6 +173,18 @@ class LearnedPosEmbed2d(nn.Module):
         cols = col[None, :, :].expand(gh, gw, -1)
         return torch.cat([rows, cols], dim=-1).flatten(0, 1)  # (gh, gw, D) -> (N, D)
 
+    def for_coords(self, coords: torch.Tensor, sizes: torch.Tensor, method: str = "bilinear",
+                   square: bool = False) -> torch.Tensor:
+        """(B, L, D): each patch's row and column embeddings, resampled per axis to its image's grid."""
+        rows = resample_for_coords(self.row[:, None, :], coords * coords.new_tensor([1, 0]),  # column 0 of (gh, 1)
+                                   sizes * sizes.new_tensor([1, 0]) + sizes.new_tensor([0, 1]), method)
+        cols = resample_for_coords(self.col[None, :, :], coords * coords.new_tensor([0, 1]),  # row 0 of (1, gw)
+                                   sizes * sizes.new_tensor([0, 1]) + sizes.new_tensor([1, 0]), method)
+        return torch.cat([rows, cols], dim=-1)
+
+    def prefix_embed(self) -> torch.Tensor | None:
+        return self.prefix
+
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         pe = self.grid(grid)[None]  # (1, N, D)
         if self.prefix is not None:
@@ -174,6 +211,14 @@ class SinCosPosEmbed2d(nn.Module):
     def grid(self) -> torch.Tensor:
         return self.pe[0]
 
+    def for_coords(self, coords: torch.Tensor, sizes: torch.Tensor, method: str = "bilinear",
+                   square: bool = False) -> torch.Tensor:
+        """(B, L, D): the fixed embedding of each patch's (row, column), as `sincos_2d` gives it for its grid."""
+        return sincos_at(coords, self.dim)
+
+    def prefix_embed(self) -> torch.Tensor | None:
+        return None
+
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         pe = self.pe if _same_grid(grid, self.grid_size) else sincos_2d(tuple(grid), self.dim)[None].to(x.device)
         p = self.num_prefix_tokens
@@ -195,6 +240,13 @@ class NoPosEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int] | None = None) -> torch.Tensor:
         return x
+
+    def for_coords(self, coords: torch.Tensor, sizes: torch.Tensor, method: str = "bilinear",
+                   square: bool = False) -> torch.Tensor | None:
+        return None
+
+    def prefix_embed(self) -> torch.Tensor | None:
+        return None
 
     def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
         self.grid_size = tuple(new_grid)

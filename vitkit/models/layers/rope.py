@@ -59,6 +59,17 @@ class RotaryEmbedding2d(nn.Module):
                 self._cache[key] = hit
         return hit
 
+    def for_coords(self, coords: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed batch's (sin, cos), each (B, 1, L, head_dim): every patch's angles at its (row, column), scaled
+        by ref_grid / its own image's grid as `rope_angles` scales a whole grid."""
+        nb = self.head_dim // 4
+        bands = 1.0 / self.temperature ** (torch.arange(nb, dtype=torch.float32, device=coords.device) / nb)
+        yx = coords.float()  # (B, L, 2)
+        if self.ref_grid is not None:
+            yx = yx / sizes[:, None, :].float() * yx.new_tensor(self.ref_grid)
+        ang = (yx[..., None] * bands).flatten(-2).repeat_interleave(2, -1)[:, None]  # (B, 1, L, d)
+        return ang.sin(), ang.cos()
+
     def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
         """Nothing learned to resample: the model's grid changes, the angles follow (scaled by ref_grid)."""
         self.grid_size = tuple(new_grid)

@@ -1,0 +1,135 @@
+"""Packed batches of mixed sizes and aspect ratios (NaFlex / NaViT): the model against itself one image at a time, and
+against timm's NaFlexVit and transformers' SigLIP 2 tower on their own packed batches (tests/fixtures/naflex, made by
+make_naflex_fixtures.py in the peers' venv)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import vitkit
+from vitkit.errors import UsageError
+from vitkit.models.layers.packing import (PackedBatch, from_spatial_shapes, grid_coords, pack, resample_for_coords,
+                                          resize_to_patches)
+from vitkit.models.registry import build_config
+
+FIX = Path(__file__).parent / "fixtures" / "naflex"
+TOL = 1e-4
+SIZES = [(2, 3), (4, 1), (1, 1), (3, 2)]  # patch grids: four aspect ratios
+
+
+def _images(patch: int, g: torch.Generator) -> list[torch.Tensor]:
+    return [torch.randn(3, h * patch, w * patch, generator=g) for h, w in SIZES]
+
+
+@pytest.mark.parametrize("name", [n for n in vitkit.list_models() if not n.startswith(("r50", "r26", "r_vit", "bit", "swin"))])
+def test_every_plain_vit_gives_an_image_the_same_output_alone_and_packed(name):
+    c = build_config(name)
+    p = c.patch_size[0]
+    m = vitkit.create_model(name, embed_dim=32, depth=2, num_heads=2, mlp_dim=64 if c.mlp_layer == "mlp" else 48,
+                            img_size=3 * p, num_classes=3).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for prm in m.parameters():
+            prm.copy_(torch.randn(prm.shape, generator=g) * 0.2)
+        imgs = _images(p, g)
+        packed = m(imgs)
+        alone = torch.cat([m([im]) for im in imgs])
+        m.set_dynamic_img_size(True)  # the classic forward at each image's own size, its grid resampled (bilinear)
+        classic = torch.cat([m(im[None]) for im in imgs])
+    assert packed.shape == (len(imgs), 3) and classic.abs().max() > 0.05
+    assert (packed - alone).abs().max() < 1e-5
+    assert (alone - classic).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("method,kw", [
+    ("bilinear", dict(mode="bilinear", align_corners=True)),
+    ("bilinear_aa", dict(mode="bilinear", align_corners=False, antialias=True)),
+    ("bicubic", dict(mode="bicubic", align_corners=False, antialias=True)),
+    ("bicubic_noaa", dict(mode="bicubic", align_corners=False))])
+def test_per_token_resampling_is_f_interpolate(method, kw):
+    table = torch.randn(7, 9, 5, generator=torch.Generator().manual_seed(1))
+    for h, w in [(7, 9), (1, 1), (3, 14), (20, 5), (14, 18)]:  # the same grid, down, up and mixed
+        ref = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), **kw)[0].permute(1, 2, 0).reshape(h * w, -1)
+        out = resample_for_coords(table, grid_coords(h, w)[None], torch.tensor([[h, w]]), method)[0]
+        assert (out - ref).abs().max() < 1e-5, (h, w)
+
+
+def _timm_batch(name: str) -> tuple[PackedBatch, list[torch.Tensor]]:
+    ld = lambda k: torch.from_numpy(np.load(FIX / name / f"{k}.npy"))  # noqa: E731
+    batch = PackedBatch(ld("patches"), ld("coords"), ld("valid"))
+    imgs = [batch.patches[i, : gh * gw].reshape(gh, gw, 16, 16, 3).permute(4, 0, 2, 1, 3).reshape(3, gh * 16, gw * 16)
+            for i, (gh, gw) in enumerate(batch.grids())]  # (gh, gw, ph, pw, C) -> (C, H, W)
+    return batch, imgs
+
+
+@pytest.mark.parametrize("name,source", [("timm_gap", "folder"), ("timm_gap", "state_dict"), ("timm_map", "folder"),
+                                         ("timm_map", "state_dict"), ("timm_par_gap", "folder"), ("timm_siglip", "folder")])
+def test_timm_naflexvit_parity_packed_and_alone(name, source):
+    path = FIX / name if source == "folder" else FIX / name / "state_dict.safetensors"
+    m = vitkit.load(path, **({"num_heads": 4} if source == "state_dict" else {})).eval()
+    batch, imgs = _timm_batch(name)
+    assert len({h / w for h, w in batch.grids()}) >= 3 and batch.padding() > 0
+    with torch.no_grad():
+        packed, alone = m(batch), torch.cat([m([im]) for im in imgs])
+        loose = m({"patches": batch.patches, "patch_coord": batch.coords, "patch_valid": batch.valid})  # timm's dict
+    want = torch.from_numpy(np.load(FIX / name / "packed.npy"))
+    assert (packed - want).abs().max() < TOL and (loose - want).abs().max() < TOL
+    assert (alone - torch.from_numpy(np.load(FIX / name / "alone.npy"))).abs().max() < TOL
+
+
+def test_siglip2_naflex_tower_parity_packed_and_alone():
+    ld = lambda k: torch.from_numpy(np.load(FIX / "hf_siglip2" / f"{k}.npy"))  # noqa: E731
+    m = vitkit.load(FIX / "hf_siglip2").eval()
+    assert (m.config.classifier, m.config.pos_resample, m.config.naflex) == ("map", "bilinear_aa", True)
+    batch = from_spatial_shapes(ld("pixel_values"), ld("spatial_shapes"), ld("pixel_attention_mask"))
+    with torch.no_grad():
+        pooled = m(batch)
+        feats, valid = m.forward_features_packed(batch)
+        alone = torch.cat([m(pack([batch.patches[i, : gh * gw].reshape(gh, gw, 16, 16, 3).permute(4, 0, 2, 1, 3)
+                                    .reshape(3, gh * 16, gw * 16)], (16, 16))) for i, (gh, gw) in enumerate(batch.grids())])
+    assert (pooled - ld("packed")).abs().max() < TOL
+    assert (alone - ld("alone")).abs().max() < TOL
+    assert (feats * valid[..., None] - ld("hidden")).abs().max() < TOL
+
+
+def test_naflex_exports_back_to_timm_as_timm_wrote_it(tmp_path):
+    for name in ("timm_map", "timm_par_gap"):
+        out = vitkit.export(vitkit.load(FIX / name), tmp_path / name, to="timm")
+        theirs, ours = load_file(FIX / name / "model.safetensors"), load_file(out / "model.safetensors")
+        assert set(theirs) == set(ours) and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+        cfg, want = json.loads((out / "config.json").read_text()), json.loads((FIX / name / "config.json").read_text())
+        assert cfg["architecture"] == want["architecture"]
+    # SigLIP 2's tower as a timm NaFlexVit (checked in timm itself: benchmarks/NOTES.md section 31)
+    cfg = json.loads((vitkit.export(vitkit.load(FIX / "hf_siglip2"), tmp_path / "s2", to="timm") / "config.json").read_text())
+    assert cfg["architecture"] == "naflexvit_base_patch16_siglip" and cfg["model_args"]["pos_embed_interp_mode"] == "bilinear"
+
+
+def test_packed_input_errors_are_clear():
+    m = vitkit.create_model("vit_ti16", depth=1, img_size=32, num_classes=2)
+    with pytest.raises(UsageError, match="multiples of the patch size"):
+        m([torch.zeros(3, 20, 32)])
+    with pytest.raises(UsageError, match="patches .B, L, P"):
+        m(PackedBatch(torch.zeros(2, 4, 768), torch.zeros(2, 5, 2), torch.ones(2, 4)))
+    with pytest.raises(UsageError, match="patch_coord"):
+        m({"patches": torch.zeros(1, 4, 768)})
+    hybrid = vitkit.create_model("r_vit_ti16", depth=1, num_classes=2)
+    with pytest.raises(UsageError, match="hybrid"):
+        hybrid([torch.zeros(3, 32, 32)])
+
+
+def test_resize_to_patches_keeps_the_aspect_ratio_within_the_budget():
+    for h, w in [(480, 640), (1000, 100), (17, 9000), (32, 32), (3, 3)]:
+        for budget in (1, 16, 64, 256):
+            H, W = resize_to_patches(h, w, (16, 16), budget)
+            n = (H // 16) * (W // 16)
+            assert H % 16 == 0 and W % 16 == 0 and 1 <= n <= budget
+            # one more patch row or column at the same aspect would not fit, or the image is one patch thick
+            if min(H, W) > 16 and budget >= 4:
+                assert abs((H / W) / (h / w) - 1) < 0.5
+    assert resize_to_patches(480, 640, (16, 16), 256) == (224, 288)  # 14 x 18 = 252 patches; 14 x 19 = 266 > 256

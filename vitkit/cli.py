@@ -341,6 +341,7 @@ def evaluate(
     device: str = "auto",
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
     backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
+    max_patches: int | None = None,
 ) -> dict:
     """Evaluate a checkpoint on a test set: top-1, top-5, per-class accuracy, a confusion-matrix PNG and a JSON report.
 
@@ -359,6 +360,8 @@ def evaluate(
             bf16 | fp16 (GPU).
         backend: torch | auto (the fastest engine measured here within 5% of fp32 eager, as for `vitkit predict`) |
             onnx | openvino.
+        max_patches: native aspect ratios (NaFlex): every image resized, keeping its aspect ratio, to at most this
+            many patches, each batch packed into one forward (eager torch); default: the checkpoint's square size.
     """
     from .checkpoints import load
     from .data.datasets import csv_list, decodes_files, folder_test_split, image_folder, is_shards, load_dataset
@@ -369,6 +372,9 @@ def evaluate(
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
+    if max_patches and backend != "torch":
+        raise UsageError("--max-patches runs packed batches on eager torch (--backend torch); an ONNX export with "
+                         "packed inputs: vitkit export --format onnx --max-patches N")
     runner, prec, reason = _inference_engine(model, dev, precision, backend, batch_size)
     c = model.config
     names = c.class_names
@@ -390,12 +396,19 @@ def evaluate(
         raise UsageError(f"the checkpoint has {c.num_classes} classes, the data {len(test.classes)}")
     if decodes_files(test):
         test = test.configured(c)  # decoded with the checkpoint's own size, crop and interpolation
-    transform = EvalTransform.for_model(c, replicate_to=replicate, geometry=not decodes_files(test))
+    if max_patches:
+        from .data.naflex import PackTransform
+
+        if decodes_files(test):
+            test = test.packed(max_patches, c.patch_size)
+        transform = PackTransform.for_model(c, max_patches, replicate_to=replicate, sized=decodes_files(test))
+    else:
+        transform = EvalTransform.for_model(c, replicate_to=replicate, geometry=not decodes_files(test))
     res = _evaluate(runner, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta,
                     device=dev, precision=prec)
     out_dir = Path(out) if out else Path(checkpoint).parent
     write_report(res, out_dir / "eval_report.json", {"checkpoint": str(checkpoint), "data": data, "tta": tta,
-                                                     "precision": reason, "backend": backend})
+                                                     "precision": reason, "backend": backend, "max_patches": max_patches})
     save_confusion_png(res, out_dir / "confusion.png")
     print(f"{checkpoint} on {data}: top-1 {res.acc1:.4f}  top-5 {res.acc5:.4f}  loss {res.loss:.4f}  (n = {res.n}, skipped {res.skipped})")
     width = max(len(n) for n in res.classes)
@@ -586,6 +599,7 @@ def predict(
     device: str = "auto",
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
     backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
+    max_patches: int | None = None,
 ) -> int:
     """Classify image files with a checkpoint's own preprocessing and class names. A file that cannot be read is
     reported in the output and the others are still classified; the exit status is then 1.
@@ -601,6 +615,9 @@ def predict(
         backend: torch (eager PyTorch) | auto (the fastest engine measured on this machine for this model and batch
             among eager fp32/bf16, onnxruntime and OpenVINO fp32/bf16, within 5% of fp32 eager's logits; measured
             once, then cached; prints the table) | onnx | openvino (the checkpoint exported once and cached).
+        max_patches: native aspect ratio (NaFlex): each image resized, keeping its aspect ratio, to at most this many
+            patches, the images packed into one forward of mixed sizes (eager torch); default: the checkpoint's
+            square size.
     """
     from .checkpoints import load
     from .inference import predict as _predict
@@ -608,8 +625,10 @@ def predict(
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
+    if max_patches and backend != "torch":
+        raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
     runner, prec, _ = _inference_engine(model, dev, precision, backend, min(len(images), 32))
-    records = _predict(runner, images, top_k, tta=tta, precision=prec)
+    records = _predict(runner, images, top_k, tta=tta, precision=prec, max_patches=max_patches)
     if format == "json":
         print(json.dumps(records, indent=1))
     elif format == "csv":

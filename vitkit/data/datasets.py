@@ -37,6 +37,7 @@ FASHION_MNIST_MD5 = {"train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88
                      "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
                      "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
                      "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310"}
+_PIL_RESAMPLE = {"nearest": 0, "bilinear": 2, "bicubic": 3}  # PIL's Image.Resampling values
 FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 FASHION_MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -231,6 +232,8 @@ class FileDataset(TrainCrops, Dataset):
     crop_pct: float = 1.0
     interpolation: str = "bilinear"
     train_crop: tuple | None = None  # (scale, ratio, seed, epoch): random-resized crops at full resolution
+    max_patches: int | None = None  # native aspect ratio (data.max_patches): resized to this many patches of patch_size
+    patch_size: tuple[int, int] = (16, 16)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -243,7 +246,16 @@ class FileDataset(TrainCrops, Dataset):
             if self.strict:
                 raise ImageDecodeError(f"{path}: {e}") from e
             return BadSample(str(path), str(e))
+        if self.max_patches:  # its own aspect ratio at the patch budget (training crops: on the batch, PackAugment)
+            from ..models.layers.packing import resize_to_patches
+
+            h, w = resize_to_patches(img.height, img.width, self.patch_size, self.max_patches)
+            return to_uint8_tensor(img.resize((w, h), _PIL_RESAMPLE.get(self.interpolation, 2))), label
         return to_uint8_tensor(sample_geometry(img, self, i)), label
+
+    def packed(self, max_patches: int | None, patch_size) -> "FileDataset":
+        """Decoded at each image's own aspect ratio, resized to at most `max_patches` patches (None: the model's size)."""
+        return dataclasses.replace(self, max_patches=max_patches, patch_size=tuple(patch_size))
 
     def configured(self, config) -> "FileDataset":
         """This list of files, decoded as `config` (a model's) asks: its img_size, crop_pct and interpolation."""
@@ -265,6 +277,8 @@ def collate_skip_bad(batch: list):
     if not good:
         return torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.long), bad
     xs, ys = zip(*good)
+    if len({x.shape for x in xs}) > 1:  # images at their own sizes (data.max_patches): a list, packed later
+        return list(xs), torch.tensor(ys, dtype=torch.long), bad
     return torch.stack(xs), torch.tensor(ys, dtype=torch.long), bad
 
 
@@ -348,6 +362,11 @@ def split_holdout(ds: InMemoryDataset | FileDataset, fraction: float, seed: int 
     mask = torch.zeros(len(labels), dtype=torch.bool)
     mask[torch.cat(held)] = True
     keep, out = torch.nonzero(~mask).flatten(), torch.nonzero(mask).flatten()
+    from .naflex import VarSizeDataset
+
+    if isinstance(ds, VarSizeDataset):
+        return (VarSizeDataset([ds.images[i] for i in keep.tolist()], ds.labels[keep], ds.classes, ds.name),
+                VarSizeDataset([ds.images[i] for i in out.tolist()], ds.labels[out], ds.classes, ds.name + " (held out)"))
     if isinstance(ds, InMemoryDataset):
         k, o = keep.to(ds.labels.device), out.to(ds.labels.device)
         return (InMemoryDataset(ds.images[k], ds.labels[k], ds.classes, ds.name),
@@ -413,6 +432,12 @@ def eval_index_batches(n: int, batch_size: int, rank: int = 0, world: int = 1, l
 
 def _load_batches(data, batches: list[torch.Tensor], num_workers: int, device) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
     """Index batches -> (uint8 images, labels, samples skipped) on `device`."""
+    from .naflex import VarSizeDataset
+
+    if isinstance(data, VarSizeDataset):  # images of different sizes: a list per batch, packed by the transform
+        for idx in batches:
+            yield [data.images[i] for i in idx.tolist()], data.labels[idx].to(device, non_blocking=True), 0
+        return
     if isinstance(data, InMemoryDataset):
         for idx in batches:
             idx = idx.to(data.images.device)
@@ -421,7 +446,8 @@ def _load_batches(data, batches: list[torch.Tensor], num_workers: int, device) -
     loader = DataLoader(data, batch_sampler=[b.tolist() for b in batches], num_workers=num_workers,
                         collate_fn=collate_skip_bad, persistent_workers=False, pin_memory=torch.device(device).type == "cuda")
     for x, y, bad in loader:
-        yield x.to(device, non_blocking=True), y.to(device, non_blocking=True), _report_bad(bad)
+        x = x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+        yield x, y.to(device, non_blocking=True), _report_bad(bad)
 
 
 @dataclass
@@ -494,11 +520,21 @@ def load_dataset(
     strict_images: bool = False,
     test_dir: str | None = None,
 ) -> DataSpec:
-    """A dataset by name ("fashion-mnist", "cifar10", "cifar100", "digits"), an ImageFolder root (with train/ and
+    """A dataset by name ("fashion-mnist", "fashion-mnist-crops": its images cut to random aspect ratios, "cifar10",
+    "cifar100", "digits"), an ImageFolder root (with train/ and
     val/ or test/ inside, or `test_dir`), a CSV list (`train.csv`; `test_dir` names the test CSV), or a shard set
     written by `vitkit data pack` (a folder, or a file:// or http(s):// URL, with train/ and val/ or test/)."""
     if name in ("fashion-mnist", "fashion_mnist", "fmnist"):
         train, test = load_fashion_mnist("train", data_dir), load_fashion_mnist("test", data_dir)
+    elif name == "fashion-mnist-crops":  # every image cut to a random aspect ratio in [1/3, 3] (a fixed draw per split)
+        from .naflex import aspect_crops
+
+        train, test = load_fashion_mnist("train", data_dir), load_fashion_mnist("test", data_dir)
+        mean, std = _mean_std(train.images)
+        train = aspect_crops(train.images, train.labels, train.classes, seed=1, name=name)
+        test = aspect_crops(test.images, test.labels, test.classes, seed=2, name=name + " (test)")
+        check_classes(train.labels, train.classes, f"training set {name}")
+        return DataSpec(train, test, train.classes, 1, (28, 28), mean, std)
     elif name in ("cifar10", "cifar100"):
         train, test = load_cifar(name, "train", data_dir), load_cifar(name, "test", data_dir)
     elif name == "digits":

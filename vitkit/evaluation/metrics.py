@@ -61,7 +61,16 @@ def tta_views(x: torch.Tensor, mode: str = "none") -> list[torch.Tensor]:
 
 def tta_log_probs(model: nn.Module, x: torch.Tensor, mode: str = "none") -> torch.Tensor:
     """log of the class probabilities (B, K) averaged over the views of `tta_views`, in float32."""
-    views = tta_views(x, mode)
+    from ..models.layers.packing import PackedBatch
+
+    if isinstance(x, PackedBatch):  # images at their own sizes: the identity and, for "flip", the mirror images
+        if mode not in ("none", "flip"):
+            raise UsageError(f"test-time augmentation {mode!r} of packed batches: 'none' or 'flip' only")
+        from ..data.naflex import hflip_packed
+
+        views = [x] if mode == "none" else [x, hflip_packed(x, model.config.patch_size)]
+    else:
+        views = tta_views(x, mode)
     logp = torch.stack([model(v).float().log_softmax(-1) for v in views])  # (V, B, K)
     return logp.logsumexp(0) - math.log(len(views))
 

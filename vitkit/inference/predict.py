@@ -13,15 +13,23 @@ from ..precision import autocast
 
 @torch.no_grad()
 def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_size: int = 32, tta: str = "none",
-            precision: str = "fp32") -> list[dict]:
+            precision: str = "fp32", max_patches: int | None = None) -> list[dict]:
     """One record per image: {"image", "top": [(label, probability), ...]} or {"image", "error"} if unreadable.
 
     tta: test-time augmentation (`vitkit.evaluation.tta_views`): probabilities averaged over the views.
     precision: fp32 | bf16 | fp16 (autocast), as resolved by `vitkit.precision`.
+    max_patches: native aspect ratio (NaFlex): each image resized, keeping its aspect ratio, to at most this many
+        patches, the batch packed into one forward (`vitkit.data.naflex`); None: the checkpoint's square size.
     """
     check_tta(tta)  # before any image is read
     c = model.config
     transform = EvalTransform.for_model(c, geometry=False)  # decode_for already resized and cropped
+    if max_patches:
+        from ..data.image import load_image, to_uint8_tensor
+        from ..data.naflex import PackTransform
+        from ..models.layers.packing import pack
+
+        packer = PackTransform.for_model(c, max_patches)
     names = c.class_names or [str(i) for i in range(c.num_classes)]
     device = getattr(model, "device", None) or next(model.parameters()).device  # a BackendModel names its own
     records: list[dict] = []
@@ -30,7 +38,10 @@ def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_si
     def flush() -> None:
         if not pending:
             return
-        x = torch.stack([t for _, t in pending]).to(device)
+        if max_patches:
+            x = pack([t for _, t in pending], tuple(c.patch_size)).to(device)
+        else:
+            x = torch.stack([t for _, t in pending]).to(device)
         with autocast(precision, device):
             probs = tta_log_probs(model, x, tta).float().exp()  # (B, K)
         top = probs.topk(min(top_k, probs.shape[1]), dim=1)
@@ -42,7 +53,10 @@ def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_si
     for path in images:
         records.append({"image": str(path)})
         try:
-            pending.append((len(records) - 1, transform(decode_for(path, c)[None])[0]))  # the checkpoint's eval transform
+            if max_patches:  # its own aspect ratio at the patch budget
+                pending.append((len(records) - 1, packer.image(to_uint8_tensor(load_image(path, c.in_chans)))))
+            else:
+                pending.append((len(records) - 1, transform(decode_for(path, c)[None])[0]))  # the checkpoint's eval transform
         except (ImageDecodeError, FileNotFoundError, IsADirectoryError) as e:
             records[-1]["error"] = str(e)
             continue

@@ -33,6 +33,9 @@ class DataConfig:
     strict_images: fail on an undecodable image instead of skipping and counting it.
     classes: keep only these classes (their indices in the dataset), relabelled 0..k-1 in that order (in-memory
         datasets): an upstream task of some classes, another downstream.
+    max_patches: native aspect ratios (NaFlex): every image resized, keeping its aspect ratio, to at most this many
+        patches and the batch packed into one forward of mixed sizes (`vitkit.data.naflex`); training augments with
+        crops of the image's own aspect ratio (aug.crop=rrc, area aug.scale) and flips. None: one square size.
     """
 
     dataset: str = "fashion-mnist"
@@ -46,6 +49,7 @@ class DataConfig:
     val_split: float = 0.0
     strict_images: bool = False
     classes: list[int] | None = None
+    max_patches: int | None = None
 
 
 @dataclass

@@ -33,6 +33,7 @@ from torch import nn
 from ..checkpoints.api import save
 from ..data.augment import BatchAugment
 from ..data.datasets import DataSpec, InMemoryDataset, decodes_files, iterate_batches, load_dataset, split_holdout
+from ..data.naflex import PackAugment, PackTransform, VarSizeDataset
 from ..data.image import EvalTransform
 from ..device import resolve_device
 from ..distributed import Dist, full_state_dict, gradient_sync, resolve_strategy, wrap_model
@@ -215,7 +216,7 @@ def _prepare(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None)
 
     spec = load_dataset(d.dataset, d.data_dir, img_size=cfg.model.overrides.get("img_size"), strict_images=d.strict_images,
                         test_dir=d.test_dir, in_chans=cfg.model.overrides.get("in_chans"))
-    if isinstance(spec.train, InMemoryDataset):
+    if isinstance(spec.train, (InMemoryDataset, VarSizeDataset)):
         spec.train = spec.train.with_classes(d.classes).subset(d.subset).to(device)
         spec.test = spec.test.with_classes(d.classes).subset(d.test_subset).to(device)
         spec.classes = spec.train.classes
@@ -255,6 +256,13 @@ def _prepare(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None)
                         3 if fs.in_chans == 1 and mc.in_chans == 3 else None)
     # files are decoded at the model's size with its evaluation geometry (a 384-px checkpoint reads at 384)
     spec.train, spec.test, val = (ds.configured(mc) if decodes_files(ds) else ds for ds in (spec.train, spec.test, val))
+    if d.max_patches:  # native aspect ratios: files decoded at the patch budget, batches packed (vitkit.data.naflex)
+        _check_packed(cfg, model)
+        spec.train, spec.test, val = (ds.packed(d.max_patches, mc.patch_size) if hasattr(ds, "packed") else ds
+                                      for ds in (spec.train, spec.test, val))
+    else:  # images of many sizes in memory, one square size per batch: each resized to the model's (aspect lost)
+        spec.train, spec.test, val = (ds.squared(mc.img_size) if isinstance(ds, VarSizeDataset) else ds
+                                      for ds in (spec.train, spec.test, val))
     aug_cfg = cfg.aug
     if decodes_files(spec.train) and aug_cfg.crop == "rrc":
         # random-resized crops of files are cut from the full-resolution image in the DataLoader workers, not from
@@ -271,7 +279,11 @@ def _prepare(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None)
         net = torch.compile(net)
     amp = precision_mod.AMP_DTYPES.get(precision)
     # the augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
-    aug = BatchAugment(aug_cfg, tuple(mc.img_size), mc.mean, mc.std, len(spec.classes), spec.extra.get("replicate_channels"))
+    if d.max_patches:
+        aug = PackAugment(d.max_patches, mc.patch_size, mc.mean, mc.std, scale=aug_cfg.scale if aug_cfg.crop == "rrc" else (1.0, 1.0),
+                          hflip=aug_cfg.hflip, replicate_to=spec.extra.get("replicate_channels"))
+    else:
+        aug = BatchAugment(aug_cfg, tuple(mc.img_size), mc.mean, mc.std, len(spec.classes), spec.extra.get("replicate_channels"))
     steps_per_epoch = len(spec.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     return _Run(cfg, dist, Path(r.out_dir), spec, val, split, precision, model, net, strategy, opt, ema,
@@ -327,13 +339,30 @@ def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
             f"{gflops} per image")
 
 
+def _check_packed(cfg: TrainConfig, model: nn.Module) -> None:
+    """What native-aspect (packed) training cannot combine with, said before any work."""
+    a = cfg.aug
+    if getattr(model.config, "arch", "") != "vit" or model.config.hybrid_layers is not None:
+        raise UsageError("data.max_patches (packed batches of mixed sizes) trains plain ViTs, not hybrids, BiT or Swin")
+    if a.mixup or a.cutmix or a.randaugment or a.random_erasing or a.crop == "pad":
+        raise UsageError("with data.max_patches every image keeps its own size: mixup, cutmix, RandAugment, random "
+                         "erasing and pad-and-crop need one size per batch (set aug.mixup=0 aug.cutmix=0 "
+                         "aug.randaugment= aug.random_erasing=0 and aug.crop=rrc or none)")
+    if cfg.model.objective != "classify" or cfg.distill.teacher:
+        raise UsageError("data.max_patches trains classifiers without a teacher (no mpp, no distillation)")
+
+
 def _evaluate_on(run: _Run, module: nn.Module, data) -> EvalResult:
     """Every evaluation of a run: its batch size, precision and TTA, the checkpoint's preprocessing, all ranks."""
     r, mc = run.cfg.run, run.model.config
     if run.cfg.model.objective == "mpp":
         return _evaluate_mpp(run, module, data)
-    transform = EvalTransform.for_model(mc, replicate_to=run.spec.extra.get("replicate_channels"),
-                                        geometry=not decodes_files(data))
+    if run.cfg.data.max_patches:
+        transform = PackTransform.for_model(mc, run.cfg.data.max_patches, sized=decodes_files(data),
+                                            replicate_to=run.spec.extra.get("replicate_channels"))
+    else:
+        transform = EvalTransform.for_model(mc, replicate_to=run.spec.extra.get("replicate_channels"),
+                                            geometry=not decodes_files(data))
     # the model itself, not DDP around it (no collectives in an evaluation); FSDP2's shards all run every forward
     return evaluate(module, data, transform, batch_size=run.cfg.data.eval_batch_size, device=run.device,
                     precision=run.precision, tta=r.tta, dist=run.dist, lockstep=run.strategy == "fsdp" and module is run.model)

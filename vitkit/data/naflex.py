@@ -1,0 +1,169 @@
+"""Data at native aspect ratio (NaFlex): every image resized, keeping its aspect ratio, to a budget of patches
+(`data.max_patches`), then packed with the others of its batch into one `PackedBatch` (`vitkit.models.layers.packing`).
+
+- `VarSizeDataset`: uint8 images of any sizes in memory (a list), with labels; `aspect_crops` makes one from a
+  fixed-size dataset by cutting every image to a random aspect ratio (the test set whose aspect ratios vary:
+  "fashion-mnist-crops").
+- `PackTransform`: a batch of uint8 images (a list, or a (B, C, H, W) tensor) -> a PackedBatch at the patch budget,
+  normalised: evaluation, `predict`, serving.
+- `PackAugment`: the same for training, after augmentations that keep the aspect ratio (a random crop of the image's
+  own aspect ratio and area `scale`, horizontal flips).
+
+Batches are drawn by the same sampler as fixed-size data (`iterate_batches`: one order per (seed, epoch), a slice per
+rank, `start_step` for an exact resume). Every image of a batch has between ~0.8 and 1.0 x max_patches patches after
+the budget resize, so the padding of a packed batch is small (`benchmarks/naflex.py` measures it).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UsageError
+from ..models.layers.packing import PackedBatch, pack, resize_to_patches
+from .image import normalize
+
+
+@dataclass
+class VarSizeDataset:
+    """uint8 images of any sizes, each (C, H, W), with int64 labels (N,) and class names."""
+
+    images: list[torch.Tensor]
+    labels: torch.Tensor
+    classes: list[str]
+    name: str = ""
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def in_chans(self) -> int:
+        return self.images[0].shape[0]
+
+    @property
+    def img_size(self) -> tuple[int, int]:
+        """The largest height and width (no one size: a reference for a model's grid)."""
+        return max(im.shape[1] for im in self.images), max(im.shape[2] for im in self.images)
+
+    def subset(self, n: int | None) -> "VarSizeDataset":
+        return self if n is None or n >= len(self) else VarSizeDataset(self.images[:n], self.labels[:n], self.classes, self.name)
+
+    def with_classes(self, keep: list[int] | None) -> "VarSizeDataset":
+        if keep is None:
+            return self
+        idx = [i for i, y in enumerate(self.labels.tolist()) if y in keep]
+        remap = {c: j for j, c in enumerate(keep)}
+        return VarSizeDataset([self.images[i] for i in idx], torch.tensor([remap[int(self.labels[i])] for i in idx]),
+                              [self.classes[c] for c in keep], self.name)
+
+    def to(self, device) -> "VarSizeDataset":
+        return self  # images stay on the host; packed batches move
+
+    def squared(self, size: Sequence[int]) -> "InMemoryDataset":
+        """Every image resized to one square size (its aspect ratio lost): what a fixed-size pipeline does."""
+        from .datasets import InMemoryDataset
+
+        x = torch.stack([(_resize(im.float() / 255, tuple(size)) * 255).round().to(torch.uint8) for im in self.images])
+        return InMemoryDataset(x, self.labels, self.classes, self.name + f" (resized to {size[0]}x{size[1]})")
+
+
+def aspect_crops(images: torch.Tensor, labels: torch.Tensor, classes: list[str], seed: int,
+                 ratio: tuple[float, float] = (1 / 3, 3.0), name: str = "") -> VarSizeDataset:
+    """Every image (N, C, H, W) cut to the largest box of a random aspect ratio (width / height, log-uniform in
+    `ratio`) at a random position: a dataset whose aspect ratios vary, the same for a seed."""
+    rng = random.Random(seed)
+    _, _, h, w = images.shape
+    out = []
+    for im in images:
+        a = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+        ch, cw = (h, max(1, round(h * a))) if a * h <= w else (max(1, round(w / a)), w)
+        top, left = rng.randint(0, h - ch), rng.randint(0, w - cw)
+        out.append(im[:, top:top + ch, left:left + cw].clone())
+    return VarSizeDataset(out, labels.clone(), list(classes), name)
+
+
+def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """float (C, H, W) in [0, 1] -> (C, *size), antialiased bilinear (as the square path's EvalTransform)."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x[None], size=size, mode="bilinear", align_corners=False, antialias=True)[0].clamp(0, 1)
+
+
+class PackTransform:
+    """uint8 images (a list of (C, H, W), or a (B, C, H, W) batch) -> a normalised PackedBatch, each image resized to
+    at most `max_patches` patches, its aspect ratio kept (`resize_to_patches`)."""
+
+    def __init__(self, max_patches: int, patch_size: Sequence[int], mean: Sequence[float], std: Sequence[float], *,
+                 replicate_to: int | None = None, multiple: int = 1, sized: bool = False) -> None:
+        if max_patches < 1:
+            raise UsageError(f"data.max_patches must be >= 1, got {max_patches}")
+        self.max_patches, self.patch_size = int(max_patches), tuple(patch_size)
+        self.mean, self.std, self.replicate_to, self.multiple = tuple(mean), tuple(std), replicate_to, multiple
+        self.sized = sized  # the images were decoded at the budget already (`FileDataset.packed`): no second resize
+
+    @classmethod
+    def for_model(cls, config, max_patches: int, *, replicate_to: int | None = None, sized: bool = False) -> "PackTransform":
+        return cls(max_patches, config.patch_size, config.mean, config.std, replicate_to=replicate_to, sized=sized)
+
+    def size_for(self, h: int, w: int) -> tuple[int, int]:
+        (ph, pw), n = self.patch_size, self.max_patches
+        if self.sized and h % ph == 0 and w % pw == 0 and (h // ph) * (w // pw) <= n:
+            return h, w
+        return resize_to_patches(h, w, self.patch_size, n)
+
+    def image(self, img: torch.Tensor) -> torch.Tensor:
+        """One uint8 (C, H, W) -> float (C, H', W') at the patch budget, normalised."""
+        x = img.float() / 255
+        if self.replicate_to and x.shape[0] == 1:
+            x = x.expand(self.replicate_to, -1, -1)
+        size = self.size_for(x.shape[1], x.shape[2])
+        return normalize(_resize(x, size), self.mean, self.std)
+
+    def __call__(self, batch) -> PackedBatch:
+        return pack([self.image(im) for im in batch], self.patch_size, multiple=self.multiple)
+
+
+class PackAugment(PackTransform):
+    """Training: per image a random crop of its own aspect ratio (area fraction U(scale)) and a horizontal flip
+    (p = 0.5), then the budget resize and packing. Returns (PackedBatch, labels), as `BatchAugment` does."""
+
+    def __init__(self, max_patches: int, patch_size, mean, std, *, scale: tuple[float, float] = (0.35, 1.0),
+                 hflip: bool = True, replicate_to: int | None = None) -> None:
+        super().__init__(max_patches, patch_size, mean, std, replicate_to=replicate_to)
+        self.scale, self.hflip = tuple(scale), hflip
+
+    def __call__(self, batch, y: torch.Tensor, g: torch.Generator) -> tuple[PackedBatch, torch.Tensor]:
+        out = []
+        u = torch.rand(len(batch), 4, generator=g, device=g.device).cpu().tolist()  # area, top, left, flip
+        for img, (area, top, left, flip) in zip(batch, u):
+            _, h, w = img.shape
+            s = math.sqrt(self.scale[0] + (self.scale[1] - self.scale[0]) * area)  # the same factor on both sides
+            ch, cw = max(1, round(h * s)), max(1, round(w * s))
+            t, l = int(top * (h - ch + 1)), int(left * (w - cw + 1))
+            img = img[:, t:t + ch, l:l + cw]
+            if self.hflip and flip < 0.5:
+                img = img.flip(-1)
+            x = img.float() / 255
+            if self.replicate_to and x.shape[0] == 1:
+                x = x.expand(self.replicate_to, -1, -1)
+            size = resize_to_patches(x.shape[1], x.shape[2], self.patch_size, self.max_patches)
+            out.append(normalize(_resize(x, size), self.mean, self.std))
+        return pack(out, self.patch_size), y
+
+    mixing = False
+
+
+def hflip_packed(batch: PackedBatch, patch_size: Sequence[int]) -> PackedBatch:
+    """Every image of a packed batch flipped left-right: each patch mirrored and moved to the mirrored column (the
+    model reads positions from the coordinates, so the order of the tokens does not matter)."""
+    B, L, n = batch.patches.shape
+    ph, pw = patch_size
+    w = batch.coords.masked_fill(~batch.valid[..., None], 0)[..., 1].amax(1, keepdim=True) + 1  # (B, 1): each grid's width
+    patches = batch.patches.reshape(B, L, ph, pw, n // (ph * pw)).flip(3).reshape(B, L, n)  # (ph, pw, C): mirror pw
+    coords = batch.coords.clone()
+    coords[..., 1] = torch.where(batch.valid, w - 1 - coords[..., 1], coords[..., 1])
+    return PackedBatch(patches, coords, batch.valid)

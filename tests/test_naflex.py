@@ -133,3 +133,87 @@ def test_resize_to_patches_keeps_the_aspect_ratio_within_the_budget():
             if min(H, W) > 16 and budget >= 4:
                 assert abs((H / W) / (h / w) - 1) < 0.5
     assert resize_to_patches(480, 640, (16, 16), 256) == (224, 288)  # 14 x 18 = 252 patches; 14 x 19 = 266 > 256
+
+
+def test_packed_onnx_export_matches_eager_and_timm(tmp_path):
+    import onnxruntime as ort
+
+    from vitkit.deploy import export_model
+
+    m = vitkit.load(FIX / "timm_map").eval()
+    report = export_model(m, tmp_path / "m.onnx", packed=True)  # checked against eager on 3 other batches and lengths
+    assert report.worst < TOL and len({tuple(c["shape"][:2]) for c in report.checks}) == 3
+    batch, _ = _timm_batch("timm_map")
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"patches": batch.patches.numpy(), "coords": batch.coords.numpy(), "valid": batch.valid.numpy()})[0]
+    assert np.abs(got - np.load(FIX / "timm_map" / "packed.npy")).max() < TOL  # timm's own packed forward
+
+
+def test_the_service_packs_requests_of_mixed_sizes_into_one_forward():
+    import io
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from PIL import Image
+
+    from tests.test_serve import Server
+    from vitkit.data.naflex import PackTransform
+    from vitkit.serve import Limits, TorchPredictor, create_app
+    from vitkit.serve.engine import take_packed
+
+    assert take_packed([10, 12, 30, 5], max_batch=8, max_tokens=40) == 2  # 2 x 12 fits; 3 x 30 padded tokens do not (FIFO)
+    assert take_packed([50, 3], max_batch=8, max_tokens=40) == 1  # one image always goes, whatever its size
+    torch.manual_seed(0)
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=2, embed_dim=48, num_heads=3, mlp_dim=96,
+                            num_classes=4).eval()
+    torch.nn.init.normal_(m.head.weight, std=0.5)
+    rng = np.random.default_rng(0)
+    pngs = []
+    for h, w in [(30, 90), (120, 40), (64, 64), (20, 200)]:
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+        pngs.append(buf.getvalue())
+    srv = Server(create_app(TorchPredictor(m, "fp32"), Limits(max_batch=4, max_wait_ms=200, max_patches=16)))
+    try:
+        with ThreadPoolExecutor(4) as pool:  # four requests at once: one packed forward
+            answers = list(pool.map(lambda d: httpx.post(f"{srv.url}/predict", content=d, timeout=30,
+                                                         headers={"content-type": "image/png"}), pngs))
+        info = httpx.get(f"{srv.url}/model").json()
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        explained = httpx.post(f"{srv.url}/explain", content=pngs[3], headers={"content-type": "image/png"}, timeout=30)
+    finally:
+        srv.stop()
+    assert "aspect ratio kept" in info["preprocessing"]["resize"]
+    batches = float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("vitkit_batches ")))
+    assert batches < 4  # some requests shared a forward
+    packer = PackTransform.for_model(m.config, 16)
+    for data, r in zip(pngs, answers):
+        assert r.status_code == 200, r.text
+        img = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)))).permute(2, 0, 1)
+        x = packer.image(img)
+        with torch.no_grad():
+            want = m([x]).softmax(-1)[0]  # the image alone at its own aspect ratio
+        assert r.json()["top"][0]["probability"] == pytest.approx(float(want.max()), abs=1e-3)
+    e = explained.json()
+    assert explained.status_code == 200 and e["grid"][1] > 2 * e["grid"][0]  # a 20x200 image: a wide grid
+
+
+def test_native_aspect_training_resumes_exactly_and_evaluates_packed(tmp_path):
+    from vitkit.training.presets import get_preset
+    from vitkit.training.trainer import train
+
+    def cfg(out):
+        c = get_preset("fashion-mnist-naflex", smoke=True)
+        c.data.subset, c.data.test_subset, c.data.batch_size = 128, 64, 32
+        c.schedule.epochs = 2
+        c.run.out_dir, c.run.progress, c.run.ckpt_every, c.run.precision = str(out), "off", 3, "fp32"
+        return c
+
+    full = train(cfg(tmp_path / "a"), resume=False)
+    part = train(cfg(tmp_path / "b"), resume=False, max_steps=5)
+    assert part["step"] == 5
+    resumed = train(cfg(tmp_path / "b"))
+    a = load_file(tmp_path / "a" / "final.safetensors")
+    b = load_file(tmp_path / "b" / "final.safetensors")
+    assert full["step"] == resumed["step"] == 8 and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["acc1"] == full["acc1"]

@@ -142,6 +142,7 @@ def export(
     dynamic_size: bool = False,
     opset: int = 18,
     quantize: Literal["none", "int8"] = "none",
+    packed: bool = False,
 ) -> dict:
     """Export a checkpoint for deployment (ONNX for onnxruntime, an OpenVINO IR, or a torch.export .pt2 program),
     checked against eager PyTorch on two batch sizes and two resolutions: the worst difference is printed, and above
@@ -157,12 +158,14 @@ def export(
             in the graph, bilinear; BiT: multiples of 32).
         opset: the ONNX opset.
         quantize: int8: onnxruntime's dynamic int8 quantization of the weights (ONNX; its difference is reported).
+        packed: ONNX whose inputs are packed batches of mixed sizes and aspect ratios (NaFlex; a plain ViT):
+            patches (B, L, P*P*C), coords (B, L, 2) int64, valid (B, L) bool; B and L dynamic.
     """
     from .checkpoints import load
     from .deploy import export_model
 
     report = export_model(load(checkpoint), out, format, dynamic_batch=dynamic_batch, dynamic_size=dynamic_size,
-                          opset=opset, quantize=None if quantize == "none" else quantize)
+                          opset=opset, quantize=None if quantize == "none" else quantize, packed=packed)
     for chk in report.checks:
         print(f"  input {tuple(chk['shape'])}: max |{format} - eager| = {chk['max_abs_diff']:.3g}")
     print(f"wrote {report.path} ({format}{', int8' if report.quantized else ''}; worst difference {report.worst:.3g})")
@@ -183,6 +186,8 @@ def serve(
     threads: int | None = None,
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
     api_key: str | None = None,
+    max_patches: int | None = None,
+    max_batch_patches: int | None = None,
 ) -> int:
     """Serve a checkpoint over HTTP: POST /predict and /explain, GET /healthz, /model, /metrics, and a web page at /
     to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
@@ -209,11 +214,17 @@ def serve(
         api_key: requests must send this key (header X-API-Key or Authorization: Bearer KEY), else 401; the page
             takes it as http://HOST:PORT/#key=KEY. Default: $VITKIT_API_KEY. Without one, binding an address other
             than loopback prints a warning.
+        max_patches: native aspect ratios (NaFlex; a plain ViT on backend torch): every image resized, keeping its
+            aspect ratio, to at most this many patches (no square, no crop), and requests of different sizes
+            micro-batched into one packed forward.
+        max_batch_patches: the most patch tokens one packed forward computes, padding included (default:
+            max_batch x max_patches).
     """
     from .serve import Limits, serve as _serve
 
     _serve(checkpoint, host, port, backend, Limits(max_upload_mb=max_upload_mb, max_pixels=max_pixels, timeout_s=timeout_s,
-                                                   max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue), threads,
+                                                   max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
+                                                   max_patches=max_patches, max_batch_patches=max_batch_patches), threads,
            precision, api_key or os.environ.get("VITKIT_API_KEY"))
     return 0
 

@@ -90,9 +90,77 @@ def _dynamic_shapes(model: nn.Module, dynamic_batch: bool, dynamic_size: bool) -
     return {"x": dims}
 
 
+class PackedInputs(nn.Module):
+    """A ViT whose graph takes packed batches of mixed sizes (NaFlex): patches (B, L, P*P*C) float, coords (B, L, 2)
+    int64, valid (B, L) bool -> logits (B, K); B and L dynamic. The position grid is resampled per token inside the
+    graph (`packing.resample_for_coords`: a matmul by interpolation weights computed from each image's grid)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, patches: torch.Tensor, coords: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        from .models.layers.packing import PackedBatch
+
+        return self.model.forward_packed(PackedBatch(patches, coords, valid))
+
+
+def packed_examples(config, seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed batch of `batch` random images of different grids (for tracing and checking a packed export)."""
+    from .models.layers.packing import pack
+
+    g = torch.Generator().manual_seed(seed)
+    (gh, gw), (ph, pw) = config.grid_size, config.patch_size
+    shapes = [(max(1, gh // 2), gw), (gh, max(1, gw // 3)), (gh, gw), (max(1, gh - 1), gw + 1)]
+    imgs = [torch.randn(config.in_chans, h * ph, w * pw, generator=g) for h, w in shapes[:batch]]
+    b = pack(imgs, (ph, pw))
+    return b.patches, b.coords, b.valid
+
+
+def _export_packed(model: nn.Module, out: Path, format: str, opset: int, tolerance: float) -> ExportReport:
+    if format != "onnx":
+        raise UsageError("--packed exports to ONNX (onnxruntime)")
+    if getattr(model.config, "arch", "") != "vit" or model.config.hybrid_layers is not None:
+        raise UsageError("--packed (batches of mixed sizes) exports a plain ViT")
+    try:
+        import onnx
+        import onnxruntime as ort
+    except ImportError as e:
+        raise UsageError("ONNX export needs onnx, onnxscript and onnxruntime: pip install 'vitkit[deploy]'") from e
+    m = PackedInputs(_prepare(model, False))
+    example = packed_examples(model.config, 0, 3)
+    dims = {0: torch.export.Dim("batch", min=1, max=4096), 1: torch.export.Dim("length", min=1, max=65536)}
+    dyn = {"patches": dims, "coords": dims, "valid": dims}
+    report = ExportReport(out, "onnx-packed", True, True)
+    try:
+        with warnings.catch_warnings(), _quiet_exporter():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(m, example, str(out), dynamo=True, dynamic_shapes=dyn, opset_version=opset,
+                              input_names=["patches", "coords", "valid"], output_names=["logits"], verbose=False)
+            proto = onnx.load(str(out))
+            meta = proto.metadata_props.add()
+            meta.key, meta.value = "vitkit_config", json.dumps({**model.config.to_dict(), "packed_inputs": True})
+            _save_onnx(onnx, proto, out)
+            sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - the exporters raise many types; all mean "this model did not export"
+        out.unlink(missing_ok=True)
+        raise ExportError(f"exporting {type(model).__name__} with packed inputs failed: {type(e).__name__}: {e}") from e
+    for seed, batch in ((1, 1), (2, 4), (3, 2)):  # other batches and lengths than the traced one
+        p, c, v = packed_examples(model.config, seed, batch)
+        with torch.no_grad():
+            ref = m(p, c, v).numpy()
+        got = sess.run(None, {"patches": p.numpy(), "coords": c.numpy(), "valid": v.numpy()})[0]
+        report.checks.append({"shape": list(p.shape), "max_abs_diff": float(np.abs(got - ref).max())})
+    if report.worst > tolerance:
+        out.unlink(missing_ok=True)
+        raise ExportError(f"the packed ONNX export differs from eager PyTorch by {report.worst:.3g} (> {tolerance}): "
+                          f"{report.checks}; the file was removed")
+    return report
+
+
 def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dynamic_batch: bool = False,
                  dynamic_size: bool = False, opset: int = 18, quantize: str | None = None,
-                 tolerance: float = TOLERANCE) -> ExportReport:
+                 tolerance: float = TOLERANCE, packed: bool = False) -> ExportReport:
     """Export `model` to `out` and check it against eager PyTorch.
 
     Args:
@@ -106,9 +174,15 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
         quantize: "int8": onnxruntime's dynamic quantization of the weights (ONNX only); its difference from eager
             is reported, not held to the fp32 tolerance.
         tolerance: the largest max-abs difference from eager an fp32 export may have.
+        packed: the graph takes packed batches of mixed sizes (`PackedInputs`: patches, coords, valid; ONNX, a plain
+            ViT), checked against eager on packed batches of other sizes and lengths than the traced one.
     """
     if format not in FORMATS:
         raise UsageError(f"export format must be one of {FORMATS}, got {format!r}")
+    if packed:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return _export_packed(model, out, format, opset, tolerance)
     if quantize not in (None, "int8"):
         raise UsageError(f"quantize must be 'int8', got {quantize!r}")
     if quantize and format != "onnx":

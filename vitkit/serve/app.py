@@ -85,6 +85,8 @@ class Limits:
     max_wait_ms: float = 5.0
     max_queue: int = 64
     top_k: int = 5
+    max_patches: int | None = None  # native aspect ratios, packed batches (NaFlex); None: the checkpoint's square size
+    max_batch_patches: int | None = None  # the most padded patch tokens in one packed forward (max_batch x max_patches)
 
 
 class HTTPError(Exception):
@@ -144,7 +146,14 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
     limits = limits or Limits()
     c = predictor.config
     names = list(c.class_names or [str(i) for i in range(c.num_classes)])
-    batcher = MicroBatcher(predictor, limits.max_batch, limits.max_wait_ms, limits.max_queue)
+    if limits.max_patches:
+        if predictor.backend != "torch" or getattr(predictor.config, "arch", "vit") != "vit" \
+                or getattr(predictor.config, "hybrid_layers", None) is not None:
+            raise UsageError("--max-patches (packed batches of mixed sizes) serves a plain ViT on --backend torch")
+        predictor.max_patches = limits.max_patches
+        if hasattr(predictor, "model"):
+            predictor.model.set_dynamic_img_size(True)  # /explain runs the image alone at its own size
+    batcher = MicroBatcher(predictor, limits.max_batch, limits.max_wait_ms, limits.max_queue, limits.max_batch_patches)
     decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vitkit-decode")
     registry = CollectorRegistry()
     requests = Counter("vitkit_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=registry)
@@ -156,6 +165,10 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
     batches.set_function(lambda: batcher.stats.batches)
     images = Gauge("vitkit_batched_images", "images through the model", registry=registry)
     images.set_function(lambda: batcher.stats.images)
+    tokens = Gauge("vitkit_packed_tokens", "patch tokens of packed batches (padding included)", registry=registry)
+    tokens.set_function(lambda: batcher.stats.tokens)
+    padding = Gauge("vitkit_packed_padding_tokens", "padding tokens of packed batches", registry=registry)
+    padding.set_function(lambda: batcher.stats.padding)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -289,8 +302,12 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
                 "mean", "std", "interpolation", "crop_pct")
         cfg = {k: getattr(c, k) for k in keys if hasattr(c, k)}
         return {"name": name, "backend": predictor.backend, "config": cfg, "classes": names, "explains": predictor.explains,
-                "preprocessing": {"resize": "shorter side to img_size / crop_pct", "crop": "centre", "img_size": list(c.img_size),
-                                  "crop_pct": c.crop_pct, "interpolation": c.interpolation, "mean": list(c.mean), "std": list(c.std)},
+                "preprocessing": ({"resize": f"aspect ratio kept, at most {limits.max_patches} patches of "
+                                             f"{list(c.patch_size)} pixels; packed batches of mixed sizes",
+                                   "interpolation": c.interpolation, "mean": list(c.mean), "std": list(c.std)}
+                                  if limits.max_patches else
+                                  {"resize": "shorter side to img_size / crop_pct", "crop": "centre", "img_size": list(c.img_size),
+                                   "crop_pct": c.crop_pct, "interpolation": c.interpolation, "mean": list(c.mean), "std": list(c.std)}),
                 "limits": asdict(limits)}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=ERROR_RESPONSES)

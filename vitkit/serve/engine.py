@@ -25,8 +25,12 @@ class Predictor:
     config: SimpleNamespace
     backend: str
     explains = False
+    # native aspect ratios (NaFlex, `vitkit serve --max-patches N`): each image resized, keeping its aspect ratio, to
+    # at most this many patches, and a batch of them packed into one forward; None: the checkpoint's square size
+    max_patches: int | None = None
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:  # (B, C, H, W) float32 -> (B, K)
+    def __call__(self, x: np.ndarray | list[np.ndarray]) -> np.ndarray:
+        """(B, C, H, W) float32 -> (B, K); with max_patches, a list of (C, H_i, W_i) -> (B, K), one packed forward."""
         raise NotImplementedError
 
     def preprocess(self, data: bytes, max_pixels: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,6 +38,18 @@ class Predictor:
         Raises ImageDecodeError for anything that is not a decodable image within the pixel limit."""
         c = self.config
         img = load_image(io.BytesIO(data), c.in_chans, max_pixels=max_pixels)
+        if self.max_patches:  # its own aspect ratio at the patch budget: no crop, no square (as `vitkit predict`)
+            from ..data.naflex import PackTransform
+            from ..models.layers.packing import resize_to_patches
+
+            packer = PackTransform.for_model(c, self.max_patches)
+            h, w = resize_to_patches(img.height, img.width, tuple(c.patch_size), self.max_patches)
+            if img.height * img.width > 16 * h * w:  # a large photo: PIL's box reduction first (memory), then the resize
+                img = img.reduce(max(1, min(img.height // (2 * h), img.width // (2 * w))))
+            x = packer.image(to_uint8_tensor(img))
+            shown = (x * torch.tensor(c.std[: x.shape[0]])[:, None, None] + torch.tensor(c.mean[: x.shape[0]])[:, None, None])
+            shown = (shown.clamp(0, 1) * 255).round().to(torch.uint8)
+            return x.numpy(), (shown[0].numpy() if shown.shape[0] == 1 else shown.permute(1, 2, 0).numpy())
         pixels = to_uint8_tensor(resize_crop(img, tuple(c.img_size), c.crop_pct, c.interpolation))
         x = EvalTransform.for_model(c, geometry=False)(pixels[None])[0].numpy()
         shown = pixels[0].numpy() if pixels.shape[0] == 1 else pixels.permute(1, 2, 0).numpy()
@@ -56,6 +72,12 @@ class TorchPredictor(Predictor):
     def __call__(self, x: np.ndarray) -> np.ndarray:
         from ..precision import autocast
 
+        if isinstance(x, list):  # images of different sizes: one packed forward
+            from ..models.layers.packing import pack
+
+            batch = pack([torch.from_numpy(im) for im in x], tuple(self.config.patch_size)).to(self.device)
+            with torch.no_grad(), autocast(self.precision.precision, self.device):
+                return self.model(batch).float().cpu().numpy()
         with torch.no_grad(), autocast(self.precision.precision, self.device):
             return self.model(torch.from_numpy(x).to(self.device)).float().cpu().numpy()
 
@@ -178,15 +200,33 @@ class BatchStats:
     batches: int = 0
     images: int = 0
     seconds: float = 0.0
+    tokens: int = 0  # patch tokens computed (packed batches: padding included)
+    padding: int = 0  # of which padding
+
+
+def take_packed(sizes: list[int], max_batch: int, max_tokens: int) -> int:
+    """How many of the waiting images (their patch counts, in arrival order) the next packed forward takes: as many
+    as fit `max_batch` images and `max_tokens` padded tokens (images x the longest), at least one."""
+    n, longest = 0, 0
+    for s in sizes[:max_batch]:
+        if n and (n + 1) * max(longest, s) > max_tokens:
+            break
+        n, longest = n + 1, max(longest, s)
+    return max(n, 1)
 
 
 class MicroBatcher:
     """Groups requests that arrive together: a batch runs when `max_batch` are waiting or `max_wait_ms` after the
-    first, in one worker thread (the event loop never waits on the model). At most `max_queue` requests wait."""
+    first, in one worker thread (the event loop never waits on the model). At most `max_queue` requests wait.
+    With a predictor of packed batches (`max_patches`), images of different sizes go into one forward, as many as
+    fit `max_batch` and `max_tokens` padded patch tokens."""
 
-    def __init__(self, predictor: Predictor, max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64) -> None:
+    def __init__(self, predictor: Predictor, max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64,
+                 max_tokens: int | None = None) -> None:
         self.predictor, self.max_batch, self.max_wait = predictor, max_batch, max_wait_ms / 1000
         self.max_queue = max_queue
+        self.packed = bool(getattr(predictor, "max_patches", None))
+        self.max_tokens = max_tokens or max_batch * (predictor.max_patches or 1)
         self.pending: list[tuple[np.ndarray, asyncio.Future]] = []
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitkit-model")
         self.lock = threading.Lock()  # the model runs one batch (or one explanation) at a time
@@ -233,7 +273,12 @@ class MicroBatcher:
             deadline = loop.time() + self.max_wait
             while len(self.pending) < self.max_batch and loop.time() < deadline:
                 await asyncio.sleep(min(0.001, max(0.0, deadline - loop.time())))
-            batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch:]
+            take = self.max_batch
+            if self.packed:
+                p = self.predictor.config.patch_size
+                take = take_packed([(x.shape[1] // p[0]) * (x.shape[2] // p[1]) for x, _ in self.pending],
+                                   self.max_batch, self.max_tokens)
+            batch, self.pending = self.pending[:take], self.pending[take:]
             if self.pending:
                 self._wake.set()
             live = [(x, f) for x, f in batch if not f.done()]  # a request that timed out is dropped
@@ -241,7 +286,8 @@ class MicroBatcher:
                 continue
             t0 = time.perf_counter()
             try:
-                logits = await loop.run_in_executor(self.executor, self._locked, self.predictor, np.stack([x for x, _ in live]))
+                inputs = [x for x, _ in live] if self.packed else np.stack([x for x, _ in live])
+                logits = await loop.run_in_executor(self.executor, self._locked, self.predictor, inputs)
             except Exception as e:  # noqa: BLE001 - every waiting request gets the error, the loop goes on
                 for _, f in live:
                     if not f.done():
@@ -250,6 +296,11 @@ class MicroBatcher:
             self.stats.batches += 1
             self.stats.images += len(live)
             self.stats.seconds += time.perf_counter() - t0
+            if self.packed:
+                p = self.predictor.config.patch_size
+                n = [(x.shape[1] // p[0]) * (x.shape[2] // p[1]) for x, _ in live]
+                self.stats.tokens += len(n) * max(n)
+                self.stats.padding += len(n) * max(n) - sum(n)
             for (x, f), row in zip(live, logits):
                 if not f.done():
                     f.set_result(row)
@@ -270,6 +321,7 @@ def explanations(model: torch.nn.Module, x: np.ndarray) -> dict:
 
     c = model.config
     xt = torch.from_numpy(x)[None]
+    grid = (x.shape[1] // c.patch_size[0], x.shape[2] // c.patch_size[1])  # a packed image's own grid, else the model's
     with torch.enable_grad():
         out = model.forward_intermediates(xt, attention=True)
         logits = out["logits"]
@@ -281,18 +333,18 @@ def explanations(model: torch.nn.Module, x: np.ndarray) -> dict:
     weighted = []
     for i, (a, g) in enumerate(zip(attns, grads)):
         a, g = a.detach(), g.detach()
-        roll.append(token_map(rollout([x_.mean(1) for x_ in attns[: i + 1]], num_prefix_tokens=p), c.grid_size, p)[0])
+        roll.append(token_map(rollout([x_.mean(1) for x_ in attns[: i + 1]], num_prefix_tokens=p), grid, p)[0])
         w = (a * g).clamp(min=0).mean(1)
         weighted.append(w / w.sum(-1, keepdim=True).clamp(min=1e-12))
-        grad_roll.append(token_map(rollout(weighted, num_prefix_tokens=p), c.grid_size, p)[0])
+        grad_roll.append(token_map(rollout(weighted, num_prefix_tokens=p), grid, p)[0])
         rows = a[0, :, 0, p:] if p else a[0, :, p:, p:].mean(1)  # (H, N)
         rows = rows / rows.amax(-1, keepdim=True).clamp(min=1e-12)
-        heads.append(rows.reshape(rows.shape[0], *c.grid_size))
+        heads.append(rows.reshape(rows.shape[0], *grid))
 
     def as_list(t: torch.Tensor) -> list:
         return [[round(float(v), 4) for v in row] for row in t.tolist()]
 
-    return {"grid": list(c.grid_size), "class_index": idx, "layers": len(attns), "heads": c.num_heads,
+    return {"grid": list(grid), "class_index": idx, "layers": len(attns), "heads": c.num_heads,
             "rollout": [as_list(m) for m in roll], "grad_rollout": [as_list(m) for m in grad_roll],
             "head_maps": [[as_list(h) for h in layer] for layer in heads]}
 

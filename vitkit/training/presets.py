@@ -109,6 +109,25 @@ def cifar10_finetune() -> TrainConfig:
     )
 
 
+@preset
+def fashion_mnist_naflex() -> TrainConfig:
+    """Native aspect ratios (NaFlex): a plain ViT trained and evaluated on Fashion-MNIST cut to random aspect ratios
+    (1/3 to 3, `fashion-mnist-crops`), every image resized keeping its aspect ratio to at most 49 patches of 4x4
+    pixels and each batch packed into one forward of mixed sizes (`data.max_patches`); augmented with crops of the
+    image's own aspect ratio and flips. Against the same recipe on the images squashed to 28x28:
+    `python benchmarks/naflex.py accuracy` (3 seeds; benchmarks/README.md)."""
+    return TrainConfig(
+        preset="fashion-mnist-naflex",
+        data=DataConfig(dataset="fashion-mnist-crops", batch_size=128, max_patches=49),
+        aug=AugConfig(crop="rrc", scale=(0.5, 1.0), ratio=(1.0, 1.0), hflip=True, label_smoothing=0.1),
+        model=ModelConfig(name="vit_ti16", overrides=dict(patch_size=4, img_size=28, in_chans=1, embed_dim=96, depth=4,
+                                                          num_heads=4, mlp_dim=192, classifier="gap")),
+        optim=OptimConfig(name="adamw", lr=2e-3, weight_decay=0.05, clip_grad=1.0),
+        schedule=ScheduleConfig(epochs=4, warmup_epochs=0.3, decay="linear"),
+        run=RunConfig(out_dir="runs/fashion-mnist-naflex", ckpt_every=200, precision="auto", eval_every=0),
+    )
+
+
 SMOKE_MODEL = dict(embed_dim=32, depth=2, num_heads=2, mlp_dim=64)  # a smoke run's transformer
 # a smoke run's Swin: four stages of two blocks on 32 px (maps 16, 8, 4, 2: shifted windows in the first two)
 SMOKE_SWIN = dict(embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_size=4, patch_size=2, img_size=32)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from ..errors import UsageError
 from ..models.layers.packing import PackedBatch, pack, resize_to_patches
 from .image import normalize
+
+if TYPE_CHECKING:
+    from .datasets import InMemoryDataset
 
 
 @dataclass

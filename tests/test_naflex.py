@@ -78,9 +78,11 @@ def test_timm_naflexvit_parity_packed_and_alone(name, source):
     with torch.no_grad():
         packed, alone = m(batch), torch.cat([m([im]) for im in imgs])
         loose = m({"patches": batch.patches, "patch_coord": batch.coords, "patch_valid": batch.valid})  # timm's dict
+        classic = torch.cat([m(im[None]) for im in imgs])  # (1, C, H, W) at its own size: the grid resampled alike
     want = torch.from_numpy(np.load(FIX / name / "packed.npy"))
     assert (packed - want).abs().max() < TOL and (loose - want).abs().max() < TOL
-    assert (alone - torch.from_numpy(np.load(FIX / name / "alone.npy"))).abs().max() < TOL
+    want_alone = torch.from_numpy(np.load(FIX / name / "alone.npy"))  # timm's classic forward of each image
+    assert (alone - want_alone).abs().max() < TOL and (classic - want_alone).abs().max() < TOL
 
 
 def test_siglip2_naflex_tower_parity_packed_and_alone():
@@ -118,6 +120,10 @@ def test_packed_input_errors_are_clear():
         m(PackedBatch(torch.zeros(2, 4, 768), torch.zeros(2, 5, 2), torch.ones(2, 4)))
     with pytest.raises(UsageError, match="patch_coord"):
         m({"patches": torch.zeros(1, 4, 768)})
+    with pytest.raises(UsageError, match="without any valid patch"):
+        m(PackedBatch(torch.zeros(2, 4, 768), torch.zeros(2, 4, 2), torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]])))
+    with pytest.raises(UsageError, match="negative"):
+        m(PackedBatch(torch.zeros(1, 4, 768), -torch.ones(1, 4, 2), torch.ones(1, 4)))
     hybrid = vitkit.create_model("r_vit_ti16", depth=1, num_classes=2)
     with pytest.raises(UsageError, match="hybrid"):
         hybrid([torch.zeros(3, 32, 32)])

@@ -375,7 +375,7 @@ class VisionTransformer(nn.Module):
         # the prefix tokens the position embedding covers: all of them (the paper) or none (no_embed_class)
         covered = 0 if c.no_embed_class else c.num_prefix_tokens
         self.pos_embed = POS_EMBEDS[c.pos_embed](c.grid_size, c.embed_dim, covered)
-        self.pos_embed.method = c.pos_resample
+        self.pos_embed.method, self.pos_embed.square = c.pos_resample, c.pos_resample_square
         self.rope = (RotaryEmbedding2d(c.embed_dim // c.num_heads, c.grid_size, c.rope_ref_grid, c.rope_temperature)
                      if c.rope else None)
         self.pos_drop = nn.Dropout(c.drop_rate)

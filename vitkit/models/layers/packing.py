@@ -42,6 +42,11 @@ class PackedBatch:
             self.valid = v.bool()
         if c.dtype not in (torch.int32, torch.int64):
             self.coords = c.long()
+        if not torch.compiler.is_compiling() and p.numel():  # values (eager only: a traced graph takes them on trust)
+            if not bool(self.valid.any(1).all()):
+                raise UsageError("a packed batch has a row without any valid patch (every row holds one image)")
+            if int(self.coords.min()) < 0:
+                raise UsageError("a packed batch has a negative patch coordinate")
 
     def __len__(self) -> int:
         return self.patches.shape[0]

@@ -106,6 +106,7 @@ class LearnedPosEmbed1d(nn.Module):
         self.grid_size, self.num_prefix_tokens = tuple(grid_size), num_prefix_tokens
         self.weight = nn.Parameter(torch.empty(1, num_prefix_tokens + grid_size[0] * grid_size[1], dim))
         self.method = "bilinear"  # how another grid is resampled from this one (the model's `pos_resample`)
+        self.square = False  # ... and `pos_resample_square`
         nn.init.normal_(self.weight, std=0.02)
         self._cache = _GridCache()
 
@@ -118,7 +119,11 @@ class LearnedPosEmbed1d(nn.Module):
         """(1, p + nh * nw, D): the embedding for another grid, the class position kept."""
         p, (gh, gw) = self.num_prefix_tokens, self.grid_size
         w = self.weight[0]
-        patches = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), grid, self.method)  # (nh, nw, D)
+        if self.square:  # timm's aspect-preserving NaFlex: the square of the longer side, its top-left part
+            m = max(grid)
+            patches = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), (m, m), self.method)[: grid[0], : grid[1]]
+        else:
+            patches = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), grid, self.method)  # (nh, nw, D)
         return torch.cat([w[:p], patches.flatten(0, 1)])[None]
 
     def grid(self) -> torch.Tensor:

@@ -11,8 +11,8 @@
         One batch of images of mixed sizes and aspect ratios (each resized, aspect kept, to <= budget patches),
         classified three ways in one interleaved run: packed (one forward of patch sequences, padded to the longest),
         padded (every image zero-padded to the batch's largest height and width: one rectangular batch, the
-        position embedding at that grid) and square (every image resized to the model's square size). img/s and
-        the share of tokens spent on padding.
+        position embedding at that grid) and square (every image resized to one square of the same budget,
+        sqrt(budget) patches a side: its aspect ratio lost). img/s and the share of tokens spent on padding.
 
 Results are printed and written to benchmarks/results/naflex_<what>_<cpu>.json.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -126,7 +127,8 @@ def throughput(args) -> dict:
     padded = torch.zeros(len(imgs), 3, H, W)
     for i, im in enumerate(imgs):
         padded[i, :, : im.shape[1], : im.shape[2]] = im
-    side = model.config.img_size
+    n = int(math.isqrt(args.budget))
+    side = (n * p, n * p)  # the same budget as one square: n x n patches per image
     square = torch.stack([torch.nn.functional.interpolate(im[None], size=side, mode="bilinear", antialias=True)[0] for im in imgs])
     model.set_dynamic_img_size(True)
     real = int(packed.valid.sum())

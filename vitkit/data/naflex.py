@@ -11,7 +11,9 @@
 
 Batches are drawn by the same sampler as fixed-size data (`iterate_batches`: one order per (seed, epoch), a slice per
 rank, `start_step` for an exact resume). Every image of a batch has between ~0.8 and 1.0 x max_patches patches after
-the budget resize, so the padding of a packed batch is small (`benchmarks/naflex.py` measures it).
+the budget resize, and every row is padded to max_patches, as timm's NaFlex collator pads to its max_seq_len: one
+shape per batch size, so the packed GEMMs keep their packing (an MKL-packed weight is packed for one row count) and a
+compiled model sees one shape. The padding costs a few per cent (`benchmarks/naflex.py` measures it).
 """
 from __future__ import annotations
 
@@ -101,11 +103,11 @@ class PackTransform:
     at most `max_patches` patches, its aspect ratio kept (`resize_to_patches`)."""
 
     def __init__(self, max_patches: int, patch_size: Sequence[int], mean: Sequence[float], std: Sequence[float], *,
-                 replicate_to: int | None = None, multiple: int = 1, sized: bool = False) -> None:
+                 replicate_to: int | None = None, sized: bool = False) -> None:
         if max_patches < 1:
             raise UsageError(f"data.max_patches must be >= 1, got {max_patches}")
         self.max_patches, self.patch_size = int(max_patches), tuple(patch_size)
-        self.mean, self.std, self.replicate_to, self.multiple = tuple(mean), tuple(std), replicate_to, multiple
+        self.mean, self.std, self.replicate_to = tuple(mean), tuple(std), replicate_to
         self.sized = sized  # the images were decoded at the budget already (`FileDataset.packed`): no second resize
 
     @classmethod
@@ -127,7 +129,7 @@ class PackTransform:
         return normalize(_resize(x, size), self.mean, self.std)
 
     def __call__(self, batch) -> PackedBatch:
-        return pack([self.image(im) for im in batch], self.patch_size, multiple=self.multiple)
+        return pack([self.image(im) for im in batch], self.patch_size, length=self.max_patches)
 
 
 class PackAugment(PackTransform):
@@ -155,7 +157,7 @@ class PackAugment(PackTransform):
                 x = x.expand(self.replicate_to, -1, -1)
             size = resize_to_patches(x.shape[1], x.shape[2], self.patch_size, self.max_patches)
             out.append(normalize(_resize(x, size), self.mean, self.std))
-        return pack(out, self.patch_size), y
+        return pack(out, self.patch_size, length=self.max_patches), y
 
     mixing = False
 

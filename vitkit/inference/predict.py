@@ -39,7 +39,7 @@ def predict(model: nn.Module, images: list[str | Path], top_k: int = 5, batch_si
         if not pending:
             return
         if max_patches:
-            x = pack([t for _, t in pending], tuple(c.patch_size)).to(device)
+            x = pack([t for _, t in pending], tuple(c.patch_size), length=max_patches).to(device)
         else:
             x = torch.stack([t for _, t in pending]).to(device)
         with autocast(precision, device):

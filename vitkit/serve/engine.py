@@ -75,7 +75,8 @@ class TorchPredictor(Predictor):
         if isinstance(x, list):  # images of different sizes: one packed forward
             from ..models.layers.packing import pack
 
-            batch = pack([torch.from_numpy(im) for im in x], tuple(self.config.patch_size)).to(self.device)
+            # every row padded to the budget: one shape per batch size (the packed GEMMs keep their packing)
+            batch = pack([torch.from_numpy(im) for im in x], tuple(self.config.patch_size), length=self.max_patches).to(self.device)
             with torch.no_grad(), autocast(self.precision.precision, self.device):
                 return self.model(batch).float().cpu().numpy()
         with torch.no_grad(), autocast(self.precision.precision, self.device):
@@ -299,8 +300,9 @@ class MicroBatcher:
             if self.packed:
                 p = self.predictor.config.patch_size
                 n = [(x.shape[1] // p[0]) * (x.shape[2] // p[1]) for x, _ in live]
-                self.stats.tokens += len(n) * max(n)
-                self.stats.padding += len(n) * max(n) - sum(n)
+                length = max(max(n), self.predictor.max_patches)  # rows are padded to the budget
+                self.stats.tokens += len(n) * length
+                self.stats.padding += len(n) * length - sum(n)
             for (x, f), row in zip(live, logits):
                 if not f.done():
                     f.set_result(row)

@@ -195,7 +195,7 @@ def test_the_service_packs_requests_of_mixed_sizes_into_one_forward():
     packer = PackTransform.for_model(m.config, 16)
     for data, r in zip(pngs, answers):
         assert r.status_code == 200, r.text
-        img = torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)))).permute(2, 0, 1)
+        img = torch.from_numpy(np.array(Image.open(io.BytesIO(data)))).permute(2, 0, 1)
         x = packer.image(img)
         with torch.no_grad():
             want = m([x]).softmax(-1)[0]  # the image alone at its own aspect ratio

@@ -98,6 +98,9 @@ def test_siglip2_naflex_tower_parity_packed_and_alone():
     assert (pooled - ld("packed")).abs().max() < TOL
     assert (alone - ld("alone")).abs().max() < TOL
     assert (feats * valid[..., None] - ld("hidden")).abs().max() < TOL
+    two = vitkit.load(FIX / "hf_siglip2" / "two_tower").eval()  # Siglip2Model: its vision half, the text tower unused
+    with torch.no_grad():
+        assert (two(batch) - ld("packed")).abs().max() < TOL
 
 
 def test_naflex_exports_back_to_timm_as_timm_wrote_it(tmp_path):

@@ -25,7 +25,7 @@ FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "siglip_visio
             "clip_vision_model": "clip", "clip": "clip", "siglip2_vision_model": "siglip2", "siglip2": "siglip2"}
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
         "quick_gelu": "quick_gelu"}
-_TOWER_PREFIXES = ("", "dinov2.")  # CLIPModel/SiglipModel's vision half; Dinov2ForImageClassification
+_TOWER_PREFIXES = ("vision_model.", "dinov2.", "")  # CLIPModel/SiglipModel's vision half; Dinov2ForImageClassification
 _OTHER_TOWER = ("text_model.", "text_projection.", "visual_projection.", "logit_scale", "logit_bias", "classifier.")
 
 
@@ -33,7 +33,8 @@ def family(keys, hf_config: dict | None = None) -> str | None:
     """'dinov2', 'siglip' or 'clip' for such a checkpoint (by its config's model_type, else by its keys), else None."""
     if hf_config and hf_config.get("model_type") in FAMILIES:
         return FAMILIES[hf_config["model_type"]]
-    keys = {k.removeprefix("dinov2."): (keys[k] if isinstance(keys, dict) else None) for k in keys}
+    keys = {k.removeprefix("dinov2.").removeprefix("vision_model."): (keys[k] if isinstance(keys, dict) else None)
+            for k in keys}
     if "encoder.layer.0.layer_scale1.lambda1" in keys:
         return "dinov2"
     if "embeddings.patch_embedding.weight" in keys and "encoder.layers.0.self_attn.q_proj.weight" in keys:

@@ -226,3 +226,18 @@ def test_native_aspect_training_resumes_exactly_and_evaluates_packed(tmp_path):
     b = load_file(tmp_path / "b" / "final.safetensors")
     assert full["step"] == resumed["step"] == 8 and all(torch.equal(a[k], b[k]) for k in a)
     assert resumed["acc1"] == full["acc1"]
+
+
+def test_attention_maps_of_a_packed_batch_are_each_image_alone():
+    m = vitkit.create_model("vit_ti16", depth=2, img_size=32, num_classes=3).eval()
+    g = torch.Generator().manual_seed(3)
+    imgs = [torch.randn(3, 16, 48, generator=g), torch.randn(3, 32, 32, generator=g)]
+    with torch.no_grad():
+        out = m.forward_intermediates(imgs, layers=[-1])
+        for i, im in enumerate(imgs):
+            one = m.forward_intermediates([im], layers=[-1])
+            n = 1 + int(out["valid"][i].sum())  # the class token and the image's patches
+            a = out["attention"][1][i, :, :n, :n]
+            assert (a - one["attention"][1][0]).abs().max() < 1e-5
+            assert out["attention"][1][i, :, :n, n:].abs().sum() == 0  # no weight on the padding
+            assert (out["logits"][i] - one["logits"][0]).abs().max() < 1e-5

@@ -530,7 +530,8 @@ class VisionTransformer(nn.Module):
         """Run the model and keep, for the layers asked for, their output tokens and attention weights.
 
         Args:
-            x: images (B, C, H, W).
+            x: images (B, C, H, W), or a packed batch of mixed sizes (a list of images, a PackedBatch): then
+                "valid" (B, L) is returned too, and each row's attention covers its own tokens only.
             layers: block indices (negative counts from the end), an int n for the last n blocks,
                 or None for all. Only these blocks compute attention explicitly; every other block
                 keeps the fused kernel.
@@ -546,16 +547,32 @@ class VisionTransformer(nn.Module):
         """
         wanted = resolve_layers(layers, len(self.blocks))
         tokens, attn = {}, {}
-        grid, rope = self.grid_for(x), self.rope_for(x)
-        h = self.embed(x)
+        packed = isinstance(x, (list, tuple, dict, PackedBatch))
+        if packed:  # images of different sizes: the attention over each row's own tokens (padding keys get 0)
+            if patch_grid:
+                raise UsageError("patch_grid needs one grid per batch; a packed batch has one per image (use its "
+                                 "coords to place the tokens)")
+            batch = as_packed(x, self.config.patch_size)
+            h, mask, rope = self.embed_packed(batch)
+            grid = None
+        else:
+            grid, rope, mask = self.grid_for(x), self.rope_for(x), None
+            h = self.embed(x)
         for i, blk in enumerate(self.blocks):
             if i in wanted and attention:
-                h, attn[i] = blk(h, return_attention=True, grid=grid, rope=rope)
+                h, attn[i] = blk(h, return_attention=True, grid=grid, rope=rope, mask=mask)
             else:
-                h = blk(h, grid=grid, rope=rope)
+                h = blk(h, grid=grid, rope=rope, mask=mask)
             if i in wanted:
                 tokens[i] = self.norm(h) if norm else h
         feats = self.norm(h)
+        if packed:
+            logits = (self.forward_head(feats) if self.config.classifier == "token" else
+                      self.head(self.head_drop(self.pre_logits(self.pool_packed(feats, batch.valid)))))
+            out = {"tokens": tokens, "features": feats, "logits": logits, "valid": batch.valid}
+            if attention:
+                out["attention"] = attn
+            return out
         out = {"tokens": tokens, "features": feats, "logits": self.forward_head(feats)}
         if attention:
             out["attention"] = attn

@@ -385,7 +385,7 @@ def evaluate(
     model = load(checkpoint).to(dev)
     if max_patches and backend != "torch":
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch); an ONNX export with "
-                         "packed inputs: vitkit export --format onnx --max-patches N")
+                         "packed inputs: vitkit export CHECKPOINT OUT.onnx --packed")
     runner, prec, reason = _inference_engine(model, dev, precision, backend, batch_size)
     c = model.config
     names = c.class_names

@@ -9,6 +9,10 @@
       -> pool: the class token ('token') or the mean of all tokens ('gap')
       -> [pre-logits Linear + tanh] -> head Linear (zero-initialised)
 
+Images of different sizes and aspect ratios run as one packed batch (NaViT, SigLIP 2's NaFlex: `forward_packed`,
+`layers/packing.py`): a row of patches per image, each with its own resampled position grid, attention masked to its
+own tokens and pooled alone.
+
 The ViTs that followed (DeiT-III, DINOv2, SigLIP, EVA-02, CLIP) are the same encoder with a few options, each a
 config field that is off by default (so the paper's models are unchanged) and each a small module in `layers/`:
 LayerScale on both residual branches (`init_values`), register tokens after the class token (`reg_tokens`), a
@@ -567,9 +571,8 @@ class VisionTransformer(nn.Module):
                 tokens[i] = self.norm(h) if norm else h
         feats = self.norm(h)
         if packed:
-            logits = (self.forward_head(feats) if self.config.classifier == "token" else
-                      self.head(self.head_drop(self.pre_logits(self.pool_packed(feats, batch.valid)))))
-            out = {"tokens": tokens, "features": feats, "logits": logits, "valid": batch.valid}
+            out = {"tokens": tokens, "features": feats, "logits": self.forward_head_packed(feats, batch.valid),
+                   "valid": batch.valid}
             if attention:
                 out["attention"] = attn
             return out
@@ -634,15 +637,18 @@ class VisionTransformer(nn.Module):
             return self.attn_pool(x[:, p:], valid=valid)
         return self.fc_norm(masked_mean(x[:, p:], valid))
 
+    def forward_head_packed(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """`forward_head` for a packed batch: tokens (B, p + L, D), valid (B, L) -> logits (B, K)."""
+        if self.config.classifier == "token":  # the class token (and DeiT's distillation token): no padding to skip
+            return self.forward_head(x)
+        return self.head(self.head_drop(self.pre_logits(self.pool_packed(x, valid))))
+
     def forward_packed(self, x) -> torch.Tensor:
         """Images of different sizes in one forward: a PackedBatch (or a list of (C, H, W) images, or timm's NaFlex
         dict) -> logits (B, num_classes), one row per image, each as the image alone would give."""
         batch = as_packed(x, self.config.patch_size)
         if not self._cls_only_last_block():
-            feats, valid = self.forward_features_packed(batch)
-            if self.config.classifier == "token":
-                return self.forward_head(feats)
-            return self.head(self.head_drop(self.pre_logits(self.pool_packed(feats, valid))))
+            return self.forward_head_packed(*self.forward_features_packed(batch))
         h, mask, rope = self.embed_packed(batch)
         for blk in self.blocks[:-1]:
             h = self._run(blk, h, rope=rope, mask=mask)

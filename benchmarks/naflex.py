@@ -14,6 +14,10 @@
         position embedding at that grid) and square (every image resized to one square of the same budget,
         sqrt(budget) patches a side: its aspect ratio lost). img/s and the share of tokens spent on padding.
 
+    python benchmarks/naflex.py padding [--model vit_s16] [--batch 8] [--budget 196] [--batches 12] [--rounds 3]
+        A stream of packed batches whose longest image varies, as a service sees it, on the packed fast GEMM: every
+        row padded to the batch's longest image, or to the budget (one shape per batch size), interleaved rounds.
+
 Results are printed and written to benchmarks/results/naflex_<what>_<cpu>.json.
 """
 from __future__ import annotations
@@ -152,6 +156,35 @@ def throughput(args) -> dict:
             "tokens": tokens, "img_per_s": rates}
 
 
+@torch.no_grad()
+def padding(args) -> dict:
+    """Rows padded to the longest image of each batch, or to the budget (one shape per batch size), on a stream of
+    batches whose images (and so longest rows) vary, as a service sees them: the model set up as `vitkit serve` runs
+    it (fp32 on the packed fast GEMM, `vitkit.precision.for_inference`)."""
+    from vitkit.precision import for_inference
+
+    torch.manual_seed(0)
+    model = vitkit.create_model(args.model, num_classes=10).eval()
+    for_inference(model, torch.device("cpu"), "fp32", args.batch)
+    p = model.config.patch_size[0]
+    stream = [_images(args.batch, 100 + i, args.budget, p) for i in range(args.batches)]
+    cases = {"longest": lambda imgs: pack(imgs, (p, p)), "budget": lambda imgs: pack(imgs, (p, p), length=args.budget)}
+    rates = {k: [] for k in cases}
+    for _ in range(args.rounds):
+        for k, make in cases.items():
+            t0 = time.perf_counter()
+            for imgs in stream:
+                model(make(imgs))
+            rates[k].append(len(stream) * args.batch / (time.perf_counter() - t0))
+    print(f"\n{args.model}, {args.batches} batches of {args.batch} images (aspect 1/3-3, <= {args.budget} patches), fp32 on the "
+          f"packed GEMM, {torch.get_num_threads()} threads; {cpu_name()}\n")
+    print("| rows padded to | img/s per round | median |")
+    print("|---|---|---:|")
+    for k, v in rates.items():
+        print(f"| {k} | {', '.join(f'{x:.1f}' for x in v)} | {statistics.median(v):.1f} |")
+    return {"cpu": cpu_name(), "model": args.model, "img_per_s": rates}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -165,8 +198,14 @@ def main() -> None:
     t.add_argument("--budget", type=int, default=256)
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--seconds", type=float, default=2.0)
+    d = sub.add_parser("padding")
+    d.add_argument("--model", default="vit_s16")
+    d.add_argument("--batch", type=int, default=8)
+    d.add_argument("--budget", type=int, default=196)
+    d.add_argument("--batches", type=int, default=12)
+    d.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    res = accuracy(args) if args.what == "accuracy" else throughput(args)
+    res = {"accuracy": accuracy, "throughput": throughput, "padding": padding}[args.what](args)
     RESULTS.mkdir(exist_ok=True)
     tag = "".join(ch if ch.isalnum() else "_" for ch in cpu_name().split("(")[0].strip().lower())
     (RESULTS / f"naflex_{args.what}_{tag}.json").write_text(json.dumps(res, indent=1))

@@ -86,11 +86,6 @@ def naflex_to_vitkit(w: dict[str, torch.Tensor], in_chans: int = 3) -> tuple[dic
     return sd, {**facts, **NAFLEX_FACTS}, unused
 
 
-def naflex_grid(w: dict[str, torch.Tensor]) -> tuple[int, int] | None:
-    pe = w.get("embeds.pos_embed")
-    return tuple(pe.shape[1:3]) if pe is not None and pe.ndim == 4 else None
-
-
 def naflex_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """vitkit weights -> timm NaFlexVit names (the inverse of `naflex_to_vitkit`)."""
     out = {}

@@ -152,14 +152,8 @@ class PackAugment(PackTransform):
             img = img[:, t:t + ch, l:l + cw]
             if self.hflip and flip < 0.5:
                 img = img.flip(-1)
-            x = img.float() / 255
-            if self.replicate_to and x.shape[0] == 1:
-                x = x.expand(self.replicate_to, -1, -1)
-            size = resize_to_patches(x.shape[1], x.shape[2], self.patch_size, self.max_patches)
-            out.append(normalize(_resize(x, size), self.mean, self.std))
+            out.append(self.image(img))  # the crop back to the budget (sized=False: always resized)
         return pack(out, self.patch_size, length=self.max_patches), y
-
-    mixing = False
 
 
 def hflip_packed(batch: PackedBatch, patch_size: Sequence[int]) -> PackedBatch:

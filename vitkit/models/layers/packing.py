@@ -88,19 +88,18 @@ def grid_coords(gh: int, gw: int, device=None) -> torch.Tensor:
     return torch.stack([ys, xs], dim=-1).reshape(-1, 2)
 
 
-def pack(images: Sequence[torch.Tensor], patch_size: tuple[int, int], length: int | None = None,
-         multiple: int = 1) -> PackedBatch:
+def pack(images: Sequence[torch.Tensor], patch_size: tuple[int, int], length: int | None = None) -> PackedBatch:
     """Images (each (C, H, W), any sizes that are multiples of the patch size) -> one PackedBatch.
 
     Args:
-        length: pad every row to this many patches (a fixed shape: an exported model's); None: the longest image's.
-        multiple: round the padded length up to a multiple of this (fewer distinct shapes for a compiled model).
+        length: pad every row to this many patches (one shape per batch size: the packed GEMMs keep their packing,
+            a compiled or exported model sees one shape); None: the longest image's.
     """
     if not len(images):
         raise UsageError("nothing to pack: no images")
     seqs = [patchify(im, patch_size) for im in images]
     longest = max(s.shape[0] for s, _ in seqs)
-    L = length if length is not None else -(-longest // multiple) * multiple
+    L = length if length is not None else longest
     if longest > L:
         raise UsageError(f"an image of {longest} patches does not fit a packed length of {L}")
     ref = seqs[0][0]

@@ -264,7 +264,7 @@ def _prepare(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None)
         spec.train, spec.test, val = (ds.squared(mc.img_size) if isinstance(ds, VarSizeDataset) else ds
                                       for ds in (spec.train, spec.test, val))
     aug_cfg = cfg.aug
-    if decodes_files(spec.train) and aug_cfg.crop == "rrc":
+    if decodes_files(spec.train) and aug_cfg.crop == "rrc" and not d.max_patches:  # packed: PackAugment crops
         # random-resized crops of files are cut from the full-resolution image in the DataLoader workers, not from
         # the model-size batch (a small crop of it would be upsampled blur); flips and the rest stay on the batch
         spec.train = spec.train.with_train_crop(aug_cfg.scale, aug_cfg.ratio, r.seed)

@@ -241,3 +241,27 @@ def test_attention_maps_of_a_packed_batch_are_each_image_alone():
             assert (a - one["attention"][1][0]).abs().max() < 1e-5
             assert out["attention"][1][i, :, :n, n:].abs().sum() == 0  # no weight on the padding
             assert (out["logits"][i] - one["logits"][0]).abs().max() < 1e-5
+
+
+def test_an_image_folder_trains_and_evaluates_at_native_aspect(tmp_path):
+    from PIL import Image
+
+    from vitkit.cli import main
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i, (h, w) in enumerate([(28, 10), (12, 40), (30, 30), (50, 20)]):
+                Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(tmp_path / split / c / f"{i}.png")
+    run = tmp_path / "run"
+    args = [f"data.dataset={tmp_path}", "data.max_patches=9", "data.batch_size=4", "data.num_workers=0",
+            "model.name=vit_ti16", 'model.overrides={"img_size": 24, "patch_size": 8, "depth": 1, "embed_dim": 32, '
+            '"num_heads": 2, "mlp_dim": 64}', "aug.crop=rrc", "aug.random_erasing=0", "schedule.epochs=1",
+            f"run.out_dir={run}", "run.progress=false", "run.precision=fp32"]
+    assert main(["train", *args]) == 0
+    assert main(["eval", str(run / "final.safetensors"), "--data", str(tmp_path), "--max-patches", "9",
+                 "--out", str(run)]) == 0
+    report = json.loads((run / "eval_report.json").read_text())
+    assert report["n"] == 8 and report["max_patches"] == 9 and report["skipped"] == 0
+    assert main(["train", *args[:-3], "aug.mixup=0.8", f"run.out_dir={tmp_path / 'mix'}"]) == 2  # one size per batch

@@ -172,6 +172,7 @@ def test_the_service_packs_requests_of_mixed_sizes_into_one_forward():
 
     assert take_packed([10, 12, 30, 5], max_batch=8, max_tokens=40) == 2  # 2 x 12 fits; 3 x 30 padded tokens do not (FIFO)
     assert take_packed([50, 3], max_batch=8, max_tokens=40) == 1  # one image always goes, whatever its size
+    assert take_packed([5, 5, 5, 5], max_batch=8, max_tokens=40, length=16) == 2  # rows padded to 16: 2 x 16 <= 40
     torch.manual_seed(0)
     m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=2, embed_dim=48, num_heads=3, mlp_dim=96,
                             num_classes=4).eval()

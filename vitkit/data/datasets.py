@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..models.layers.patch_embed import to_2tuple
-from .image import BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
+from .image import _PIL_INTERP, BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 from ..errors import UsageError, VitkitError
 from ..safety import MAX_TENSOR_BYTES
 
@@ -37,7 +37,6 @@ FASHION_MNIST_MD5 = {"train-images-idx3-ubyte.gz": "8d4fb7e6c68d591d4c3dfef9ec88
                      "train-labels-idx1-ubyte.gz": "25c81989df183df01b3e8a0aad5dffbe",
                      "t10k-images-idx3-ubyte.gz": "bef4ecab320f06d8554ea6380940ec79",
                      "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310"}
-_PIL_RESAMPLE = {"nearest": 0, "bilinear": 2, "bicubic": 3}  # PIL's Image.Resampling values
 FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 FASHION_MNIST_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -250,7 +249,7 @@ class FileDataset(TrainCrops, Dataset):
             from ..models.layers.packing import resize_to_patches
 
             h, w = resize_to_patches(img.height, img.width, self.patch_size, self.max_patches)
-            return to_uint8_tensor(img.resize((w, h), _PIL_RESAMPLE.get(self.interpolation, 2))), label
+            return to_uint8_tensor(img.resize((w, h), _PIL_INTERP.get(self.interpolation, _PIL_INTERP["bilinear"]))), label
         return to_uint8_tensor(sample_geometry(img, self, i)), label
 
     def packed(self, max_patches: int | None, patch_size) -> "FileDataset":

@@ -205,10 +205,11 @@ class BatchStats:
     padding: int = 0  # of which padding
 
 
-def take_packed(sizes: list[int], max_batch: int, max_tokens: int) -> int:
+def take_packed(sizes: list[int], max_batch: int, max_tokens: int, length: int = 0) -> int:
     """How many of the waiting images (their patch counts, in arrival order) the next packed forward takes: as many
-    as fit `max_batch` images and `max_tokens` padded tokens (images x the longest), at least one."""
-    n, longest = 0, 0
+    as fit `max_batch` images and `max_tokens` padded tokens (images x the row length: the longest image, or `length`
+    when rows are padded to it), at least one."""
+    n, longest = 0, length
     for s in sizes[:max_batch]:
         if n and (n + 1) * max(longest, s) > max_tokens:
             break
@@ -278,7 +279,7 @@ class MicroBatcher:
             if self.packed:
                 p = self.predictor.config.patch_size
                 take = take_packed([(x.shape[1] // p[0]) * (x.shape[2] // p[1]) for x, _ in self.pending],
-                                   self.max_batch, self.max_tokens)
+                                   self.max_batch, self.max_tokens, self.predictor.max_patches)
             batch, self.pending = self.pending[:take], self.pending[take:]
             if self.pending:
                 self._wake.set()

@@ -54,11 +54,6 @@ class PackedBatch:
     def to(self, device=None, dtype=None) -> "PackedBatch":
         return PackedBatch(self.patches.to(device=device, dtype=dtype), self.coords.to(device), self.valid.to(device))
 
-    @property
-    def lengths(self) -> torch.Tensor:
-        """(B,): each image's number of patches."""
-        return self.valid.sum(1)
-
     def grids(self) -> list[tuple[int, int]]:
         """Each image's patch grid (rows, columns)."""
         return [tuple(int(v) for v in g) for g in grid_sizes(self.coords, self.valid)]
@@ -76,7 +71,7 @@ def patchify(img: torch.Tensor, patch_size: tuple[int, int]) -> tuple[torch.Tens
     ph, pw = patch_size
     if h % ph or w % pw or not h or not w:
         raise UsageError(f"image of size {h}x{w}: both sides must be positive multiples of the patch size {ph}x{pw} "
-                         f"(vitkit.data.resize_to_patches resizes an image to a patch budget, keeping its aspect ratio)")
+                         f"(vitkit.models.layers.packing.resize_to_patches gives the size at a patch budget, aspect ratio kept)")
     gh, gw = h // ph, w // pw
     x = img.reshape(c, gh, ph, gw, pw).permute(1, 3, 2, 4, 0)  # (gh, gw, ph, pw, C)
     return x.reshape(gh * gw, ph * pw * c), (gh, gw)

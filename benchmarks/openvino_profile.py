@@ -34,13 +34,15 @@ def main() -> None:
     args = p.parse_args()
     import openvino as ov
 
+    from vitkit.inference.engine_probe import openvino_core
+
     torch.manual_seed(0)
     m = vitkit.create_model(args.model).eval()
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "m.onnx"
         export_model(m, path, "onnx", dynamic_batch=True)
         want = {"fp32": "f32", "bf16": "bf16"}[args.precision]
-        compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": want, "PERF_COUNT": True,
+        compiled = openvino_core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": want, "PERF_COUNT": True,
                                                              "INFERENCE_NUM_THREADS": torch.get_num_threads()})
         req = compiled.create_infer_request()
         x = np.random.default_rng(0).standard_normal((args.batch, 3, *m.config.img_size)).astype(np.float32)

@@ -129,8 +129,9 @@ class OvSession:
         import openvino as ov
 
         from vitkit.deploy import export_model
+        from vitkit.inference.engine_probe import openvino_core
 
-        core = ov.Core()
+        core = openvino_core()  # one Core per process: freed Cores can leave the main thread's signal stack unmapped
         if source == "ov":
             ovm = core.read_model(str(export_model(model, tmp / f"{name}.onnx", "onnx", dynamic_batch=True).path))
         else:

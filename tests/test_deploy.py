@@ -1,6 +1,10 @@
 """Any input size in eager mode, and exports (ONNX, OpenVINO, torch.export) checked against eager on two batch sizes and two
-resolutions from one dynamic file, for a ViT, a hybrid and BiT."""
+resolutions from one dynamic file, for a ViT, a hybrid and BiT; OpenVINO engines that leave the process able to take a
+signal."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,8 +67,7 @@ def test_onnx_export_matches_eager_at_two_batches_and_two_sizes(kind, tmp_path):
 def test_openvino_export_matches_eager_at_two_batches_and_two_sizes(kind, tmp_path):
     """One dynamic IR, compiled by OpenVINO's own runtime in f32, within 1e-4 of eager PyTorch; the service's
     OpenVINO backend answers as the PyTorch one."""
-    import openvino as ov
-
+    from vitkit.inference.engine_probe import openvino_core
     from vitkit.serve.engine import TorchPredictor, load_predictor
 
     if kind == "hybrid" and os.environ.get("ONEDNN_MAX_CPU_ISA"):
@@ -75,7 +78,8 @@ def test_openvino_export_matches_eager_at_two_batches_and_two_sizes(kind, tmp_pa
     shapes = {tuple(c["shape"]) for c in rep.checks}
     assert len({s[0] for s in shapes}) == 2 and len({s[2:] for s in shapes}) == 2 and rep.worst <= 1e-4
     assert (tmp_path / "m.bin").stat().st_size > 4 * sum(p.numel() for p in m.parameters()) * 0.9  # fp32 weights
-    compiled = ov.Core().compile_model(str(tmp_path / "m.xml"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    # OpenVINO's own runtime compiles the file (the process's one Core: see test_openvino_engines_leave_signals_deliverable)
+    compiled = openvino_core().compile_model(str(tmp_path / "m.xml"), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     step = m.config.patch_size[0]
     x = torch.randn(2, 3, 3 * step, 2 * step)  # a size the export's own check did not use
     m.set_dynamic_img_size()
@@ -87,6 +91,58 @@ def test_openvino_export_matches_eager_at_two_batches_and_two_sizes(kind, tmp_pa
     assert served.config.img_size == eager.config.img_size and served.config.mean == eager.config.mean
     batch = np.random.default_rng(0).standard_normal((3, 3, *eager.config.img_size)).astype(np.float32)
     assert np.abs(served(batch) - eager(batch)).max() <= 1e-4
+
+
+SIGNALS_AFTER_OPENVINO = r"""
+import ctypes, faulthandler, signal, subprocess, sys, threading
+
+faulthandler.enable()  # as pytest and `python -X faulthandler` do: the main thread gets an alternate signal stack
+from vitkit.deploy import export_model, openvino_compile
+from vitkit.serve.engine import load_predictor
+import vitkit
+
+
+class Stack(ctypes.Structure):
+    _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+
+def alt_stack_mapped() -> bool:
+    ss = Stack()
+    assert ctypes.CDLL(None).sigaltstack(None, ctypes.byref(ss)) == 0
+    if not ss.ss_sp or ss.ss_flags & 2:  # none, or SS_DISABLE
+        return True
+    spans = (line.split()[0].split("-") for line in open("/proc/self/maps"))
+    return any(int(a, 16) <= ss.ss_sp and ss.ss_sp + ss.ss_size <= int(b, 16) for a, b in spans)
+
+
+path = sys.argv[1]
+m = vitkit.create_model("vit_ti16", img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, mlp_dim=64,
+                        num_classes=3).eval()
+export_model(m, path, "openvino")                          # the export compiles its file to check it
+a = openvino_compile(path)                                 # as deploy does
+b = load_predictor(path, "openvino", precision="fp32")     # as the service does
+del a, b                                                   # freed in the order they were made
+held = [openvino_compile(path)]
+t = threading.Thread(target=held.clear)                    # the last reference dropped on another thread
+t.start(); t.join()
+print("stack mapped:", alt_stack_mapped(), flush=True)
+signal.signal(signal.SIGCHLD, lambda *_: None)             # torch's DataLoader installs one after its first workers
+subprocess.run([sys.executable, "-c", "pass"], check=True)  # the child's exit delivers SIGCHLD to the main thread
+print("alive", flush=True)
+"""
+
+
+def test_openvino_engines_leave_signals_deliverable(tmp_path):
+    """The sequence that killed `make test` (issue 41): OpenVINO engines made and freed in a process whose main thread
+    has an alternate signal stack, then a Python signal handler and a child process. OpenVINO's CPU plugin unmaps
+    the stack it gave the main thread when it is freed out of order; vitkit keeps one Core for the process, so
+    the stack stays mapped and the SIGCHLD is handled (before: SIGSEGV, exit -11, nothing printed)."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", SIGNALS_AFTER_OPENVINO, str(tmp_path / "m.xml")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "stack mapped: True" in out.stdout and "alive" in out.stdout, \
+        (out.returncode, out.stdout, out.stderr[-2000:])
 
 
 def test_torch_export_program_and_int8_and_a_failing_export(tmp_path):

@@ -311,9 +311,9 @@ def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | N
 
 def openvino_config(path: str | Path) -> dict:
     """The vitkit config an OpenVINO export carries in its rt_info."""
-    import openvino as ov
+    from .inference.engine_probe import openvino_core
 
-    ovm = ov.Core().read_model(str(path))
+    ovm = openvino_core().read_model(str(path))
     if not ovm.has_rt_info(["vitkit_config"]):
         raise UsageError(f"{path} carries no vitkit config: export it with `vitkit export --format openvino`")
     return json.loads(ovm.get_rt_info(["vitkit_config"]).astype(str))

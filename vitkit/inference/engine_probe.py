@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -20,15 +21,37 @@ class EngineError(RuntimeError):
     """The engine cannot run the model as asked (another precision than the one compiled for)."""
 
 
+_OV_CORE = None
+_OV_CORE_LOCK = threading.Lock()
+
+
+def openvino_core():
+    """The process's one OpenVINO Core: made on first use, kept until the process exits.
+
+    Never a Core per call. OpenVINO's CPU plugin (2026.4, `ov::intel_cpu::SigAltStackSetup`) gives the thread that
+    creates it an alternate signal stack of its own (big enough for AMX state), and unmaps that stack when the plugin
+    is freed, putting the previous one back only if its own is still current on the freeing thread. Two Cores freed
+    in the order they were made, or one freed on another thread, leave the creating thread (here the main thread)
+    with an alternate stack in unmapped memory. The next signal handled there on that stack (every Python handler:
+    the SIGCHLD handler torch's DataLoader installs, SIGINT, SIGTERM; faulthandler's SIGSEGV) then kills the process
+    with SIGSEGV (si_code SI_KERNEL, address 0) and no traceback. One Core that lives as long as the process frees
+    no plugin before exit (benchmarks/NOTES.md section 32; tests/test_deploy.py reproduces the sequence)."""
+    global _OV_CORE
+    with _OV_CORE_LOCK:
+        if _OV_CORE is None:
+            import openvino as ov
+
+            _OV_CORE = ov.Core()
+        return _OV_CORE
+
+
 def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | None = None):
     """A model file (IR .xml or .onnx) compiled by OpenVINO for the CPU with INFERENCE_PRECISION_HINT f32 or bf16,
     the hint read back (the CPU plugin computes in bf16 by default where the CPU has it): a CompiledModel, called as
     model(x)."""
-    import openvino as ov
-
     want = {"fp32": "f32", "bf16": "bf16"}[precision]
     cfg = {"INFERENCE_PRECISION_HINT": want, **({"INFERENCE_NUM_THREADS": threads} if threads else {})}
-    compiled = ov.Core().compile_model(str(path), "CPU", cfg)
+    compiled = openvino_core().compile_model(str(path), "CPU", cfg)
     got = compiled.get_property("INFERENCE_PRECISION_HINT")
     got = got.get_type_name() if hasattr(got, "get_type_name") else str(got)
     if got != want:

@@ -38,8 +38,10 @@ browser: $(CHROMIUM)
 demo: $(STAMP) data
 	$(VENV)/bin/vitkit demo
 
+# pytest-xdist: a worker per core (at most 4), each with its share of the cores (tests/conftest.py). A worker that
+# crashes is reported with its test's name and replaced; faulthandler prints the stack of a crash or a hang.
 test: $(STAMP) data browser
-	$(PY) -m pytest tests --durations=15
+	$(PY) -m pytest tests -n auto --maxprocesses 4 --dist loadgroup --durations=15
 
 # A fuzzing campaign (fuzz/README.md): every door under atheris for FUZZ_SECONDS each, then schemathesis against
 # the service. A crash stops with the input in fuzz/crashes/; fixed, it joins tests/fuzz_regressions/.

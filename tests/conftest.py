@@ -7,7 +7,10 @@ import torch
 FIXTURES = Path(os.environ.get("VITKIT_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 FIXTURES_HERE = Path(__file__).resolve().parent / "fixtures"  # made by tests/fixtures/make_timm_fixtures.py
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two threads in one process; under pytest-xdist (`make test` runs `-n auto`) the cores are shared among the workers, so
+# that two workers on a 2-core machine do not run four GEMM threads.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // WORKERS))
 
 
 @pytest.fixture(autouse=True)

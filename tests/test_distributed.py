@@ -94,14 +94,16 @@ def test_a_killed_distributed_run_resumes_to_the_same_weights(tmp_path):
     cmd = [sys.executable, "-m", "vitkit", "train", *TINY, f"run.out_dir={cut}", "schedule.epochs=3", "run.ckpt_every=3",
            "--nproc", "2"]
     proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    t0 = time.time()
-    while time.time() - t0 < 120:
-        lines = (cut / "metrics.jsonl").read_text().splitlines() if (cut / "metrics.jsonl").exists() else []
-        if len(lines) >= 20:
-            break
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks at once
-    proc.wait(30)
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 120:
+            lines = (cut / "metrics.jsonl").read_text().splitlines() if (cut / "metrics.jsonl").exists() else []
+            if len(lines) >= 20:
+                break
+            time.sleep(0.05)
+    finally:  # whatever happened above, the launcher and both ranks end here, at once
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
     step = checkpoint.read_meta(checkpoint.latest(cut))["step"]
     assert 0 < step < 69  # 23 steps an epoch, 3 epochs
     _train(cut, "schedule.epochs=3", "run.ckpt_every=3", nproc=2)

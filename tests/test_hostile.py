@@ -337,6 +337,7 @@ def test_a_download_declaring_a_petabyte_is_refused_before_it_starts(tmp_path):
         assert not (tmp_path / "w.safetensors").exists()
     finally:
         srv.shutdown()
+        srv.server_close()
 
 
 def test_a_run_checkpoint_whose_index_pickles_a_command_runs_nothing(tmp_path):

@@ -92,12 +92,15 @@ def reference_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.xdist_group("reference_run")  # one worker runs both, so the module's reference run is trained once
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_killed_run_resumes_to_identical_weights(tmp_path, sig, reference_run):
     run = _cli(tmp_path / "cut")
-    _wait_for_step(tmp_path / "cut", 40, run)
-    run.send_signal(sig)
-    code = run.wait()
+    try:
+        _wait_for_step(tmp_path / "cut", 40, run)
+    finally:  # the run ends here whatever happened while waiting for it
+        run.send_signal(sig)
+        code = run.wait()
     assert code == (-9 if sig == signal.SIGKILL else 143), run.stderr.read().decode()[-1000:]
     assert 0 < checkpoint.read_meta(checkpoint.latest(tmp_path / "cut"))["step"] < 230  # stopped in the middle
     resumed = _cli(tmp_path / "cut")
@@ -313,12 +316,14 @@ def test_mpp_preset_pretrains_and_fine_tunes_as_its_docstring_says(tmp_path):
 
 def test_demo_trains_evaluates_and_predicts_on_fashion_mnist(tmp_path, capsys):
     """The README's first command on a sliver of an epoch: real Fashion-MNIST files, real PNGs."""
-    from vitkit.demo import demo
+    from vitkit.demo import DEMO_RECIPE, demo
 
     res = demo(epochs=0.05, out=str(tmp_path / "demo"), images=2)
-    assert res["step"] == 12
+    assert res["step"] == round(0.05 * (60000 // DEMO_RECIPE["data.batch_size"]))
     out = capsys.readouterr().out
-    assert "top-1" in out and "Ankle boot" in out
+    assert "on the 10000 test images" in out and "top-1" in out and "Ankle boot" in out
+    report = json.loads((tmp_path / "demo" / "eval_report.json").read_text())
+    assert report["n"] == 10000 and len(report["per_class"]) == 10 and report["acc1"] == res["acc1"]
     assert (tmp_path / "demo" / "confusion.png").exists() and len(list((tmp_path / "demo" / "samples").glob("*.png"))) == 2
 
 

@@ -6,6 +6,7 @@ A run directory holds:
   best.safetensors       the best weights so far (vitkit format: loads with vitkit.load, alone)
   final.safetensors      the weights at the end
   metrics.jsonl          one JSON line per log step and per evaluation
+  result.json            the run's outcome; eval_report.json and confusion.png: the final weights on the test set
   tb/                    TensorBoard event files (if tensorboard is installed)
 
 Reading order: `train` sets a run up (`_prepare`), then runs steps (`_train_step`: the micro-batches of one
@@ -38,7 +39,7 @@ from ..data.image import EvalTransform
 from ..device import resolve_device
 from ..distributed import Dist, full_state_dict, gradient_sync, resolve_strategy, wrap_model
 from ..errors import UsageError, VitkitError
-from ..evaluation import EvalResult, check_tta, evaluate
+from ..evaluation import EvalResult, check_tta, evaluate, save_confusion_png, write_report
 from ..models.layers.linear import pack_linears
 from .. import precision as precision_mod
 from . import checkpoint
@@ -636,6 +637,11 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     bar.message(f"done: {step} steps in {result['time_s']:.0f} s; test top-1 {final_eval.acc1:.4f}, top-5 {final_eval.acc5:.4f}")
     if dist.main:
         (out / "result.json").write_text(json.dumps(result, indent=1))
+        if final_eval.classes:  # the final weights' test evaluation, as `vitkit eval` reports it: no second pass needed
+            write_report(final_eval, out / "eval_report.json", {"checkpoint": str(out / "final.safetensors"),
+                                                                "data": cfg.data.dataset, "tta": cfg.run.tta,
+                                                                "precision": run.precision})
+            save_confusion_png(final_eval, out / "confusion.png")
     return result
 
 

@@ -10,7 +10,7 @@ FIXTURES_HERE = Path(__file__).resolve().parent / "fixtures"  # made by tests/fi
 # Two threads in one process; under pytest-xdist (`make test` runs `-n auto`) the cores are shared among the workers, so
 # that two workers on a 2-core machine do not run four GEMM threads.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // WORKERS))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads() // WORKERS)))
 
 
 @pytest.fixture(autouse=True)

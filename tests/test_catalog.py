@@ -304,3 +304,39 @@ def test_hub_cache_copy_is_checked_against_its_sha256(hub, home):
         marker.unlink()  # as on another machine sharing the cache
     with pytest.raises(CheckpointError, match="does not match its SHA-256"):
         resolve("test-org/dinov2-tiny")
+
+
+def test_downloads_of_one_file_at_once_take_turns(tmp_path):
+    """Four downloaders of one file into one folder at once (xdist workers fetching Fashion-MNIST, say): one
+    download, one verified file, no partial or lock file left, every caller gets the path."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitkit.checkpoints.catalog import download
+
+    data = np.random.default_rng(0).bytes(3_000_000)
+    (tmp_path / "f.bin").write_bytes(data)
+    seen = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **k):
+            super().__init__(*a, directory=str(tmp_path), **k)
+
+        def do_GET(self):
+            seen.append(self.headers.get("Range"))
+            super().do_GET()
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    dest = tmp_path / "out" / "f.bin"
+    try:
+        with ThreadPoolExecutor(4) as pool:  # each call opens the folder itself: flock holds between them too
+            got = list(pool.map(lambda _: download(f"http://127.0.0.1:{httpd.server_port}/f.bin", dest,
+                                                   sha256=hashlib.sha256(data).hexdigest()), range(4)))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert got == [dest] * 4 and dest.read_bytes() == data and seen == [None]
+    assert [p.name for p in dest.parent.iterdir()] == ["f.bin"]

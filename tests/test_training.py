@@ -63,7 +63,9 @@ RESUME_ARGS = [f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in 
 
 
 def _cli(out, *extra):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # one GEMM path for the three processes compared bit for bit: a path measured again under another load (an
+    # xdist worker beside them) may differ in fp32 rounding
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "VITKIT_GEMM": "onednn-packed"}
     return subprocess.Popen([sys.executable, "-m", "vitkit.cli", "train", *RESUME_ARGS, f"run.out_dir={out}", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=REPO)
 
@@ -322,9 +324,10 @@ def test_demo_trains_evaluates_and_predicts_on_fashion_mnist(tmp_path, capsys):
     assert res["step"] == round(0.05 * (60000 // DEMO_RECIPE["data.batch_size"]))
     out = capsys.readouterr().out
     assert "on the 10000 test images" in out and "top-1" in out and "Ankle boot" in out
-    report = json.loads((tmp_path / "demo" / "eval_report.json").read_text())
+    report = json.loads((tmp_path / "demo" / "test_report.json").read_text())
     assert report["n"] == 10000 and len(report["per_class"]) == 10 and report["acc1"] == res["acc1"]
-    assert (tmp_path / "demo" / "confusion.png").exists() and len(list((tmp_path / "demo" / "samples").glob("*.png"))) == 2
+    assert Image.open(tmp_path / "demo" / "test_confusion.png").size[0] > 200
+    assert len(list((tmp_path / "demo" / "samples").glob("*.png"))) == 2
 
 
 def test_finetune_a_bit_checkpoint_gets_a_new_head(tmp_path):

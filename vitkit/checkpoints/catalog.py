@@ -238,10 +238,24 @@ def _sha256(path: Path) -> str:
 def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 30.0, md5: str | None = None) -> Path:
     """Fetch `url` to `dest`, resuming a partial `dest.part`, and verify it: against `sha256` or `md5` where given,
     else against the hash the server publishes with the file (see the module's docstring). A mismatch removes
-    the download and raises a CheckpointError."""
+    the download and raises a CheckpointError. Processes downloading into the same folder at once take turns (a lock
+    on the folder itself, no file left behind): the first downloads, the others then find the file."""
     if dest.exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        return _download(url, dest, sha256, timeout, md5)
+    folder = os.open(dest.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        return dest if dest.exists() else _download(url, dest, sha256, timeout, md5)
+    finally:
+        os.close(folder)  # and the lock with it
+
+
+def _download(url: str, dest: Path, sha256: str | None, timeout: float, md5: str | None) -> Path:
     part = dest.with_name(dest.name + ".part")
     have = part.stat().st_size if part.exists() else 0
     req = urllib.request.Request(url, headers={"User-Agent": "vitkit", **({"Range": f"bytes={have}-"} if have else {})})

@@ -124,19 +124,21 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
 
 
 def save_confusion_png(result: EvalResult, path: str | Path, title: str = "") -> Path:
-    """The confusion matrix, row-normalised, with counts, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """The confusion matrix, row-normalised, with counts, as a PNG (at most 40 x 40 inches: class names shown up to
+    100 classes). Drawn on its own Agg canvas: pyplot's backend, a notebook's included, is left as it is."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     k = len(result.classes)
     norm = result.confusion / np.maximum(result.confusion.sum(1, keepdims=True), 1)
-    size = max(4.0, 0.55 * k + 2)
-    fig, ax = plt.subplots(figsize=(size + 1, size))
+    size = min(max(4.0, 0.55 * k + 2), 40.0)
+    fig = Figure(figsize=(size + 1, size))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     im = ax.imshow(norm, cmap="Blues", vmin=0, vmax=1)
-    ax.set_xticks(range(k), result.classes, rotation=45, ha="right", fontsize=8)
-    ax.set_yticks(range(k), result.classes, fontsize=8)
+    if k <= 100:
+        ax.set_xticks(range(k), result.classes, rotation=45, ha="right", fontsize=8)
+        ax.set_yticks(range(k), result.classes, fontsize=8)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     if k <= 30:
@@ -151,7 +153,6 @@ def save_confusion_png(result: EvalResult, path: str | Path, title: str = "") ->
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

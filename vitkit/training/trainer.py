@@ -6,7 +6,9 @@ A run directory holds:
   best.safetensors       the best weights so far (vitkit format: loads with vitkit.load, alone)
   final.safetensors      the weights at the end
   metrics.jsonl          one JSON line per log step and per evaluation
-  result.json            the run's outcome; eval_report.json and confusion.png: the final weights on the test set
+  result.json            the run's outcome
+  test_report.json       the final weights on the test set (top-1/5, per class, confusion), as `vitkit eval` writes
+  test_confusion.png     its confusion matrix
   tb/                    TensorBoard event files (if tensorboard is installed)
 
 Reading order: `train` sets a run up (`_prepare`), then runs steps (`_train_step`: the micro-batches of one
@@ -638,10 +640,13 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     if dist.main:
         (out / "result.json").write_text(json.dumps(result, indent=1))
         if final_eval.classes:  # the final weights' test evaluation, as `vitkit eval` reports it: no second pass needed
-            write_report(final_eval, out / "eval_report.json", {"checkpoint": str(out / "final.safetensors"),
+            write_report(final_eval, out / "test_report.json", {"checkpoint": str(out / "final.safetensors"),
                                                                 "data": cfg.data.dataset, "tta": cfg.run.tta,
                                                                 "precision": run.precision})
-            save_confusion_png(final_eval, out / "confusion.png")
+            try:
+                save_confusion_png(final_eval, out / "test_confusion.png")
+            except (OSError, ValueError, MemoryError) as e:  # a figure is not worth a failed run after its training
+                bar.message(f"test_confusion.png not written: {e}")
     return result
 
 

@@ -167,9 +167,16 @@ def _save() -> None:
     try:
         path = _cache_file()
         path.parent.mkdir(parents=True, exist_ok=True)
-        rows = [{"shape": list(k), "path": p, "gflops": _RATES.get(k, {})} for k, p in _CHOICES.items()]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rows, indent=1))
+        merged: dict[tuple, dict] = {}
+        try:  # another process may have measured other shapes since this one read the file: keep them
+            for row in json.loads(path.read_text()):
+                if len(row["shape"]) == 5:
+                    merged[tuple(row["shape"])] = row
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        merged.update({k: {"shape": list(k), "path": p, "gflops": _RATES.get(k, {})} for k, p in _CHOICES.items()})
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(list(merged.values()), indent=1))
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: measure again next time

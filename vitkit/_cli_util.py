@@ -35,8 +35,14 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
+def _literal(text: str) -> str:
+    """A docstring's text as argparse help, which %-formats it (`%(default)s`): a bare "5%" would crash --help."""
+    return text.replace("%", "%%")
+
+
 def add_function(sub: argparse._SubParsersAction, name: str, fn: Callable) -> argparse.ArgumentParser:
     summary, helps = parse_docstring(fn)
+    summary, helps = _literal(summary), {k: _literal(v) for k, v in helps.items()}
     p = sub.add_parser(name, help=summary, description=inspect.getdoc(fn).split("\nArgs:")[0] if fn.__doc__ else None,
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(fn)

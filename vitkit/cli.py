@@ -15,6 +15,16 @@ from ._cli_util import add_function
 from .bench import bench
 from .demo import demo
 from .errors import UsageError, VitkitError
+from . import __version__
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool = False) -> list[dict]:
@@ -138,7 +148,7 @@ def export(
     checkpoint: str,
     out: str,
     format: Literal["onnx", "torch-export", "openvino"] = "onnx",
-    dynamic_batch: bool = False,
+    dynamic_batch: bool = True,
     dynamic_size: bool = False,
     opset: int = 18,
     quantize: Literal["none", "int8"] = "none",
@@ -153,7 +163,8 @@ def export(
         out: the file to write (.onnx, .pt2, or .xml for OpenVINO: PATH.xml + PATH.bin).
         format: onnx | torch-export | openvino (converted from the ONNX export, fp32 weights; checked in OpenVINO's
             CPU plugin in f32).
-        dynamic_batch: accept any batch size.
+        dynamic_batch: accept any batch size (the default, as timm's onnx_export and optimum export);
+            --no-dynamic-batch fixes it at one image.
         dynamic_size: accept any H x W that is a multiple of the patch size (the position embedding is resampled
             in the graph, bilinear; BiT: multiples of 32).
         opset: the ONNX opset.
@@ -775,6 +786,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="vitkit", description="Vision Transformers (arXiv 2010.11929) in PyTorch.")
     parser.add_argument("--debug", action="store_true", help="print the full traceback of every error, expected ones too")
+    parser.add_argument("--version", action="version", version=f"vitkit {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, fn in COMMANDS.items():
         add_function(sub, name, fn)

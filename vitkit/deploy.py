@@ -312,7 +312,11 @@ def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | N
 def openvino_config(path: str | Path) -> dict:
     """The vitkit config an OpenVINO export carries in its rt_info."""
     from .inference.engine_probe import openvino_core
+    from .safety import check_regular
 
+    check_regular(path)  # a FIFO would keep OpenVINO waiting for a writer
+    if Path(path).with_suffix(".bin").exists():
+        check_regular(Path(path).with_suffix(".bin"))
     ovm = openvino_core().read_model(str(path))
     if not ovm.has_rt_info(["vitkit_config"]):
         raise UsageError(f"{path} carries no vitkit config: export it with `vitkit export --format openvino`")
@@ -336,6 +340,9 @@ def onnx_config(path: str | Path) -> dict:
     """The vitkit config an ONNX export carries in its metadata."""
     import onnx
 
+    from .safety import check_regular
+
+    check_regular(path)  # a FIFO would keep onnx (and then onnxruntime) waiting for a writer
     proto = onnx.load(str(path), load_external_data=False)
     for p in proto.metadata_props:
         if p.key == "vitkit_config":

@@ -11,17 +11,32 @@ network. Two rules hold for every such read:
    (zip, json, yaml, PIL, safetensors, numpy, torch), and MemoryError or RecursionError caused by the input, become
    one vitkit error naming the file, which the CLI prints as one line (`vitkit: error: ...`, exit 2).
 
+3. **Regular files only.** Every file vitkit is handed is opened through `open_regular`: a FIFO, socket or device
+   (or a folder where a file is expected) is refused by name from its `stat` before anything blocks on it (a FIFO
+   opened for reading waits for a writer forever).
+4. **Every fetch has a deadline.** Besides the per-read timeout, each network fetch (a download, a shard's index
+   or byte range) runs under one wall-clock budget (`Deadline`: VITKIT_FETCH_DEADLINE_S plus its size at
+   VITKIT_FETCH_MIN_RATE); a server that sends one byte at a time is cut off when it passes, naming the URL.
+
 The limits are generous for real models (ViT-22B's largest tensor is 0.6 GB in fp32) and each can be raised by an
 environment variable.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import http.client
+import io
 import json
 import math
 import numbers
 import os
 import resource
+import socket
+import stat
+import threading
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -118,15 +133,241 @@ def check_tree(obj: Any, what: str, error: type[VitkitError] = UsageError) -> An
     return obj
 
 
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _refuse_irregular(path: str | Path, what: str | None, mode: int, error: type[VitkitError]) -> None:
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISDIR(mode):  # as open() says it, so that the callers that expect IsADirectoryError keep working
+        raise IsADirectoryError(errno.EISDIR, "a folder where a file was expected", str(what or path))
+    kind = next((name for test, name in _NOT_REGULAR if test(mode)), f"not a regular file (mode {mode:#o})")
+    raise error(f"{what or path}: {kind}, not a regular file: refused (vitkit reads regular files only: reading "
+                f"from a pipe, socket or device can wait forever)")
+
+
+def open_regular(path: str | Path, what: str | None = None, error: type[VitkitError] = UsageError) -> io.BufferedReader:
+    """`path` opened for reading in binary, if it is a regular file (a symlink to one is); the one door every reader
+    of a file vitkit is handed goes through. A FIFO, socket or device is refused as `error` naming `what` (or the
+    path), a folder as IsADirectoryError, from `os.stat` before it is opened and again from `fstat` of what was
+    opened (with O_NONBLOCK: opening a FIFO without it waits for a writer). FileNotFoundError and PermissionError
+    pass through."""
+    _refuse_irregular(path, what, os.stat(path).st_mode, error)
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_BINARY", 0))
+    try:
+        _refuse_irregular(path, what, os.fstat(fd).st_mode, error)  # replaced since the stat: checked on what is open
+        if nonblock:
+            os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
+        f.raw.name = os.fspath(path)  # named as open(path) names it (PIL's and numpy's messages show it)
+        return f
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: str | Path, what: str | None = None, error: type[VitkitError] = UsageError) -> Path:
+    """`path`, checked as `open_regular` checks it, for a library that opens the path itself (safetensors, torch,
+    onnx, OpenVINO)."""
+    open_regular(path, what, error).close()
+    return Path(path)
+
+
 def read_bytes(path: str | Path, what: str | None = None, limit: int = MAX_TEXT_BYTES,
-               error: type[VitkitError] = UsageError) -> bytes:
-    """A small file's bytes (a config, an index), refused from its size before it is read."""
-    path = Path(path)
-    size = path.stat().st_size
-    if size > limit:
-        raise error(f"{what or path}: {gib(size)}, over the limit of {gib(limit)} for a file of this kind "
-                    f"(VITKIT_MAX_TEXT_BYTES raises it)")
-    return path.read_bytes()
+               error: type[VitkitError] = UsageError, knob: str = "VITKIT_MAX_TEXT_BYTES") -> bytes:
+    """A small file's bytes (a config, an index), a regular file only (`open_regular`), refused from its size
+    before it is read."""
+    with open_regular(path, what, error) as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(limit + 1) if size <= limit else b""
+    if size > limit or len(data) > limit:
+        raise error(f"{what or path}: {gib(max(size, len(data)))}, over the limit of {gib(limit)} for a file of this "
+                    f"kind ({knob} raises it)")
+    return data
+
+
+# ---- network fetches: an overall deadline besides the per-read timeout ---------------------------------------
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if math.isfinite(value) and value > 0 else default
+
+
+FETCH_DEADLINE_S = 60.0  # every fetch may take this long in all (connect, headers, body), whatever its size ...
+FETCH_MIN_RATE = 100_000  # ... plus its size at this many bytes per second
+
+
+def fetch_budget(nbytes: int | None = None) -> float:
+    """Seconds a fetch of `nbytes` may take in all: VITKIT_FETCH_DEADLINE_S (default 60) plus `nbytes` at
+    VITKIT_FETCH_MIN_RATE bytes per second (default 100 kB/s: a 350 MB ViT-B in an hour). Read from the
+    environment at each fetch."""
+    floor = _env_float("VITKIT_FETCH_DEADLINE_S", FETCH_DEADLINE_S)
+    return floor + max(nbytes or 0, 0) / _env_float("VITKIT_FETCH_MIN_RATE", FETCH_MIN_RATE)
+
+
+class Deadline:
+    """The wall-clock budget of one network fetch (`fetch_budget` of its size), besides the per-read timeout: a
+    server that answers one byte every few seconds never trips a per-read timeout, but it does this. Used as a
+    context around the fetch; the sockets it `watch`es (every connection made through `open_url` or
+    `http_connection`) are shut down when the budget passes, so that a read blocked on them returns at once, and the
+    fetch then raises `exceeded()`. `expect(n)` raises the budget to that of n bytes once the size is known
+    (capped by the caller at the most it will read)."""
+
+    def __init__(self, url: str, nbytes: int | None = None) -> None:
+        self.url, self.expected = url, max(nbytes or 0, 0)
+        self.start = time.monotonic()
+        self.expired = False
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._active = False
+
+    @property
+    def seconds(self) -> float:
+        return fetch_budget(self.expected)
+
+    def remaining(self) -> float:
+        return self.start + self.seconds - time.monotonic()
+
+    def expect(self, nbytes: int) -> None:
+        """The fetch will read `nbytes` (a Content-Length, capped by the caller): its budget grows to fit them."""
+        with self._lock:
+            self.expected = max(self.expected, int(nbytes))
+
+    def watch(self, sock: socket.socket) -> socket.socket:
+        with self._lock:
+            if self.expired:
+                _shut(sock)
+            elif self._active:
+                self._socks.append(sock)
+        return sock
+
+    def __enter__(self) -> "Deadline":
+        with self._lock:
+            self._active = True
+            self._arm()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._active = False
+            self._socks.clear()
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _arm(self) -> None:
+        self._timer = threading.Timer(max(self.remaining(), 0.0) + 0.01, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._active:
+                return
+            if self.remaining() > 0:  # the budget grew since it was armed
+                self._arm()
+                return
+            self.expired = True
+            for sock in self._socks:
+                _shut(sock)
+
+    def check(self) -> None:
+        """Raise `exceeded()` once the budget has passed."""
+        if self.expired or self.remaining() <= 0:
+            self.expired = True
+            raise self.exceeded()
+
+    def exceeded(self, error: type[Exception] = TimeoutError) -> Exception:
+        floor = _env_float("VITKIT_FETCH_DEADLINE_S", FETCH_DEADLINE_S)
+        rate = _env_float("VITKIT_FETCH_MIN_RATE", FETCH_MIN_RATE)
+        size = f", plus {self.expected:,} bytes at VITKIT_FETCH_MIN_RATE={rate:,.0f} B/s" if self.expected else ""
+        return error(f"{self.url}: no complete answer within the fetch's deadline of {self.seconds:.3g} s "
+                     f"(VITKIT_FETCH_DEADLINE_S={floor:g}{size}): the server sends too slowly or has stalled; cut off "
+                     f"after {time.monotonic() - self.start:.1f} s")
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the plain socket's: under TLS too, without touching its state
+
+
+def _watched(base: type) -> type:
+    class Watched(base):
+        """An HTTP(S) connection whose socket its current `deadline` watches; connecting takes at most what is left
+        of the deadline."""
+
+        deadline: Deadline | None = None
+
+        def __init__(self, *args, deadline: Deadline | None = None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.deadline = deadline
+            self._create_connection = self._create
+
+        def _create(self, address, timeout=None, source_address=None, *args):
+            dl = self.deadline
+            if dl is not None:
+                left = dl.remaining()
+                if left <= 0:
+                    raise dl.exceeded()
+                timeout = left if timeout is None else min(timeout, left)
+            sock = socket.create_connection(address, timeout, source_address, *args)
+            sock.settimeout(self.timeout)  # the per-read timeout from here on
+            return dl.watch(sock) if dl is not None else sock
+
+        def connect(self) -> None:
+            super().connect()
+            if self.deadline is not None:  # under TLS a new socket object holds the connection: watch that one too
+                self.deadline.watch(self.sock)
+
+        def watch_with(self, deadline: Deadline) -> None:
+            """Watch this (kept-alive) connection with another fetch's deadline."""
+            self.deadline = deadline
+            if self.sock is not None:
+                deadline.watch(self.sock)
+
+    Watched.__name__ = Watched.__qualname__ = f"Watched{base.__name__}"
+    return Watched
+
+
+WatchedHTTPConnection = _watched(http.client.HTTPConnection)
+WatchedHTTPSConnection = _watched(http.client.HTTPSConnection)
+
+
+def http_connection(scheme: str, netloc: str, timeout: float, deadline: Deadline | None = None):
+    """An http.client connection to `netloc` whose sockets `deadline` (and later `watch_with`'s) watches."""
+    cls = WatchedHTTPSConnection if scheme == "https" else WatchedHTTPConnection
+    return cls(netloc, timeout=timeout, deadline=deadline)
+
+
+class _DeadlineHTTP(urllib.request.HTTPHandler):
+    def __init__(self, deadline: Deadline) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(WatchedHTTPConnection, req, deadline=self.deadline)
+
+
+class _DeadlineHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: Deadline) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req):
+        return self.do_open(WatchedHTTPSConnection, req, context=self._context, deadline=self.deadline)
+
+
+def open_url(url: str | urllib.request.Request, deadline: Deadline, timeout: float, *handlers):
+    """urllib's `urlopen` (proxies, redirects, TLS as it does them, and any extra `handlers`), every connection it
+    makes watched by `deadline` (enter it first) and each read under the per-read `timeout`."""
+    opener = urllib.request.build_opener(*handlers, _DeadlineHTTP(deadline), _DeadlineHTTPS(deadline))
+    return opener.open(url, timeout=timeout)
 
 
 def parse_json(data: str | bytes, what: str, error: type[VitkitError] = UsageError) -> Any:

@@ -5,7 +5,9 @@ hand and the path to put it at. Every download is verified when a checksum is kn
 (`sha256=` of `register_checkpoint`, or an MD5 where that is all a publisher gives), else the one the server
 publishes with the file: Google Cloud Storage sends the object's MD5 (`x-goog-hash`), the Hugging Face hub the
 SHA-256 of every LFS file (`x-linked-etag` on its redirect). A download whose server states no hash is
-unverified, and `vitkit catalog` says so.
+unverified, and `vitkit catalog` says so. Each download has an overall deadline besides its per-read timeout
+(`vitkit.safety.Deadline`: VITKIT_FETCH_DEADLINE_S, default 60 s, plus the file's size at VITKIT_FETCH_MIN_RATE,
+default 100 kB/s): a server that sends one byte at a time is cut off, the partial file kept for the next try.
 
 Files on the Hugging Face hub (timm's and transformers' repositories) are fetched with `huggingface_hub`, into the
 cache timm and transformers share (HF_HOME, HF_HUB_CACHE), at a revision (a branch, tag or commit), honouring
@@ -27,6 +29,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..safety import Deadline, open_regular, open_url
 from .io import CheckpointError
 
 GCS = "https://storage.googleapis.com/vit_models"
@@ -260,16 +263,22 @@ def _download(url: str, dest: Path, sha256: str | None, timeout: float, md5: str
     have = part.stat().st_size if part.exists() else 0
     req = urllib.request.Request(url, headers={"User-Agent": "vitkit", **({"Range": f"bytes={have}-"} if have else {})})
     published: dict[str, str] = {}
+    deadline = Deadline(url)
     try:
         if url.startswith("file://"):
-            shutil.copyfile(urllib.request.url2pathname(url[len("file://"):]), part)
+            with open_regular(urllib.request.url2pathname(url[len("file://"):]), error=CheckpointError) as src, \
+                    open(part, "wb") as f:
+                shutil.copyfileobj(src, f, 1 << 20)
         else:
             redirects = _RecordRedirects()
-            with urllib.request.build_opener(redirects).open(req, timeout=timeout) as r:
+            with deadline, open_url(req, deadline, timeout, redirects) as r:
                 for where, h in [*redirects.seen, (r.url, r.headers)]:
                     published.update(_published_hashes(where, h))
                 resumed = have and r.status == 206
-                _check_download_size(url, r.headers.get("Content-Length"), part.parent)
+                length = r.headers.get("Content-Length")
+                _check_download_size(url, length, part.parent)
+                if length and length.isdigit():
+                    deadline.expect(int(length))  # the whole fetch within VITKIT_FETCH_DEADLINE_S + its size's share
                 with open(part, "ab" if resumed else "wb") as f:
                     written = f.tell()
                     while chunk := r.read(1 << 20):
@@ -278,7 +287,13 @@ def _download(url: str, dest: Path, sha256: str | None, timeout: float, md5: str
                             raise CheckpointError(f"{url}: more than {MAX_DOWNLOAD_BYTES:,} bytes: refused "
                                                   f"(VITKIT_MAX_DOWNLOAD_BYTES)")
                         f.write(chunk)
+                deadline.check()  # a body cut short by the deadline ends like a complete one
+    except CheckpointError:
+        raise
     except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException, ValueError) as e:
+        if deadline.expired:
+            raise CheckpointError(f"could not download {deadline.exceeded()} (a partial download is kept at {part} "
+                                  f"and resumed next time)") from None
         raise CheckpointError(
             f"could not download {url} ({getattr(e, 'reason', e)}). If this machine is offline, fetch that URL by "
             f"hand and put the file at {dest} (a partial download is kept at {part} and resumed next time)"

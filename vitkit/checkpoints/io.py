@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import zipfile
 from pathlib import Path
 
@@ -9,19 +10,20 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from ..safety import (MAX_SAFETENSORS_HEADER, MAX_TENSOR_BYTES, check_alloc, check_tensor, check_zip_entry, gib,
-                      parse_json, read_bytes, untrusted)
+from ..safety import (MAX_SAFETENSORS_HEADER, MAX_TENSOR_BYTES, check_alloc, check_regular, check_tensor,
+                      check_zip_entry, gib, open_regular, parse_json, read_bytes, untrusted)
 
 __all__ = ["CheckpointError", "sniff", "read_npz", "read_safetensors", "read_torch", "read_hf_dir", "rename"]
 
 
 def sniff(path: Path) -> str:
-    """The container of a file from its bytes: "dir", "npz", "torch", "safetensors"."""
+    """The container of a file from its bytes: "dir", "npz", "torch", "safetensors". A FIFO, socket or device is
+    refused before it is read (`open_regular`)."""
     if path.is_dir():
         return "dir"
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    with open(path, "rb") as f:
+    with open_regular(path, error=CheckpointError) as f:
         head = f.read(16)
     if len(head) < 8:
         raise CheckpointError(f"{path} is empty or truncated ({len(head)} bytes)")
@@ -55,8 +57,8 @@ def read_npz(path: Path) -> dict[str, torch.Tensor]:
     arrays (pickle), a shape whose size is what the zip entry holds, under the one-tensor limit, no decompression
     bomb, and all of them within this process's memory."""
     what = f"{path}"
-    with untrusted(what):
-        with zipfile.ZipFile(path) as z:
+    with untrusted(what), open_regular(path, error=CheckpointError) as file:
+        with zipfile.ZipFile(file) as z:
             total = 0
             for info in z.infolist():
                 check_zip_entry(info, what)
@@ -71,7 +73,8 @@ def read_npz(path: Path) -> dict[str, torch.Tensor]:
                                           f"{info.file_size - header:,}")
                 total += check_tensor(name, shape, dtype.itemsize, what)
             check_alloc(total, f"{what} ({len(z.infolist())} arrays)")
-        with np.load(path, allow_pickle=False) as z:
+        file.seek(0)
+        with np.load(file, allow_pickle=False) as z:
             return {k: torch.from_numpy(np.array(z[k], dtype=np.float32)) for k in z.files}
 
 
@@ -79,8 +82,8 @@ def safetensors_header(path: Path) -> dict:
     """A .safetensors file's header, checked against the file: offsets inside it, sizes that match each tensor's
     shape and dtype, every tensor under the one-tensor limit."""
     what = f"{path}"
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path, error=CheckpointError) as f:
+        size = os.fstat(f.fileno()).st_size
         n = int.from_bytes(f.read(8), "little")
         if not 0 < n <= min(MAX_SAFETENSORS_HEADER, size - 8):
             raise CheckpointError(f"{what}: the safetensors header claims {n:,} bytes in a file of {size:,}")
@@ -128,6 +131,7 @@ def read_torch(path: Path) -> dict[str, torch.Tensor]:
     entries are checked first (no decompression bomb, the data within this process's memory)."""
     what = f"{path}"
     with untrusted(what):
+        check_regular(path, error=CheckpointError)  # torch.load opens the path itself
         if zipfile.is_zipfile(path):
             with zipfile.ZipFile(path) as z:
                 total = 0

@@ -6,6 +6,7 @@ on the training device (see `augment.py`).
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import gzip
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..models.layers.patch_embed import to_2tuple
 from .image import _PIL_INTERP, BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 from ..errors import UsageError, VitkitError
-from ..safety import MAX_TENSOR_BYTES
+from ..safety import MAX_TENSOR_BYTES, open_regular
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 # Zalando's own repository, over https; the MD5s are the ones the dataset publishes (its README, torchvision).
@@ -110,9 +111,9 @@ def data_roots(data_dir: str | Path | None, name: str) -> list[Path]:
 
 
 def _read_idx(path: Path) -> np.ndarray:
-    opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as f:
+        with open_regular(path, error=DatasetError) as raw, (gzip.GzipFile(fileobj=raw) if path.suffix == ".gz"
+                                                             else contextlib.nullcontext(raw)) as f:
             data = f.read(MAX_TENSOR_BYTES + 1)  # a gzip bomb stops here, not at the memory's end
         if len(data) > MAX_TENSOR_BYTES:
             raise DatasetError(f"{path}: decompresses to more than {MAX_TENSOR_BYTES:,} bytes (VITKIT_MAX_TENSOR_BYTES)")
@@ -196,7 +197,7 @@ def load_cifar(name: str = "cifar10", split: str = "train", data_dir: str | Path
     meta_name = "batches.meta" if name == "cifar10" else "meta"
     xs, ys, classes = [], [], None
     try:
-        with tarfile.open(archive) as tar:
+        with open_regular(archive, error=DatasetError) as raw, tarfile.open(fileobj=raw) as tar:
             members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
             for w in want:
                 d = _cifar_batch(tar.extractfile(members[w]).read())
@@ -317,7 +318,7 @@ def csv_list(path: str | Path, classes: list[str] | None = None, **kw) -> FileDa
     """
     path = Path(path)
     rows = []
-    with open(path, newline="") as f:
+    with io.TextIOWrapper(open_regular(path, error=DatasetError), newline="") as f:
         for row in csv.reader(f):
             if not row or row[0].strip().lower() in ("path", "file", "filename", "image"):
                 continue

@@ -9,6 +9,7 @@ same-sized uint8 images (the in-memory datasets).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -56,9 +57,15 @@ def load_image(source: str | Path | np.ndarray | Image.Image, in_chans: int = 3,
         img = Image.fromarray(arr)
     else:
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), contextlib.ExitStack() as stack:
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
-                with Image.open(source) as f:
+                if isinstance(source, (str, os.PathLike)):  # a regular file only: a FIFO would wait for a writer
+                    from ..safety import open_regular
+
+                    fp = stack.enter_context(open_regular(source, error=ImageDecodeError))
+                else:
+                    fp = source
+                with Image.open(fp) as f:
                     w, h = f.size
                     if w * h > limit:
                         raise ImageDecodeError(f"{source}: {w} x {h} = {w * h:,} pixels, over the limit of {limit:,}: "
@@ -70,7 +77,9 @@ def load_image(source: str | Path | np.ndarray | Image.Image, in_chans: int = 3,
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # PIL's own, larger limits
             raise ImageDecodeError(f"{source}: {e}; over the limit of {limit:,} pixels: refused as a possible "
                                    f"decompression bomb (VITKIT_MAX_IMAGE_PIXELS)") from e
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        except UnidentifiedImageError as e:
+            raise ImageDecodeError(f"cannot decode image {source}: not an image format PIL identifies") from e
+        except (OSError, SyntaxError, ValueError) as e:
             raise ImageDecodeError(f"cannot decode image {source}: {e}") from e
     return img.convert("L" if in_chans == 1 else "RGB")
 

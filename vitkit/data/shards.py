@@ -7,7 +7,8 @@
 
 `pack` writes them from an ImageFolder, a CSV or a built-in dataset. `ShardDataset` reads them from a local
 folder, a `file://` URL or an `http(s)://` URL (HTTP Range requests for each image: nothing is downloaded whole)
-as a map-style dataset: every sample has an index, so the trainer's sampler (a global order per (seed, epoch),
+as a map-style dataset (each fetch, an index or one image's bytes, within its deadline: `vitkit.safety.Deadline`;
+a folder's files regular files only: `vitkit.safety.open_regular`): every sample has an index, so the trainer's sampler (a global order per (seed, epoch),
 each rank its slice of every batch, DataLoader workers whole batches) reads every sample exactly once per epoch
 and resumes mid-epoch exactly, as for images in folders. benchmarks/NOTES.md section 19 compares this reader with
 webdataset, litdata and HF datasets' streaming on resume, splitting over nodes and throughput.
@@ -34,7 +35,8 @@ import torch
 from PIL import Image
 
 from ..errors import UsageError, VitkitError
-from ..safety import MAX_SAMPLE_BYTES, MAX_TEXT_BYTES, parse_json, read_bytes, untrusted
+from ..safety import (MAX_SAMPLE_BYTES, MAX_TEXT_BYTES, Deadline, http_connection, open_regular, open_url, parse_json,
+                      read_bytes, untrusted)
 from .image import BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 
 FORMAT = "vitkit-shards"
@@ -113,7 +115,8 @@ def pack(src: str, out: str | Path, shard_size: int = 1000, data_dir: str | None
                        for i in range(len(labels)))
             chans = ds.in_chans
         elif isinstance(ds, FileDataset):
-            samples = ((Path(p).read_bytes(), Path(p).suffix.lower().lstrip(".") or "jpg", lab) for p, lab in ds.samples)
+            samples = ((read_bytes(p, limit=MAX_SAMPLE_BYTES, knob="VITKIT_MAX_SAMPLE_BYTES"),
+                        Path(p).suffix.lower().lstrip(".") or "jpg", lab) for p, lab in ds.samples)
             chans = ds.in_chans
         else:
             raise UsageError(f"cannot pack {type(ds).__name__}")
@@ -138,48 +141,66 @@ class _Bytes:
             return self._http(url, offset, size)
         path = url[len("file://"):] if url.startswith("file://") else url
         fd = self.files.get(path)
-        if fd is None:
-            fd = self.files[path] = os.open(path, os.O_RDONLY)
+        if fd is None:  # a regular file only (a FIFO would wait for a writer); kept open, read with pread
+            with open_regular(path, error=ImageDecodeError) as f:
+                fd = self.files[path] = os.dup(f.fileno())
         end = os.fstat(fd).st_size
         if offset + size > end:
             raise ImageDecodeError(f"{path}: the index claims bytes {offset:,}-{offset + size:,} of a file of {end:,}")
         return os.pread(fd, size, offset)
 
     def _http(self, url: str, offset: int, size: int, tries: int = 3) -> bytes:
+        """Bytes offset..offset+size-1 of `url` by a Range request, retried on a dropped connection; all the tries
+        together within one deadline (`safety.Deadline`: a server that sends one byte at a time is cut off)."""
         u = urllib.parse.urlsplit(url)
         key = (u.scheme, u.netloc)
-        for attempt in range(tries):
-            conn = self.conns.get(key)
-            if conn is None:
-                cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-                conn = self.conns[key] = cls(u.netloc, timeout=60)
-            try:
-                conn.request("GET", u.path + (f"?{u.query}" if u.query else ""), headers={"Range": f"bytes={offset}-{offset + size - 1}"})
-                r = conn.getresponse()
-                data = r.read(size + 1)  # never more than was asked for, whatever the server sends
-                if r.status == 206 and len(data) == size:
-                    return data
-                raise OSError(f"{url}: HTTP {r.status} for bytes {offset}-{offset + size - 1} ({len(data)} bytes)")
-            except (http.client.HTTPException, OSError):
-                conn.close()
-                self.conns.pop(key, None)
-                if attempt == tries - 1:
-                    raise
-                time.sleep(0.1 * (attempt + 1))
+        with Deadline(url, size) as deadline:
+            for attempt in range(tries):
+                conn = self.conns.get(key)
+                if conn is None:
+                    conn = self.conns[key] = http_connection(u.scheme, u.netloc, READ_TIMEOUT_S)
+                conn.watch_with(deadline)
+                try:
+                    conn.request("GET", u.path + (f"?{u.query}" if u.query else ""), headers={"Range": f"bytes={offset}-{offset + size - 1}"})
+                    r = conn.getresponse()
+                    data = r.read(size + 1)  # never more than was asked for, whatever the server sends
+                    deadline.check()  # a read cut short by the deadline
+                    if r.status == 206 and len(data) == size:
+                        return data
+                    raise OSError(f"{url}: HTTP {r.status} for bytes {offset}-{offset + size - 1} ({len(data)} bytes)")
+                except (http.client.HTTPException, OSError) as e:
+                    conn.close()
+                    self.conns.pop(key, None)
+                    if deadline.expired:
+                        raise deadline.exceeded() from (None if isinstance(e, TimeoutError) else e)
+                    if attempt == tries - 1:
+                        raise
+                    time.sleep(0.1 * (attempt + 1))
         raise AssertionError("unreachable")
 
 
+READ_TIMEOUT_S = 60  # for each read of a shard server; each fetch as a whole has its deadline (safety.Deadline)
+
+
 def _fetch(url: str, limit: int = MAX_TEXT_BYTES) -> bytes:
-    """A small file (index.json, a .idx.npy) from a folder or URL, refused over `limit` bytes without reading more."""
+    """A small file (index.json, a .idx.npy) from a folder or URL, refused over `limit` bytes without reading more;
+    over HTTP within its deadline (`safety.Deadline`), a folder's a regular file only (`safety.open_regular`)."""
     if url.startswith(("http://", "https://")):
+        deadline = Deadline(url)
         try:
-            with urllib.request.urlopen(url, timeout=60) as r:
+            with deadline, open_url(url, deadline, READ_TIMEOUT_S) as r:
+                length = r.headers.get("Content-Length")
+                if length and length.isdigit():
+                    deadline.expect(min(int(length), limit + 1))
                 data = r.read(limit + 1)
+                deadline.check()  # a body cut short by the deadline reads as a short one
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 raise FileNotFoundError(f"{url}: HTTP 404 Not Found") from e
             raise UsageError(f"cannot fetch {url}: {e}") from e
         except (OSError, http.client.HTTPException, ValueError) as e:
+            if deadline.expired:
+                raise deadline.exceeded(UsageError) from None
             raise UsageError(f"cannot fetch {url}: {e}") from e
         if len(data) > limit:
             raise UsageError(f"{url}: over the limit of {limit:,} bytes for a file of this kind: refused")

@@ -87,6 +87,7 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
     kind = sniff(path)
     facts: dict = {}
     meta: dict[str, str] = {}
+    architecture = hints.pop("architecture", None)
     if kind == "dir" and (path / ".metadata").exists() and (path / "meta.json").exists():
         return _read_run_checkpoint(path, hints)
     if kind == "dir" and not (path / "config.json").exists() and (path / "config.yaml").exists():
@@ -96,36 +97,7 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
                               + " (best: the best evaluation so far; final: the last weights)")
     if kind == "dir":
         raw, hub_config = read_hf_dir(path)
-        if timm.is_timm_folder(hub_config) and swin.is_swin(raw):
-            fmt, (sd, facts, unused) = "timm-swin", swin.to_vitkit(raw)
-            facts = {**facts, **swin.folder_facts(hub_config)}
-        elif swin.is_hf_swin(raw):
-            fmt, (sd, facts, unused) = "hf-swin", swin.hf_to_vitkit(raw, hub_config)
-            pre = path / hf.PREPROCESSOR_FILE
-            if pre.exists():
-                facts.update(hf.preprocessing_facts(_json_file(pre)))
-        elif timm.is_timm_folder(hub_config):
-            keys = set(raw)
-            if timm.is_timm_naflex(keys):
-                fmt, (sd, facts, unused) = "timm-naflex", timm.naflex_to_vitkit(raw)
-            elif timm.is_timm_vit(keys):
-                fmt, (sd, facts, unused) = "timm-vit", timm.vit_to_vitkit(raw)
-            elif timm.is_timm_resnetv2(keys):
-                fmt, (sd, facts, unused) = "timm-resnetv2", timm.resnetv2_to_vitkit(raw)
-            else:
-                raise CheckpointError(f"{path}: a timm folder ({hub_config['architecture']}) that is not a ViT or BiT "
-                                      f"vitkit recognises (first keys: {sorted(keys)[:6]})")
-            facts = {**facts, **timm.folder_facts(hub_config)}
-        elif hf_vision.family(raw, hub_config) is not None or hf.is_hf(raw):
-            fam = hf_vision.family(raw, hub_config)
-            sd, facts, unused = hf_vision.to_vitkit(raw, hub_config) if fam else hf.to_vitkit(raw, hub_config)
-            pre = path / hf.PREPROCESSOR_FILE
-            if pre.exists():
-                facts.update(hf.preprocessing_facts(_json_file(pre)))
-            fmt = f"hf-{fam}" if fam else "hf"
-        else:
-            raise CheckpointError(f"{path}: a folder with config.json but neither Hugging Face ViT, DINOv2, SigLIP or "
-                                  f"CLIP nor timm weights")
+        fmt, sd, facts, unused = _convert_folder(path, unwrap_state_dict(raw), hub_config)
     elif kind == "npz":
         raw = read_npz(path)
         if official.is_official(raw):
@@ -147,6 +119,7 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
         if "vitkit_config" in meta:  # files written by vitkit 0.1's timm export carried the config along
             old = parse_json(meta["vitkit_config"], f"{path} (metadata 'vitkit_config')", CheckpointError)
             facts = {k: v for k, v in (old if isinstance(old, dict) else {}).items() if k != "arch"}
+        raw = unwrap_state_dict(raw)
         keys = set(raw)
         match = next(((fmt, convert) for fmt, detect, convert in STATE_DICT_FORMATS if detect(keys)), None)
         if match is None:
@@ -162,8 +135,72 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
             fmt = "dinov2-release"  # DINOv2's own hub files (facebookresearch/dinov2), which timm converts the same way
         sd, f, unused = convert(raw)
         facts = {**f, **facts}
+        if architecture is not None:  # a bare timm state dict named by its timm architecture, as timm users load it
+            if not fmt.startswith("timm"):
+                raise UsageError(f"architecture={architecture!r} names a timm architecture; {path} is a {fmt} file")
+            facts = {**facts, **timm.architecture_facts(architecture)}
+    if architecture is not None and kind in ("dir", "npz"):
+        raise UsageError(f"architecture={architecture!r} is for a bare timm state dict; {path} records its own")
     config = _infer_config(sd, {**facts, **hints}, img_size_if_unknown, what=str(path))
     return Checkpoint(path, fmt, config, sd, unused)
+
+
+# What training wrappers put before every key: torch.compile's OptimizedModule, DistributedDataParallel/DataParallel.
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def unwrap_state_dict(sd: dict) -> dict:
+    """A state dict saved from a wrapped model (`torch.compile(model).state_dict()`: `_orig_mod.` before every key;
+    DDP: `module.`) -> the model's own names. Only a prefix every key carries is removed, as often as it repeats."""
+    while sd:
+        prefix = next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in sd)), None)
+        if prefix is None:
+            break
+        sd = {k[len(prefix):]: v for k, v in sd.items()}
+    return sd
+
+
+def _convert_folder(path: Path, raw: dict[str, torch.Tensor], hub_config: dict):
+    """A Hugging Face or timm hub folder's tensors and config.json -> (format, vitkit state dict, facts, unused)."""
+    if timm.is_timm_folder(hub_config) and swin.is_swin(raw):
+        fmt, (sd, facts, unused) = "timm-swin", swin.to_vitkit(raw)
+        facts = {**facts, **swin.folder_facts(hub_config)}
+    elif swin.is_hf_swin(raw):
+        fmt, (sd, facts, unused) = "hf-swin", swin.hf_to_vitkit(raw, hub_config)
+        pre = path / hf.PREPROCESSOR_FILE
+        if pre.exists():
+            facts.update(hf.preprocessing_facts(_json_file(pre)))
+    elif timm.is_timm_folder(hub_config):
+        keys = set(raw)
+        if timm.is_timm_naflex(keys):
+            fmt, (sd, facts, unused) = "timm-naflex", timm.naflex_to_vitkit(raw)
+        elif timm.is_timm_vit(keys):
+            fmt, (sd, facts, unused) = "timm-vit", timm.vit_to_vitkit(raw)
+        elif timm.is_timm_resnetv2(keys):
+            fmt, (sd, facts, unused) = "timm-resnetv2", timm.resnetv2_to_vitkit(raw)
+        else:
+            raise CheckpointError(f"{path}: a timm folder ({hub_config['architecture']}) that is not a ViT or BiT "
+                                  f"vitkit recognises (first keys: {sorted(keys)[:6]})")
+        facts = {**facts, **timm.folder_facts(hub_config)}
+    elif hf_vision.family(raw, hub_config) is not None or hf.is_hf(raw):
+        fam = hf_vision.family(raw, hub_config)
+        sd, facts, unused = hf_vision.to_vitkit(raw, hub_config) if fam else hf.to_vitkit(raw, hub_config)
+        pre = path / hf.PREPROCESSOR_FILE
+        if pre.exists():
+            facts.update(hf.preprocessing_facts(_json_file(pre)))
+        fmt = f"hf-{fam}" if fam else "hf"
+    else:
+        raise CheckpointError(f"{path}: a folder with config.json but neither Hugging Face ViT, DINOv2, SigLIP or "
+                              f"CLIP nor timm weights")
+    return fmt, sd, facts, unused
+
+
+def describe_folder(raw: dict[str, torch.Tensor], hub_config: dict, what: str = "the folder"):
+    """The vitkit config a hub folder with these tensors and this config.json describes (the tensors may be on the
+    meta device: only names and shapes are read), and its state dict in vitkit names."""
+    with untrusted(what):
+        fmt, sd, facts, unused = _convert_folder(Path(what), raw, hub_config)
+        return _infer_config(sd, facts, what=what), sd
 
 
 def _json_file(path: Path) -> dict:
@@ -219,7 +256,7 @@ def load(
     path_or_name: str | Path,
     *,
     strict: bool = True,
-    resample: str = "bilinear",
+    resample: str | None = None,
     device: str | torch.device = "cpu",
     **overrides,
 ) -> nn.Module:
@@ -232,8 +269,10 @@ def load(
         path_or_name: a checkpoint file or HF folder, or a catalog name (see `vitkit.checkpoints.catalog`).
         strict: every tensor must match the model; with False, what was skipped is reported in
             `model.load_report` (and printed).
-        resample: position-embedding resampling when img_size changes: "bilinear" (the official
-            method, scipy zoom order 1) or "bicubic" (timm's).
+        resample: position-embedding resampling when img_size changes: "bilinear" (the official method, scipy zoom
+            order 1), "bicubic" (timm's: antialiased), "bicubic_noaa" (transformers' ViT, DeiT, DINOv2, SigLIP, CLIP)
+            or "bilinear_aa"; default: the checkpoint's own, recorded at load in `config.pos_resample` (a file
+            vitkit wrote keeps the method of the checkpoint it came from).
         device: where to put the model.
         **overrides: config fields by keyword, as for `create_model`. img_size different from the checkpoint's
             (any change of the patch grid's shape) resamples the position embedding; num_classes different from
@@ -258,11 +297,10 @@ def load(
     if window_size is not None and model.config.arch != "swin":
         raise UsageError(f"window_size is a Swin option; this checkpoint is a {model.config.arch} model")
     if window_size is not None and window_size != model.config.window_size:
-        model.set_img_size(img_size or model.config.img_size, method="bicubic_noaa" if resample == "bilinear" else resample,
-                           window_size=window_size)
+        model.set_img_size(img_size or model.config.img_size, method=_swin_method(resample), window_size=window_size)
     elif img_size is not None and to_2tuple(img_size) != tuple(model.config.img_size):
         if model.config.arch == "swin":  # the windows laid out anew, tables resampled where a window changes
-            model.set_img_size(img_size, method="bicubic_noaa" if resample == "bilinear" else resample)
+            model.set_img_size(img_size, method=_swin_method(resample))
         elif hasattr(model, "set_img_size"):  # a ViT: the position embedding is resampled
             model.set_img_size(img_size, method=resample)
         else:  # a CNN takes any size: only the recorded preprocessing changes
@@ -273,6 +311,11 @@ def load(
         model.config.class_names = list(class_names)
     model.load_report = report
     return model.to(device).eval()
+
+
+def _swin_method(resample: str | None) -> str:
+    """A Swin's relative-position tables: PyTorch's plain bicubic unless asked otherwise (timm's and the official)."""
+    return "bicubic_noaa" if resample in (None, "bilinear") else resample
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -332,6 +375,10 @@ def _check_reads_back(config, sd: dict[str, torch.Tensor], facts: dict, target: 
             raise CheckpointError(f"{target} cannot hold this model: read back, the file does not tell its "
                                   f"architecture ({e}){advice}") from e
     ignore = _NOT_COMPUTED | ({"img_size"} if config.arch != "vit" else set())
+    if not getattr(config, "naflex", False):
+        # how the grid is resampled at another size: each format's own rule, recorded when the file is read back
+        # (`pos_resample`); the model computes the same at its size. NaFlex resamples in every forward.
+        ignore = ignore | {"pos_resample", "pos_resample_square"}
     want, have = config.to_dict(), got.to_dict()
     diffs = [f"{k}: {want[k]!r} in the model, {have.get(k)!r} as {target} reads back"
              for k in want if k not in ignore and want[k] != have.get(k)]

@@ -29,6 +29,15 @@ _TOWER_PREFIXES = ("vision_model.", "dinov2.", "")  # CLIPModel/SiglipModel's vi
 _OTHER_TOWER = ("text_model.", "text_projection.", "visual_projection.", "logit_scale", "logit_bias", "classifier.")
 
 
+def pos_resample(hf_config: dict | None) -> str:
+    """How transformers resamples this class's position grid at another size (`interpolate_pos_encoding`): plain
+    bicubic, corners not aligned, for ViT, DeiT, DINOv2, SigLIP and CLIP; antialiased for DINOv2 with registers;
+    SigLIP 2's NaFlex tower: antialiased bilinear."""
+    model_type = (hf_config or {}).get("model_type")
+    return {"dinov2_with_registers": "bicubic", "siglip2": "bilinear_aa",
+            "siglip2_vision_model": "bilinear_aa"}.get(model_type, "bicubic_noaa")
+
+
 def family(keys, hf_config: dict | None = None) -> str | None:
     """'dinov2', 'siglip' or 'clip' for such a checkpoint (by its config's model_type, else by its keys), else None."""
     if hf_config and hf_config.get("model_type") in FAMILIES:
@@ -63,6 +72,11 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         raise CheckpointError("not a DINOv2, SigLIP or CLIP vision tower (transformers names)")
     sd, qkv, unused = {}, {}, []
     for k, v in w.items():
+        if fam == "dinov2" and k.startswith("classifier."):
+            # Dinov2ForImageClassification reads [class token, mean patch token] concatenated, which no vitkit head
+            # does: kept under its own name, so strict loading refuses it and strict=False reports it skipped
+            sd["dinov2_classifier." + k[len("classifier."):]] = v
+            continue
         if k.startswith(_OTHER_TOWER) or k.endswith("position_ids"):
             unused.append(k)
             continue
@@ -116,7 +130,8 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         sd["cls_token"], sd["pos_embed.weight"] = sd["cls_token"] + pe[:, :1], pe[:, 1:]
     c = _vision_config(hf_config)
     facts: dict = {"norm_eps": c.get("layer_norm_eps", 1e-5 if fam == "clip" else 1e-6),
-                   "act": {"clip": "quick_gelu", "siglip": "gelu_tanh", "siglip2": "gelu_tanh"}.get(fam, "gelu")}
+                   "act": {"clip": "quick_gelu", "siglip": "gelu_tanh", "siglip2": "gelu_tanh"}.get(fam, "gelu"),
+                   "pos_resample": pos_resample(hf_config)}
     if fam == "siglip2":  # NaFlex: any size, the 16x16 (num_patches) grid resampled per image, antialiased bilinear
         facts.update(naflex=True, dynamic_img_size=True, pos_resample="bilinear_aa", no_embed_class=True)
         n = sd["pos_embed.weight"].shape[1]

@@ -22,7 +22,10 @@ model timm registers has it, with the 16x16 reference grid, so an EVA-style file
 """
 from __future__ import annotations
 
+import functools
+import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -380,11 +383,35 @@ def _eva_folder_config(c, cfg: dict) -> dict:
     return cfg
 
 
+# ---- what a timm architecture's name means: its registered constructor arguments ----------------------------
+
+ARCHS_FILE = Path(__file__).with_name("timm_archs.json")
+
+
+@functools.lru_cache(maxsize=1)
+def registered_archs() -> dict[str, dict]:
+    """{architecture: {module, class, kwargs, input_size, fixed_input_size}}: what each architecture timm registers
+    in the families vitkit reads passes to its model class (`tests/fixtures/make_registry_sweep.py archs` captures
+    it from timm itself; layers are named, partials carry their keywords)."""
+    return json.loads(ARCHS_FILE.read_text())["archs"]
+
+
+# The model classes' own defaults where they differ from VisionTransformer's (timm's Eva pools by the average).
+_CLASS_DEFAULTS = {"Eva": {"global_pool": "avg"}}
+
+
+def timm_args(cfg: dict) -> tuple[str | None, dict]:
+    """(timm's model class, its constructor arguments) for a timm config.json, as `timm.create_model` resolves them:
+    the architecture's registered arguments first, the folder's `model_args` over them. An architecture this table
+    does not know (a newer timm) gives `model_args` alone, read with timm's constructor defaults."""
+    entry = registered_archs().get(cfg.get("architecture", ""))
+    args = {**_CLASS_DEFAULTS.get(entry["class"], {}), **entry["kwargs"]} if entry else {}
+    args.update(cfg.get("model_args") or {})
+    return (entry["class"] if entry else None), args
+
+
 def _arch_facts(arch: str) -> dict:
-    """What a timm architecture's name fixes beyond its tensors and model_args (its registered defaults)."""
-    if re.match(r"vit_.*dinov3|vit_pe_|vit_.*_rope|naflexvit_.*(parfac|radio)", arch):
-        raise CheckpointError(f"timm's {arch} uses a rotary, factorized or patch scheme vitkit does not implement "
-                              f"(vitkit: EVA-02's rotary embeddings, NaFlexVit's learned grid)")
+    """What a timm architecture's name fixes, for a name the table does not know (its registered defaults)."""
     facts: dict = {}
     if arch.startswith("naflexvit_"):
         facts.update(NAFLEX_FACTS)
@@ -401,22 +428,43 @@ def _arch_facts(arch: str) -> dict:
     return facts
 
 
-# timm constructor arguments -> vitkit config fields (VisionTransformer's and Eva's names)
+_UNSUPPORTED_NAMES = re.compile(r"vit_.*dinov3|vit_pe_|vit_.*_rope|naflexvit_.*(parfac|radio)")
+# timm constructor arguments -> vitkit config fields (VisionTransformer's, Eva's and NaFlexVit's names)
 _MODEL_ARGS = {"init_values": "init_values", "reg_tokens": "reg_tokens", "num_reg_tokens": "reg_tokens",
                "no_embed_class": "no_embed_class", "pre_norm": "pre_norm", "use_pre_transformer_norm": "pre_norm",
                "qk_norm": "qk_norm", "dynamic_img_size": "dynamic_img_size", "scale_mlp": "mlp_norm",
-               "scale_attn_inner": "attn_norm", "rope_temperature": "rope_temperature"}
+               "scale_mlp_norm": "mlp_norm", "scale_attn_inner": "attn_norm", "scale_attn_norm": "attn_norm",
+               "scale_attn_inner_norm": "attn_norm", "rope_temperature": "rope_temperature"}
 # Arguments vitkit takes only at their default (anything else is another architecture).
-_ONLY_DEFAULT = {"norm_layer": None, "embed_layer": None, "block_fn": None, "mlp_layer": None, "use_naflex": False,
-                 "rope_type": "cat", "rope_grid_offset": 0.0, "rope_grid_indexing": "ij", "rope_rotate_half": False,
-                 "use_post_norm": False, "attn_type": "eva", "num_kv_heads": None, "attn_only_layer_scale": False,
-                 "swiglu_align_to": 0, "class_token_pos": None, "pos_embed": "learn", "proj_bias": True,
-                 "final_norm": True}
+_ONLY_DEFAULT = {"embed_layer": None, "block_fn": None, "use_naflex": False, "rope_type": "cat",
+                 "rope_grid_offset": 0.0, "rope_grid_indexing": "ij", "rope_rotate_half": False, "use_post_norm": False,
+                 "attn_type": "eva", "num_kv_heads": None, "attn_only_layer_scale": False, "swiglu_align_to": 0,
+                 "class_token_pos": None, "pos_embed": "learn", "proj_bias": True, "final_norm": True,
+                 "attn_layer": None, "embed_norm_layer": None, "pool_include_prefix": False, "use_abs_pos_emb": True,
+                 "rope_rescale_coords": None, "attn_gated": False, "input_norm_layer": None, "attn_pool_num_heads": None,
+                 "attn_pool_mlp_ratio": None, "embed_proj_type": "linear", "rope_mrope_section": None,
+                 "rope_shift_coords": None, "rope_jitter_coords": None, "rope_ref_feat_shape": None, "weight_init": "",
+                 "dynamic_img_pad": False, "pos_embed_use_grid_sample": False, "use_key_only_attn_mask": False}
+_SAME = {"pos_embed": ("learn", "learned"), "rope_type": ("cat", ""), "attn_type": ("eva", "standard"),
+         "weight_init": ("", "skip"), "attn_pool_mlp_ratio": (None, 4.0, 4)}
+# timm's MLP layers that are the paper's MLP or a SwiGLU vitkit reads from the tensors
+_MLP_LAYERS = {None, "Mlp", "SwiGLUPacked", "SwiGLU"}
+
+
+def _norm_eps(norm, default: float) -> float:
+    """LayerNorm's eps from timm's norm_layer argument (None, "layernorm", or a partial of LayerNorm)."""
+    if norm is None or norm in ("layernorm", "LayerNorm"):
+        return default
+    if isinstance(norm, dict) and norm.get("partial") == "LayerNorm" and set(norm) <= {"partial", "eps"}:
+        return float(norm.get("eps", 1e-5))
+    raise CheckpointError(f"timm's config asks for norm_layer {norm!r}: vitkit's ViTs use LayerNorm")
 
 
 def folder_facts(cfg: dict) -> dict:
-    """vitkit config facts from a timm hub config.json (what the tensors cannot tell)."""
-    args = cfg.get("model_args") or {}
+    """vitkit config facts from a timm hub config.json (what the tensors cannot tell), read as timm reads it: the
+    architecture's registered arguments, the folder's model_args over them, its pretrained_cfg for the input."""
+    arch = cfg["architecture"]
+    cls, args = timm_args(cfg)
     pre = cfg.get("pretrained_cfg") or {}
     facts: dict = {}
     for key in ("mean", "std", "interpolation", "crop_pct"):
@@ -427,49 +475,111 @@ def folder_facts(cfg: dict) -> dict:
         facts["class_names"] = [str(x) for x in labels]
     elif isinstance(labels, dict):
         facts["class_names"] = [str(labels[k]) for k in sorted(labels, key=int)]
-    arch = cfg["architecture"]
-    if arch.startswith("resnetv2"):
-        if "input_size" in pre:
-            facts["img_size"] = tuple(pre["input_size"][1:])
-        return facts
-    facts.update(_arch_facts(arch))
-    act = args.get("act_layer", facts.get("act", "gelu"))
+    if arch.startswith("resnetv2") or cls == "ResNetV2":
+        return {**facts, **_resnetv2_facts(arch, args, pre)}
+    if _UNSUPPORTED_NAMES.match(arch):
+        raise CheckpointError(f"timm's {arch} uses a rotary, factorized or patch scheme vitkit does not implement "
+                              f"(vitkit: EVA-02's rotary embeddings, NaFlexVit's learned grid)")
+    naflex = cls == "NaFlexVit" or arch.startswith("naflexvit_")
+    if cls is None:
+        facts.update(_arch_facts(arch))
+    elif naflex:
+        facts.update(NAFLEX_FACTS)
+    elif cls == "Eva" and args.get("use_rot_pos_emb"):
+        facts["rope"] = "eva"
+    eva = cls == "Eva" or (cls is None and arch.startswith("eva"))
+    # timm resamples a learned grid with `resample_abs_pos_embed`: antialiased bicubic, corners not aligned
+    facts.setdefault("pos_resample", "bicubic")
+    act = args.get("act_layer") or facts.get("act", "gelu")
+    mlp = args.get("mlp_layer")
+    if isinstance(mlp, dict):  # GluMlp(act_layer=SiLU, gate_last=False) is timm's SwiGLUPacked: gate rows first
+        swiglu = mlp.get("partial") == "GluMlp" and mlp.get("act_layer") in ("SiLU", "silu") and not mlp.get("gate_last", True)
+        mlp = "SwiGLUPacked" if swiglu else repr(mlp)
+    if mlp in ("SwiGLUPacked", "SwiGLU", "GluMlp") and act in ("silu", "SiLU"):
+        act = "gelu"  # SwiGLU's own SiLU gate (vitkit's swiglu MLP); no other layer uses act_layer
     if act not in _TIMM_ACTS:
-        raise CheckpointError(f"timm's config.json asks for act_layer {act!r}, which vitkit does not implement")
+        raise CheckpointError(f"timm's {arch} uses act_layer {act!r}, which vitkit does not implement")
     facts["act"] = _TIMM_ACTS[act]
+    if "norm_layer" in args:
+        facts["norm_eps"] = _norm_eps(args["norm_layer"], 1e-6)
+    if mlp not in _MLP_LAYERS:
+        raise CheckpointError(f"timm's {arch} uses mlp_layer {args['mlp_layer']!r}, which vitkit does not implement")
+    if (args.get("scale_mlp_norm") or args.get("scale_mlp")) and mlp not in ("SwiGLU", "SwiGLUPacked") \
+            and not args.get("swiglu_mlp"):
+        raise CheckpointError(f"timm's {arch} has a norm inside a GELU MLP; vitkit has it inside SwiGLU only")
     if "num_heads" in args:
         facts["num_heads"] = args["num_heads"]
     pool = args.get("global_pool", cfg.get("global_pool", "token"))
     if pool not in ("token", "avg", "map"):
-        raise CheckpointError(f"timm's config.json asks for global_pool {pool!r}; vitkit pools by 'token', 'avg' or 'map'")
+        raise CheckpointError(f"timm's {arch} pools by global_pool {pool!r}; vitkit pools by 'token', 'avg' or 'map'")
     facts["classifier"] = {"token": "token", "avg": "gap", "map": "map"}[pool]
     for key, ours in _MODEL_ARGS.items():
         if key in args:
             facts[ours] = args[key]
-    if "use_rot_pos_emb" in args:
+    if eva and "use_rot_pos_emb" in args:
         facts["rope"] = "eva" if args["use_rot_pos_emb"] else None
-    if "ref_feat_shape" in args:
+    if eva and "ref_feat_shape" in args:
         ref = args["ref_feat_shape"]
         facts["rope_ref_grid"] = None if ref is None else tuple(ref) if isinstance(ref, (list, tuple)) else (ref, ref)
-    if arch.startswith("naflexvit_"):
+    if eva and facts.get("rope") and facts.get("rope_ref_grid") is None and "ref_feat_shape" not in args:
+        facts["rope_ref_grid"] = EVA02_ROPE["rope_ref_grid"] if arch.startswith("eva02_") else None
+    if naflex:
         pass  # any size: the position grid's own (from the tensors) is the native one
+    elif "img_size" in args and "img_size" in (cfg.get("model_args") or {}):
+        facts["img_size"] = args["img_size"]
+    elif "input_size" in pre and pre.get("fixed_input_size", True):
+        facts["img_size"] = tuple(pre["input_size"][1:])  # timm's create_model takes it from the pretrained_cfg
     elif "img_size" in args:
         facts["img_size"] = args["img_size"]
-    elif "input_size" in pre:
-        facts["img_size"] = tuple(pre["input_size"][1:])
-    for key in ("pos_embed_interp_mode", "pos_embed_ar_preserving", "pos_embed_antialias", "pos_embed_align_corners"):
-        if key in args:
-            mode = (args.get("pos_embed_interp_mode", "bicubic"), args.get("pos_embed_antialias", True),
-                    args.get("pos_embed_align_corners", False))
-            method = {("bicubic", True, False): "bicubic", ("bilinear", True, False): "bilinear_aa",
-                      ("bilinear", False, True): "bilinear", ("bicubic", False, False): "bicubic_noaa"}.get(mode)
-            if method is None:
-                raise CheckpointError(f"timm's config.json resamples positions as {mode} (mode, antialias, "
-                                      f"align_corners), which vitkit does not implement")
-            facts["pos_resample"] = method
-            facts["pos_resample_square"] = bool(args.get("pos_embed_ar_preserving", False))
-            break
+    if naflex:
+        mode = (args.get("pos_embed_interp_mode", "bicubic"), args.get("pos_embed_antialias", True),
+                args.get("pos_embed_align_corners", False))
+        method = {("bicubic", True, False): "bicubic", ("bilinear", True, False): "bilinear_aa",
+                  ("bilinear", False, True): "bilinear", ("bicubic", False, False): "bicubic_noaa"}.get(tuple(mode))
+        if method is None:
+            raise CheckpointError(f"timm's {arch} resamples positions as {mode} (mode, antialias, align_corners), "
+                                  f"which vitkit does not implement")
+        facts["pos_resample"] = method
+        facts["pos_resample_square"] = bool(args.get("pos_embed_ar_preserving", False))
+        if args.get("fc_norm") is not None:
+            facts["fc_norm"] = bool(args["fc_norm"])
+    embed = args.get("embed_layer")
+    if isinstance(embed, dict) and embed.get("partial") == "HybridEmbed":
+        backbone = embed.get("backbone") or {}
+        if backbone.get("module") not in ("ResNetV2", "Sequential") or set(embed) - {"partial", "backbone"}:
+            raise CheckpointError(f"timm's {arch} embeds patches with a {backbone.get('module')} backbone; vitkit's "
+                                  f"hybrids have a BiT ResNetV2 (the paper's)")
+        args = {k: v for k, v in args.items() if k != "embed_layer"}
+        facts.update(TIMM_HYBRID_NUMERICS)
     for key, default in _ONLY_DEFAULT.items():
-        if args.get(key, default) != default:
-            raise CheckpointError(f"timm's config.json sets {key}={args[key]!r}, which vitkit does not implement")
+        value = args.get(key, default)
+        if value != default and value not in _SAME.get(key, ()):
+            raise CheckpointError(f"timm's {arch} sets {key}={value!r}, which vitkit does not implement")
     return facts
+
+
+def architecture_facts(arch: str) -> dict:
+    """What a registered timm architecture's name fixes for a bare state dict of it (as
+    `timm.create_model(arch, pretrained_cfg_overlay=dict(file=...))` builds it): its constructor arguments; the
+    resolution comes from the tensors (a square grid) or the caller."""
+    if arch not in registered_archs():
+        import difflib
+
+        near = difflib.get_close_matches(arch, registered_archs(), n=3)
+        raise CheckpointError(f"architecture {arch!r} is not one timm {json.loads(ARCHS_FILE.read_text())['timm_version']} "
+                              f"registers in the families vitkit reads" + (f" (did you mean {', '.join(near)}?)" if near else ""))
+    facts = folder_facts({"architecture": arch})
+    facts.pop("img_size", None)
+    return facts
+
+
+def _resnetv2_facts(arch: str, args: dict, pre: dict) -> dict:
+    """BiT: timm's ResNetV2 with the 'fixed' stem, StdConv2d (eps 1e-8) and GroupNorm; the other ResNetV2s
+    (BatchNorm, EvoNorm, FRN, deep or tiered stems) are refused."""
+    conv = args.get("conv_layer")
+    bit = isinstance(conv, dict) and conv.get("partial") == "StdConv2d"
+    if args and (not bit or args.get("stem_type", "fixed") != "fixed" or args.get("norm_layer") not in (None, "GroupNormAct")
+                 or args.get("basic") or args.get("avg_down")):
+        raise CheckpointError(f"timm's {arch} is not a BiT ResNetV2 (StdConv2d, GroupNorm, the 'fixed' stem): "
+                              f"vitkit reads the BiT ones only")
+    return {"img_size": tuple(pre["input_size"][1:])} if "input_size" in pre else {}

@@ -712,13 +712,16 @@ class VisionTransformer(nn.Module):
             del self.mask_token, self.mpp_head
             self.config.mpp = False
 
-    def set_img_size(self, img_size: int | tuple[int, int], method: str = "bilinear") -> None:
+    def set_img_size(self, img_size: int | tuple[int, int], method: str | None = None) -> None:
         """Change the input resolution, keeping the patch size; the position embedding is resampled in 2-D.
 
         Args:
-            method: "bilinear" (the official method) or "bicubic" (timm's).
+            method: how the position grid is resampled (`layers.pos_embed.RESAMPLE_METHODS`); default: the
+                checkpoint's own (`config.pos_resample`: "bilinear" for the official code, "bicubic" for timm,
+                "bicubic_noaa" for most transformers classes), as recorded when it was loaded.
         """
         c = self.config
+        method = method or c.pos_resample
         new = to_2tuple(img_size)
         for s, p in zip(new, c.patch_size):
             if s % p:

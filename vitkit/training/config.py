@@ -58,7 +58,8 @@ class ModelConfig:
     name: a registered model name; the starting architecture.
     overrides: config fields for it (img_size, patch_size, embed_dim, depth, ...).
     checkpoint: fine-tune from this checkpoint (any format vitkit loads) instead of random weights.
-    resample: position-embedding resampling when fine-tuning at a new resolution.
+    resample: position-embedding resampling when fine-tuning at a new resolution (default: the checkpoint's own
+        method, `vitkit.load`'s resample).
     linear_probe: train only the head (frozen backbone).
     objective: "classify" (labels), or "mpp": masked patch prediction (Sec. 4.6), self-supervised pre-training
         that predicts corrupted patches' 3-bit mean colour; its checkpoints fine-tune like any other.
@@ -67,7 +68,7 @@ class ModelConfig:
     name: str = "vit_ti16"
     overrides: dict = field(default_factory=dict)
     checkpoint: str | None = None
-    resample: str = "bilinear"
+    resample: str | None = None
     linear_probe: bool = False
     objective: str = "classify"
 

@@ -144,7 +144,11 @@ class LearnedPosEmbed1d(nn.Module):
     def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:
         p, (gh, gw) = self.num_prefix_tokens, self.grid_size
         w = self.weight.data[0]
-        grid = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), new_grid, method)  # (nh, nw, D)
+        if self.square:  # timm's aspect-preserving NaFlex: the square of the longer side, its top-left part
+            m = max(new_grid)
+            grid = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), (m, m), method)[: new_grid[0], : new_grid[1]]
+        else:
+            grid = resample_pos_embed_grid(w[p:].reshape(gh, gw, -1), new_grid, method)  # (nh, nw, D)
         self.weight = nn.Parameter(torch.cat([w[:p], grid.flatten(0, 1)])[None])  # class position kept
         self.grid_size = tuple(new_grid)
 

@@ -172,6 +172,7 @@ def _convert_folder(path: Path, raw: dict[str, torch.Tensor], hub_config: dict):
             facts.update(hf.preprocessing_facts(_json_file(pre)))
     elif timm.is_timm_folder(hub_config):
         keys = set(raw)
+        named = timm.folder_facts(hub_config)  # what the architecture is, or why vitkit refuses it, first
         if timm.is_timm_naflex(keys):
             fmt, (sd, facts, unused) = "timm-naflex", timm.naflex_to_vitkit(raw)
         elif timm.is_timm_vit(keys):
@@ -181,7 +182,7 @@ def _convert_folder(path: Path, raw: dict[str, torch.Tensor], hub_config: dict):
         else:
             raise CheckpointError(f"{path}: a timm folder ({hub_config['architecture']}) that is not a ViT or BiT "
                                   f"vitkit recognises (first keys: {sorted(keys)[:6]})")
-        facts = {**facts, **timm.folder_facts(hub_config)}
+        facts = {**facts, **named}
     elif hf_vision.family(raw, hub_config) is not None or hf.is_hf(raw):
         fam = hf_vision.family(raw, hub_config)
         sd, facts, unused = hf_vision.to_vitkit(raw, hub_config) if fam else hf.to_vitkit(raw, hub_config)

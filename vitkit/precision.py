@@ -2,12 +2,22 @@
 
 bf16 autocast is 4-5x faster than fp32 on a CPU with bf16 instructions (AVX-512 BF16, AMX) and 10x slower on one
 without them (AVX2-only laptops and servers, where oneDNN emulates it), so no constant is right everywhere.
-`resolve("auto", model, device, batch=..., training=...)` runs a few training steps (or forwards) of the model
-itself in each precision, fp32 on the fast packed GEMM where the run would use it, and keeps bf16 only where it is
-measured faster (by 5%: the smaller margin is not worth bf16's rounding). The probe runs inside its own random
-state (a run's randomness is the same whether it probed or read the cache), leaves the model's weights, gradients
-and modes as they were, and is remembered per machine in $VITKIT_HOME/precision/<cpu>-<isa caps>-<torch>-t<threads>.json,
-so each model and batch size is measured once per machine. "fp32", "bf16" and "fp16" are obeyed as given.
+`resolve("auto", model, device, batch=..., training=...)`:
+
+- on a CPU without native bf16 (no avx512_bf16 or amx_bf16 in its flags, or oneDNN capped below them; an Arm CPU
+  without bf16 in its features) keeps fp32 without measuring: emulated bf16 is never the faster, and a short
+  timing on a busy machine can say otherwise (issue 42: 1.40x at batch 1, where it is 0.05-0.38x). `bf16` asked
+  for by name still runs in bf16;
+- elsewhere runs the model itself (training steps or forwards), fp32 on the fast packed GEMM where the run would
+  use it, in rounds that interleave fp32 and bf16 after warm-up calls (`engine_probe.interleaved_rounds`), and
+  `decide`s from the rounds: bf16 only where the median of the per-round speed-ups is at least BF16_MARGIN and
+  bf16 was the faster in at least BF16_AGREE of the rounds. One noisy round decides nothing; a marginal gain is
+  not worth bf16's rounding.
+
+The probe runs inside its own random state (a run's randomness is the same whether it probed or read the cache),
+leaves the model's weights, gradients and modes as they were, and is remembered per machine in
+$VITKIT_HOME/precision/<cpu>-<isa caps>-<torch>-t<threads>.json with its rounds, so each model and batch size is
+measured once per machine. "fp32", "bf16" and "fp16" are obeyed as given.
 """
 from __future__ import annotations
 
@@ -19,8 +29,9 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from statistics import median
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -30,10 +41,12 @@ from .models.layers import gemm
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-BF16_MARGIN = 1.05  # bf16 must be measured this much faster than fp32 to be chosen
+BF16_MARGIN = 1.2  # bf16 is chosen where the median of its per-round speed-ups over fp32 is at least this ...
+BF16_AGREE = 0.8  # ... and it was the faster in at least this share of the rounds (4 of 5, 3 of 3)
 MIN_ROUND_S = 0.05  # a timed round repeats a short call until it lasts this long
+PROBE_ROUNDS = 5  # interleaved rounds (3 when one call takes over half a second)
 PROBE_BATCH = 32  # images per probe call at most: representative GEMM shapes, a few seconds on a slow CPU
-PROBE_VERSION = 2  # in every cache key: a measurement made by an earlier probe is made again
+PROBE_VERSION = 3  # in every cache key: a measurement made by an earlier probe is made again
 _CHOICES: dict[Path, dict[str, dict]] = {}  # cache file -> {model/batch/mode key -> rates}
 # what the architecture's speed depends on; preprocessing, class names and regularisation rates do not change it
 _IGNORED_FIELDS = {"class_names", "mean", "std", "interpolation", "crop_pct", "drop_rate", "attn_drop_rate",
@@ -84,24 +97,71 @@ def resolve(precision: str, model: nn.Module, device: torch.device | str, *, bat
         return Choice(precision, f"{precision}: asked for")
     if dev.type == "cuda" and not torch.cuda.is_bf16_supported():
         return Choice("fp32", "auto -> fp32: this GPU has no bf16")
+    if dev.type == "cpu":
+        native, why = bf16_support()
+        if native is False:
+            return Choice("fp32", f"auto -> fp32: {why}: bf16 would be emulated, several times slower; not measured "
+                                  f"(precision bf16 by name still runs it)")
     pb = max(1, min(batch, PROBE_BATCH))
     mode = "training step" if training else "forward"
     key = _key(model, dev, pb, training, lowp_stream, fast_gemm)
     path = _cache_file()
     known = _load(path)
-    cached = key in known
+    cached = key in known and isinstance(known[key].get("rounds"), dict)
     if not cached:
         known[key] = measure(model, dev, batch=pb, training=training, lowp_stream=lowp_stream, fast_gemm=fast_gemm)
         _save(path, known)
     rates = known[key]
-    r32, r16 = rates.get("fp32", 0.0), rates.get("bf16", 0.0)
     where = "this GPU" if dev.type == "cuda" else "this CPU"
-    if not r16:
+    rounds = rates.get("rounds", {})
+    if not rates.get("bf16") or not rounds.get("bf16"):
         return Choice("fp32", f"auto -> fp32: bf16 does not run on {where} ({rates.get('error', 'no rate')})", rates)
-    choice = "bf16" if r16 > BF16_MARGIN * r32 else "fp32"
-    reason = (f"auto -> {choice}: bf16 {r16 / r32:.2f}x fp32 on {where} ({r16:.0f} vs {r32:.0f} img/s, {mode}, "
-              f"batch {pb}{', measured earlier' if cached else ''})")
+    choice, v = decide(rounds["fp32"], rounds["bf16"])
+    if v["rounds"] == 1:
+        detail = "its first calls; not timed further"
+    else:
+        detail = (f"median of {v['rounds']} interleaved rounds, {v['low']:.2f}-{v['high']:.2f}x, bf16 the faster in "
+                  f"{v['wins']} of {v['rounds']}")
+    if choice == "fp32" and v["rounds"] > 1:
+        detail += f"; bf16 is taken at {BF16_MARGIN:.2f}x and the faster in {v['need']} of {v['rounds']}"
+    reason = (f"auto -> {choice}: bf16 {v['ratio']:.2f}x fp32 on {where} ({detail}; {rates['bf16']:.0f} vs "
+              f"{rates['fp32']:.0f} img/s, {mode}, batch {pb}{', measured earlier' if cached else ''})")
     return Choice(choice, reason, rates)
+
+
+def decide(fp32_times: Sequence[float], bf16_times: Sequence[float], margin: float = BF16_MARGIN,
+           agree: float = BF16_AGREE) -> tuple[str, dict]:
+    """fp32 or bf16 from interleaved timings (seconds per call, round i of each measured back to back): bf16 only
+    where the median of the per-round speed-ups fp32_i / bf16_i is at least `margin` and bf16 was the faster in at
+    least `agree` of the rounds. Else fp32: the simpler and exact one is kept unless bf16 wins clearly. Returns the
+    choice and {"ratio": the median speed-up, "low", "high", "wins", "need", "rounds"}."""
+    ratios = [a / b for a, b in zip(fp32_times, bf16_times) if a > 0 and b > 0 and math.isfinite(a / b)]
+    if not ratios:
+        return "fp32", {"ratio": 0.0, "low": 0.0, "high": 0.0, "wins": 0, "need": 1, "rounds": 0}
+    n = len(ratios)
+    v = {"ratio": median(ratios), "low": min(ratios), "high": max(ratios), "wins": sum(r > 1.0 for r in ratios),
+         "need": math.ceil(agree * n - 1e-9), "rounds": n}
+    return ("bf16" if v["ratio"] >= margin and v["wins"] >= v["need"] else "fp32"), v
+
+
+def bf16_support() -> tuple[bool | None, str]:
+    """Whether this CPU computes bf16 natively: (True | False | None when /proc/cpuinfo does not say, why). x86:
+    avx512_bf16 or amx_bf16 in its flags and oneDNN not capped below them (`gemm.bf16_native`); Arm: bf16 in its
+    features."""
+    info = gemm.cpu_info()
+    if "flags" in info:
+        if gemm.bf16_native():
+            return True, "this CPU has bf16 instructions"
+        flags = set(info["flags"].split())
+        if {"avx512_bf16", "amx_bf16"} & flags:
+            return False, f"oneDNN is capped below this CPU's bf16 instructions ({gemm.isa_caps()})"
+        return False, "this CPU has no native bf16 (neither avx512_bf16 nor amx_bf16 in its flags)"
+    features = info.get("Features", info.get("features"))
+    if features is not None:
+        if "bf16" in features.split():
+            return True, "this CPU has bf16 instructions"
+        return False, "this CPU has no native bf16 (no bf16 in its features)"
+    return None, "unknown"
 
 
 def for_inference(model: nn.Module, device: torch.device | str, precision: str = "auto", batch: int = 32) -> Choice:
@@ -120,14 +180,17 @@ def for_inference(model: nn.Module, device: torch.device | str, precision: str =
 
 
 def measure(model: nn.Module, device: torch.device, *, batch: int, training: bool, lowp_stream: bool = False,
-            fast_gemm: bool = True) -> dict:
-    """Images per second of `model` in fp32 and in bf16 autocast: a warm-up call each, then the best of two timed
-    rounds each, interleaved (one when a call takes over a second), a round repeating a short call until it lasts
-    MIN_ROUND_S (a 1-ms forward timed once is noise). Where bf16's warm-up is already 3x slower than fp32's, fp32
-    alone is timed again (its warm-up carries the GEMM choices) and bf16's warm-up stands as its rate.
+            fast_gemm: bool = True, rounds: int = PROBE_ROUNDS) -> dict:
+    """Images per second of `model` in fp32 and in bf16 autocast, and the timings they come from: a warm-up call
+    each, then `rounds` interleaved rounds (`engine_probe.interleaved_rounds`: 3 when a call takes over half a
+    second; a round repeats a short call until it lasts MIN_ROUND_S). Where bf16's warm-up is already 3x slower
+    than fp32's, fp32 alone is timed again (its warm-up carries the GEMM choices) and bf16's warm-up stands as its
+    one round. Returns {"fp32": img/s, "bf16": img/s (from the median round), "rounds": {precision: [seconds per
+    call, round by round]}, "batch", "mode"} (and "error" where bf16 does not run).
     fp32 runs on the packed GEMM where `fast_gemm` (autocast calls bypass it); in training, its weights are repacked
     every call, as after every optimizer step of a run.
     The model's weights, gradients, modes and the global random state are left as they were."""
+    from .inference.engine_probe import interleaved_rounds
     from .models.layers import linear
     from .models.layers.linear import pack_linears
 
@@ -153,13 +216,12 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
                 p.grad = None
         return run
 
-    def timed(fn: Callable[[], None], calls: int = 1) -> float:
+    def timed(fn: Callable[[], None]) -> float:  # one call
         _sync(device)
         t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
+        fn()
         _sync(device)
-        return (time.perf_counter() - t0) / calls
+        return time.perf_counter() - t0
 
     rates: dict = {}
     devices = [device] if device.type == "cuda" else []
@@ -167,21 +229,18 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
         with torch.random.fork_rng(devices=devices):
             model.train(training)
             pack_linears(model, enable=packed, training=training)
-            fp32, bf16 = call("fp32"), call("bf16")
-            best = {"fp32": timed(fp32)}  # the first calls carry one-time costs (GEMM choices, packing, kernels)
+            fns = {"fp32": call("fp32"), "bf16": call("bf16")}
+            first = {"fp32": timed(fns["fp32"])}  # the first calls carry one-time costs (GEMM choices, packing, kernels)
             try:
-                best["bf16"] = timed(bf16)
+                first["bf16"] = timed(fns["bf16"])
             except (RuntimeError, NotImplementedError) as e:  # a build or device without bf16 kernels
                 rates["error"] = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-            if "bf16" not in best or best["bf16"] >= 3 * best["fp32"]:
-                best["fp32"] = timed(fp32)  # steady: the warm-up measured the GEMM paths
+            if "bf16" not in first or first["bf16"] >= 3 * first["fp32"]:
+                times = {"fp32": [timed(fns["fp32"])]}  # steady: the warm-up measured the GEMM paths
+                if "bf16" in first:
+                    times["bf16"] = [first["bf16"]]
             else:
-                once = {"fp32": timed(fp32), "bf16": timed(bf16)}
-                calls = {p: max(1, math.ceil(MIN_ROUND_S / max(t, 1e-6))) for p, t in once.items()}
-                best = {p: float("inf") for p in best}
-                for _ in range(1 if max(once.values()) > 1.0 else 2):
-                    best["fp32"] = min(best["fp32"], timed(fp32, calls["fp32"]))
-                    best["bf16"] = min(best["bf16"], timed(bf16, calls["bf16"]))
+                times = interleaved_rounds(fns, rounds, MIN_ROUND_S, sync=lambda: _sync(device), warm=False)
     finally:
         pack_linears(model, enable=False)
         model.train(was_training)
@@ -189,8 +248,8 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
             model.lowp_stream = was_lowp
         for p, gr in grads.items():
             p.grad = gr
-    rates.update({p: batch / t for p, t in best.items()})
-    rates.update(batch=batch, mode="train" if training else "eval")
+    rates.update({p: batch / median(ts) for p, ts in times.items()})
+    rates.update(rounds=times, batch=batch, mode="train" if training else "eval")
     return rates
 
 

@@ -15,8 +15,11 @@ with fp32 eager's: a candidate whose max |difference| exceeds TOLERANCE x max |f
 backend that is fast but wrong is never picked. The fastest of the rest wins, except that a candidate earlier in the
 list above (simpler: no export, explanations, fp32) is kept when the winner beats it by less than MARGIN. The exported
 engines are measured in a child process (a crash there, as OpenVINO's under some ISA caps, drops the candidate instead
-of the caller), timed the same way: a warm-up call, then the best of two rounds, each repeating the call until it
-lasts MIN_ROUND_S. The measurements are cached per machine (CPU, ISA caps, torch, threads), installed engine
+of the caller). Every engine is timed the same way (`engine_probe.interleaved_rounds`): warm-up calls, then five
+rounds (three for a call over half a second), each repeating the call until it lasts MIN_ROUND_S, the median round
+its rate; torch-fp32 and torch-bf16 in the same rounds, interleaved, and torch-bf16 kept only where it is clearly
+the faster (`vitkit.precision.decide`: a median per-round speed-up of BF16_MARGIN, the faster in most rounds). On a
+CPU without native bf16 the bf16 engines are not timed unless bf16 is asked for by name. The measurements are cached per machine (CPU, ISA caps, torch, threads), installed engine
 versions, model weights and batch in $VITKIT_HOME/backends/<machine>.json, and the ONNX export in
 $VITKIT_HOME/backends/exports/, so each model is measured and exported once per machine.
 """
@@ -39,7 +42,6 @@ from torch import nn
 from ..errors import UsageError
 from ..precision import _save  # the atomic JSON write of the precision cache
 from . import engine_probe
-from .engine_probe import timed_rate
 
 BACKENDS = ("auto", "torch", "onnx", "openvino")
 CANDIDATES = ("torch-fp32", "torch-bf16", "onnx-fp32", "openvino-fp32", "openvino-bf16")  # simplest first
@@ -47,7 +49,7 @@ TOLERANCE = 0.05  # max |logit - fp32 eager logit| <= TOLERANCE * max |fp32 logi
 ATOL = 1e-3
 MARGIN = 1.05  # a later candidate must be this much faster than an earlier one to be preferred
 PROBE_BATCH = 32  # the most images a measured call takes (larger batches run in chunks of the measured size)
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: rounds interleaved and medians, bf16 kept only where clearly faster and native
 
 
 class _Named:
@@ -241,9 +243,17 @@ def _probe_child(backend: str, precision: str, path: Path, x: np.ndarray, thread
 
 
 def measure(model: nn.Module, batch: int, *, threads: int | None = None, tolerance: float = TOLERANCE,
-            candidates: tuple[str, ...] = CANDIDATES, digest: str | None = None, log=None) -> list[Candidate]:
-    """Every candidate's img/s at `batch` and its difference from fp32 eager on the calibration batch."""
+            candidates: tuple[str, ...] = CANDIDATES, digest: str | None = None, log=None,
+            force_bf16: bool = False) -> list[Candidate]:
+    """Every candidate's img/s at `batch` and its difference from fp32 eager on the calibration batch.
+
+    torch-fp32 and torch-bf16 are timed together, in interleaved rounds (`engine_probe.interleaved_rounds`), and
+    torch-bf16 stays a candidate only where `precision.decide` finds it clearly faster (the median per-round
+    speed-up at least precision.BF16_MARGIN, the faster in most rounds). On a CPU without native bf16
+    (`precision.bf16_support`) the bf16 candidates are not timed (torch-bf16's logits are still compared), unless
+    `force_bf16` (bf16 asked for by name)."""
     from ..models.layers.linear import pack_linears
+    from ..precision import BF16_MARGIN, bf16_support, decide
 
     threads = threads or torch.get_num_threads()
     x = calibration_batch(model, batch)
@@ -252,6 +262,9 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
     path: Path | None = None
     say = log or (lambda s: None)
     was_training = model.training
+    native, why = bf16_support()
+    emulated = native is False and not force_bf16
+    eager: dict[str, Callable[[], np.ndarray]] = {}  # the torch candidates, timed together after the loop
     try:
         for c in table:
             try:
@@ -259,7 +272,10 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
                     run = torch_runner(model, c.precision)
                     with torch.random.fork_rng():
                         y = run(x)
-                        c.rate = timed_rate(lambda: run(x), batch)
+                    eager[c.name] = lambda run=run: run(x)
+                elif emulated and c.precision == "bf16":
+                    c.skipped = f"not measured: {why} (bf16 would be emulated)"
+                    continue
                 else:
                     version = installed(c.backend)
                     if version is None:
@@ -271,16 +287,43 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
                     c.rate, y = _probe_child(c.backend, c.precision, path, x, threads, timeout=600)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is not a candidate
                 c.rate, c.skipped = 0.0, f"failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}"
+                eager.pop(c.name, None)
                 continue
             if c.name == "torch-fp32":
                 ref = y.astype(np.float64)
             if ref is None:
                 c.skipped = "no fp32 eager reference"
+                eager.pop(c.name, None)
                 continue
             c.error = rel_diff(y, ref)
             if not within(y, ref, tolerance):
                 c.skipped = f"outside the tolerance ({c.error:.2g} > {tolerance:g} of the largest fp32 logit)"
-            say(f"  {c.name}: {c.rate:.2f} img/s, max rel diff {c.error:.2g}{' (' + c.skipped + ')' if c.skipped else ''}")
+                eager.pop(c.name, None)
+            elif c.name == "torch-bf16" and emulated:
+                c.skipped = f"not timed: {why} (bf16 would be emulated)"
+                eager.pop(c.name, None)
+            if c.backend != "torch":
+                say(f"  {c.name}: {c.rate:.2f} img/s, max rel diff {c.error:.2g}{' (' + c.skipped + ')' if c.skipped else ''}")
+        rounds: dict[str, list[float]] = {}
+        with torch.random.fork_rng():
+            try:
+                rounds = engine_probe.interleaved_rounds(eager) if eager else {}
+            except Exception as e:  # noqa: BLE001 - a torch candidate that fails while timed is not a candidate
+                for c in table:
+                    if c.name in eager:
+                        c.skipped = f"failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}"
+        for c in table:
+            if c.name in rounds:
+                c.rate = batch / engine_probe.median(rounds[c.name])
+        if "torch-fp32" in rounds and "torch-bf16" in rounds:
+            verdict, v = decide(rounds["torch-fp32"], rounds["torch-bf16"])
+            if verdict == "fp32":
+                bf16 = next(c for c in table if c.name == "torch-bf16")
+                bf16.skipped = (f"not clearly faster than torch-fp32 ({v['ratio']:.2f}x, median of {v['rounds']} "
+                                f"interleaved rounds, the faster in {v['wins']}; needs {BF16_MARGIN:.2f}x in {v['need']})")
+        for c in table:
+            if c.backend == "torch" and c.error is not None:
+                say(f"  {c.name}: {c.rate:.2f} img/s, max rel diff {c.error:.2g}{' (' + c.skipped + ')' if c.skipped else ''}")
     finally:
         pack_linears(model, enable=False)
         model.train(was_training)
@@ -307,7 +350,8 @@ def pick(table: list[Candidate]) -> tuple[str, str]:
 
 
 def choose(model: nn.Module, batch: int, *, threads: int | None = None, tolerance: float = TOLERANCE,
-           candidates: tuple[str, ...] = CANDIDATES, refresh: bool = False, log=None) -> BackendChoice:
+           candidates: tuple[str, ...] = CANDIDATES, refresh: bool = False, log=None,
+           force_bf16: bool = False) -> BackendChoice:
     """The fastest engine within `tolerance` of fp32 eager for `model` at `batch` on this machine (measured once per
     machine, engine versions, weights and batch, then read from the cache)."""
     from ..checkpoints.catalog import cache_dir
@@ -317,14 +361,16 @@ def choose(model: nn.Module, batch: int, *, threads: int | None = None, toleranc
     threads = threads or torch.get_num_threads()
     digest = weights_digest(model)
     versions = {b: installed(b) for b in ("torch", "onnx", "openvino")}
-    key = json.dumps([CACHE_VERSION, digest, pb, threads, tolerance, sorted(candidates), versions], sort_keys=True)
+    key = json.dumps([CACHE_VERSION, digest, pb, threads, tolerance, sorted(candidates), versions]
+                     + (["bf16 forced"] if force_bf16 else []), sort_keys=True)
     cache = cache_dir() / "backends" / f"{gemm.machine_key()}.json"
     known = _load(cache)
     cached = key in known and not refresh
     if cached:
         table = [Candidate(**row) for row in known[key]]
     else:
-        table = measure(model, pb, threads=threads, tolerance=tolerance, candidates=candidates, digest=digest, log=log)
+        table = measure(model, pb, threads=threads, tolerance=tolerance, candidates=candidates, digest=digest, log=log,
+                        force_bf16=force_bf16)
         known[key] = [vars(c) for c in table]
         _save(cache, known)
     name, why = pick(table)
@@ -345,7 +391,7 @@ def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threa
         if precision not in ("auto", "fp32", "bf16"):
             raise UsageError(f"--backend auto picks among fp32 and bf16 engines, not {precision}")
         cands = CANDIDATES if precision == "auto" else tuple(c for c in CANDIDATES if c.endswith(precision) or c == "torch-fp32")
-        return choose(model, batch, threads=threads, candidates=cands, log=log)
+        return choose(model, batch, threads=threads, candidates=cands, log=log, force_bf16=precision == "bf16")
     if backend == "torch":
         from ..precision import resolve as resolve_precision
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import numpy as np
 
-MIN_ROUND_S = 0.25  # a timed round repeats the call until it lasts this long
+MIN_ROUND_S = 0.1  # a timed round repeats the call until it lasts this long (ROUNDS of them: the median counts)
 
 
 class EngineError(RuntimeError):
@@ -79,20 +79,53 @@ def compile_engine(backend: str, precision: str, path: str | Path, threads: int 
     raise EngineError(f"no exported engine {backend!r}")
 
 
-def timed_rate(fn: Callable[[], object], batch: int, min_round_s: float = MIN_ROUND_S) -> float:
-    """Images per second of `fn` (one call = `batch` images): a warm-up call, then the best of two rounds (one when a
-    call takes over a second), each repeating the call until it lasts `min_round_s`."""
-    t0 = time.perf_counter()
-    fn()
-    once = time.perf_counter() - t0
-    calls = max(1, math.ceil(min_round_s / max(once, 1e-6)))
-    best = float("inf")
-    for _ in range(1 if once > 1.0 else 2):
+ROUNDS = 5  # timed rounds after the warm-up (3 when one call takes over SLOW_CALL_S)
+SLOW_CALL_S = 0.5
+
+
+def rounds_for(seconds_per_call: float, rounds: int = ROUNDS) -> int:
+    """How many timed rounds a call of this length gets: `rounds`, or 3 for a slow call (a round is then one call)."""
+    return rounds if seconds_per_call <= SLOW_CALL_S else min(rounds, 3)
+
+
+def interleaved_rounds(fns: dict[str, Callable[[], object]], rounds: int = ROUNDS, min_round_s: float = MIN_ROUND_S,
+                       sync: Callable[[], None] = lambda: None, warm: bool = True) -> dict[str, list[float]]:
+    """Seconds per call of each function, round by round: a warm-up call each (unless `warm` is False: the caller
+    made them), one more that sizes the rounds, then `rounds` rounds (fewer for a slow call: `rounds_for`) in which
+    every function runs in turn, the order reversed every other round (AB BA AB ...: a machine growing busier or
+    quieter weighs on all alike), each repeating its call until it lasts `min_round_s`. One timing is noise on a
+    busy machine: compare the rounds one by one (the median of per-round ratios)."""
+    def clock(fn: Callable[[], object], calls: int) -> float:
+        sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return batch / best
+        sync()
+        return (time.perf_counter() - t0) / calls
+
+    if warm:
+        for fn in fns.values():  # the first calls carry one-time costs (GEMM choices, packing, kernels)
+            clock(fn, 1)
+    once = {name: clock(fn, 1) for name, fn in fns.items()}
+    calls = {name: max(1, math.ceil(min_round_s / max(t, 1e-6))) for name, t in once.items()}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for i in range(rounds_for(max(once.values()), rounds)):
+        for name in names if i % 2 == 0 else names[::-1]:
+            times[name].append(clock(fns[name], calls[name]))
+    return times
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def timed_rate(fn: Callable[[], object], batch: int, min_round_s: float = MIN_ROUND_S) -> float:
+    """Images per second of `fn` (one call = `batch` images): warm-up calls, then the median of ROUNDS rounds (3 when a
+    call takes over SLOW_CALL_S), each repeating the call until it lasts `min_round_s` (`interleaved_rounds`)."""
+    return batch / median(interleaved_rounds({"fn": fn}, min_round_s=min_round_s)["fn"])
 
 
 def main(argv: list[str]) -> None:

@@ -153,3 +153,12 @@ def test_a_compiled_or_ddp_model_s_state_dict_loads(tmp_path):
         back = vitkit.load(tmp_path / f, num_heads=model.config.num_heads)
         with torch.no_grad():
             assert torch.equal(back(x), model(x))
+
+
+def test_torchvision_at_another_size_resamples_as_torchvision():
+    """torchvision's `interpolate_embeddings` resamples bicubically with aligned corners: recorded at load."""
+    d = REG / "torchvision"
+    meta = json.loads((d / "index.json").read_text())
+    for tag, size in (("", meta["native"]), ("_big", meta["big"])):
+        model = vitkit.load(d / "model.pth", num_heads=2, img_size=size)
+        assert np.abs(_logits(model, np.load(d / f"input{tag}.npy")) - np.load(d / f"logits{tag}.npy")).max() <= TOL

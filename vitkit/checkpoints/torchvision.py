@@ -34,5 +34,7 @@ def to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict
             sd[f"blocks.{i}.{_BLOCK[mod]}.{leaf}"] = v
         else:
             raise CheckpointError(f"unexpected torchvision ViT key {k!r}")
-    # torchvision's weights expect ImageNet normalisation.
-    return sd, {"act": "gelu", "norm_eps": 1e-6, "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}, []
+    # torchvision's weights expect ImageNet normalisation; `interpolate_embeddings` resamples the grid bicubically
+    # with aligned corners.
+    return sd, {"act": "gelu", "norm_eps": 1e-6, "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225),
+                "pos_resample": "bicubic_corners"}, []

@@ -176,7 +176,8 @@ def interp_weights(pos: torch.Tensor, size: torch.Tensor, src: int, method: str)
     - "bilinear": the official method (scipy's order-1 zoom: bilinear, corners aligned);
     - "bilinear_aa": PyTorch's antialiased bilinear, corners not aligned (SigLIP 2, timm's NaFlex SigLIP);
     - "bicubic": PyTorch's antialiased bicubic (a = -0.5), corners not aligned (timm);
-    - "bicubic_noaa": PyTorch's plain bicubic (a = -0.75, borders clamped; transformers' DINOv2).
+    - "bicubic_noaa": PyTorch's plain bicubic (a = -0.75, borders clamped; transformers' DINOv2);
+    - "bicubic_corners": the same with corners aligned (torchvision's `interpolate_embeddings`).
     """
     pos, size = pos.float(), size.float()
     j = torch.arange(src, dtype=torch.float32, device=pos.device)
@@ -190,8 +191,9 @@ def interp_weights(pos: torch.Tensor, size: torch.Tensor, src: int, method: str)
         x = (j - center + 0.5) / support_scale
         w = (1 - x.abs()).clamp(min=0) if method == "bilinear_aa" else _cubic(x, -0.5)
         return w / w.sum(-1, keepdim=True)
-    if method == "bicubic_noaa":  # four taps around the source position, indices clamped at the borders
-        center = scale * (pos + 0.5) - 0.5
+    if method in ("bicubic_noaa", "bicubic_corners"):  # four taps around the source position, indices clamped
+        center = (scale * (pos + 0.5) - 0.5 if method == "bicubic_noaa" else
+                  pos * (src - 1) / (size - 1).clamp(min=1))
         base = center.floor()
         t = center - base
         w = torch.zeros(*pos.shape, src, device=pos.device)
@@ -199,7 +201,8 @@ def interp_weights(pos: torch.Tensor, size: torch.Tensor, src: int, method: str)
             idx = (base + k).clamp(0, src - 1).long()
             w.scatter_add_(-1, idx[..., None], _cubic(t - k, -0.75)[..., None])
         return w
-    raise UsageError(f"resampling method must be bilinear, bilinear_aa, bicubic or bicubic_noaa, got {method!r}")
+    raise UsageError(f"resampling method must be bilinear, bilinear_aa, bicubic, bicubic_noaa or bicubic_corners, "
+                     f"got {method!r}")
 
 
 def resample_for_coords(table: torch.Tensor, coords: torch.Tensor, sizes: torch.Tensor, method: str,

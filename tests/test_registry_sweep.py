@@ -162,3 +162,5 @@ def test_torchvision_at_another_size_resamples_as_torchvision():
     for tag, size in (("", meta["native"]), ("_big", meta["big"])):
         model = vitkit.load(d / "model.pth", num_heads=2, img_size=size)
         assert np.abs(_logits(model, np.load(d / f"input{tag}.npy")) - np.load(d / f"logits{tag}.npy")).max() <= TOL
+    # the resampled table itself (the logits of a one-layer model move little with the method)
+    assert np.abs(model.pos_embed.weight.detach().numpy() - np.load(d / "pos_embedding_big.npy")).max() <= TOL

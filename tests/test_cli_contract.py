@@ -210,3 +210,70 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# ---- the contract of every command line: --help, --version, the default export (issue 42, items 5 and 6) ----------
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_prints_its_help(command, capsys):
+    """`vitkit COMMAND --help` exits 0 with the command's usage and its options' help (a bare % in a help text once
+    crashed argparse's formatting of eval, predict and serve --help)."""
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    io = capsys.readouterr()
+    assert e.value.code == 0 and io.out.startswith(f"usage: vitkit {command} ") and "-h, --help" in io.out, io
+    assert "Traceback" not in io.err
+
+
+def test_version(capsys):
+    import torch
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"vitkit {vitkit.__version__} (torch {torch.__version__})"
+
+
+@pytest.fixture(scope="module")
+def export_ckpt(tmp_path_factory) -> tuple[Path, "torch.nn.Module"]:
+    """A tiny ViT whose every weight reaches the logits (no zero-initialised head)."""
+    import torch
+
+    torch.manual_seed(0)
+    m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, mlp_dim=64,
+                            num_classes=3)
+    with torch.no_grad():
+        for p in m.parameters():
+            if not p.any():
+                p.normal_(std=0.1)
+    path = tmp_path_factory.mktemp("export") / "m.safetensors"
+    vitkit.save(m, path)
+    return path, vitkit.load(path).eval()
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "openvino"])
+def test_the_default_export_runs_at_any_batch_in_its_engine(export_ckpt, fmt, tmp_path, capsys):
+    """`vitkit export CKPT OUT` with no flags (and `--format openvino`): a file whose batch is dynamic, run by
+    onnxruntime (OpenVINO's runtime) at batch 1 and 4 within 1e-4 of eager PyTorch."""
+    import numpy as np
+    import torch
+
+    ckpt, eager = export_ckpt
+    out = tmp_path / ("m.onnx" if fmt == "onnx" else "m.xml")
+    assert main(["export", str(ckpt), str(out), *(["--format", "openvino"] if fmt == "openvino" else [])]) == 0
+    assert "(3, 3, 16, 16)" in capsys.readouterr().out  # checked at a second batch size
+    if fmt == "onnx":
+        import onnxruntime as ort
+
+        sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+        run = lambda x: sess.run(None, {"pixel_values": x})[0]  # noqa: E731
+    else:
+        from vitkit.inference.engine_probe import openvino_core  # the process's one Core (see test_deploy.py)
+
+        compiled = openvino_core().compile_model(str(out), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        run = lambda x: compiled(x)[0]  # noqa: E731
+    for batch in (1, 4):
+        x = np.random.default_rng(batch).standard_normal((batch, 3, 16, 16)).astype(np.float32)
+        with torch.no_grad():
+            ref = eager(torch.from_numpy(x)).numpy()
+        got = run(x)
+        assert got.shape == (batch, 3) and np.abs(got - ref).max() <= 1e-4, (batch, np.abs(got - ref).max())

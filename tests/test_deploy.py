@@ -167,7 +167,7 @@ def test_cli_export(tmp_path, capsys):
 
     assert main(["export", str(FIXTURES / "jax_vit_gap" / "model.npz"), str(tmp_path / "g.onnx"), "--dynamic-size"]) == 0
     out = capsys.readouterr().out
-    assert "worst difference" in out and "(1, 3, 24, 12)" in out  # no --dynamic-batch: one image at a time
+    assert "worst difference" in out and "(1, 3, 24, 12)" in out and "(3, 3, 24, 12)" in out  # a dynamic batch by default
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx"]  # every weight inside, no stray g.onnx.data
     from vitkit.deploy import onnx_config
 
@@ -176,3 +176,9 @@ def test_cli_export(tmp_path, capsys):
 
     sess = ort.InferenceSession(str(tmp_path / "g.onnx"), providers=["CPUExecutionProvider"])
     assert sess.run(None, {"pixel_values": torch.zeros(1, 3, 16, 16).numpy()})[0].shape[0] == 1
+    assert sess.run(None, {"pixel_values": torch.zeros(5, 3, 16, 16).numpy()})[0].shape[0] == 5
+    # --no-dynamic-batch fixes it at one image, as export_model(dynamic_batch=False) does
+    assert main(["export", str(FIXTURES / "jax_vit_gap" / "model.npz"), str(tmp_path / "one.onnx"), "--no-dynamic-batch"]) == 0
+    assert "(3, 3, " not in capsys.readouterr().out
+    one = ort.InferenceSession(str(tmp_path / "one.onnx"), providers=["CPUExecutionProvider"])
+    assert one.get_inputs()[0].shape[0] == 1

@@ -1,10 +1,11 @@
 """Exporting a model for deployment: ONNX (run by onnxruntime), an OpenVINO IR or a torch.export program, checked
 against eager.
 
-`export_model` traces the model with `torch.export` (the dynamo-based ONNX exporter for ONNX). With a dynamic
-size, a ViT takes any H x W that is a multiple of its patch size: the position embedding is resampled inside the
-graph (bilinear with aligned corners, the official method; an ONNX Resize), so one file serves every size. Every
-export is run against eager PyTorch on two batch sizes and two resolutions; the worst difference is reported, and
+`export_model` traces the model with `torch.export` (the dynamo-based ONNX exporter for ONNX), its batch dynamic by
+default (`dynamic_batch=False` fixes it at one image). With a dynamic size, a ViT takes any H x W that is a multiple
+of its patch size: the position embedding is resampled inside the graph (bilinear with aligned corners, the official
+method; an ONNX Resize), so one file serves every size. Every export is run against eager PyTorch on the batch sizes
+and resolutions it accepts (two of each where dynamic); the worst difference is reported, and
 above the tolerance the export fails and its file is removed. The ONNX file carries the model's config
 (preprocessing, class names) in its metadata, so `vitkit serve --backend onnx` needs nothing else.
 """
@@ -158,7 +159,7 @@ def _export_packed(model: nn.Module, out: Path, format: str, opset: int, toleran
     return report
 
 
-def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dynamic_batch: bool = False,
+def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dynamic_batch: bool = True,
                  dynamic_size: bool = False, opset: int = 18, quantize: str | None = None,
                  tolerance: float = TOLERANCE, packed: bool = False) -> ExportReport:
     """Export `model` to `out` and check it against eager PyTorch.
@@ -167,7 +168,8 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
         format: "onnx", "torch-export" (a .pt2 program: `torch.export.load(path).module()`) or "openvino" (an
             OpenVINO IR, PATH.xml + PATH.bin, converted from this ONNX export with fp32 weights; checked in
             OpenVINO's CPU plugin with INFERENCE_PRECISION_HINT f32).
-        dynamic_batch: any batch size.
+        dynamic_batch: any batch size (the default, as `vitkit export` and timm's and optimum's ONNX exports; traced
+            at 2 and checked at 1 and 3). False fixes the graph's batch at one image (traced and checked at 1).
         dynamic_size: any H x W that is a multiple of the patch size (ViTs and hybrids: the position embedding is
             resampled in the graph; BiT: multiples of 32).
         opset: the ONNX opset.

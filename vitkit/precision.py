@@ -125,7 +125,8 @@ def resolve(precision: str, model: nn.Module, device: torch.device | str, *, bat
     if choice == "fp32" and v["rounds"] > 1:
         detail += f"; bf16 is taken at {BF16_MARGIN:.2f}x and the faster in {v['need']} of {v['rounds']}"
     reason = (f"auto -> {choice}: bf16 {v['ratio']:.2f}x fp32 on {where} ({detail}; {rates['bf16']:.0f} vs "
-              f"{rates['fp32']:.0f} img/s, {mode}, batch {pb}{', measured earlier' if cached else ''})")
+              f"{rates['fp32']:.0f} img/s in their median rounds, {mode}, batch {pb}"
+              f"{', measured earlier' if cached else ''})")
     return Choice(choice, reason, rates)
 
 

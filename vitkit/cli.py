@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -616,21 +616,43 @@ def predict(
     images: list[str],
     checkpoint: str = "runs/fashion-mnist/best.safetensors",
     top_k: int = 3,
-    format: Literal["table", "json", "csv"] = "table",
+    out: str | None = None,
+    format: Literal["auto", "table", "json", "jsonl", "csv"] = "auto",
+    resume: bool = False,
+    batch_size: int = 32,
+    num_workers: int = 2,
+    progress: bool = True,
     tta: Literal["none", "flip", "flip-shift"] = "none",
     device: str = "auto",
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
     backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
     max_patches: int | None = None,
 ) -> int:
-    """Classify image files with a checkpoint's own preprocessing and class names. A file that cannot be read is
-    reported in the output and the others are still classified; the exit status is then 1.
+    """Classify images with a checkpoint's own preprocessing and class names: files, folders, CSV lists and shard
+    sets, any number, in batches, decoded ahead of the model; each batch's results are written as soon as it is
+    done. A record per image, {"image", "top": [{"index", "label", "probability"}, ...]} as the service answers,
+    or {"image", "error"} for one that cannot be read (the others are still classified; the exit status is then
+    1). SIGTERM or Ctrl-C stops after the batch in hand (exit 143 / 130), every finished batch written; the same
+    command with --resume carries on where it stopped.
 
     Args:
-        images: image files.
+        images: image files; folders (every image file below them, in sorted order); CSV lists of path,label rows
+            (as `vitkit eval` reads them; relative paths from the CSV's folder); shard sets of `vitkit data pack`
+            (a split folder or URL with index.json, or a set's root: all its splits). Mixed freely: the records
+            follow this order.
         checkpoint: any checkpoint vitkit loads.
         top_k: how many classes per image.
-        format: table, json or csv.
+        out: write the records to this file (flushed after every batch) instead of stdout.
+        format: auto (from --out's suffix: .jsonl/.ndjson, .json, .csv, .txt; table on stdout) | table (for
+            people) | json (one array) | jsonl (a record per line) | csv (image,rank,index,label,probability,error:
+            a row per class, one row per unreadable image).
+        resume: with --out FILE (jsonl or csv) from an earlier run of the same command, stopped or killed: keep its
+            records (a line cut short by a kill is dropped), skip those images and append the rest; the file ends
+            as an uninterrupted run's. A FILE whose records are not the first inputs' is refused.
+        batch_size: images per forward pass (keep it the same when resuming, for identical numbers).
+        num_workers: threads decoding images ahead of the model (0: decoded between forward passes).
+        progress: a progress line on stderr (redrawn in place on a terminal; otherwise a line every tenth of the
+            images or 30 s).
         tta: test-time augmentation, as for `vitkit eval`.
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
@@ -642,34 +664,41 @@ def predict(
             square size.
     """
     from .checkpoints import load
-    from .inference import predict as _predict
     from .device import resolve_device
+    from .evaluation.metrics import check_tta
+    from .inference.predict import gather_inputs, resolve_format, run
 
-    dev = resolve_device(device)
-    model = load(checkpoint).to(dev)
+    fmt = resolve_format(format, out)
+    check_tta(tta)
+    if batch_size < 1 or num_workers < 0 or top_k < 1:
+        raise UsageError("--batch-size and --top-k must be >= 1, --num-workers >= 0")
+    if resume and out is None:
+        raise UsageError("--resume continues the file named by --out: add --out FILE")
+    if resume and fmt not in ("jsonl", "csv"):
+        raise UsageError(f"--resume continues a jsonl or csv file, not {fmt}: write to --out FILE.jsonl or FILE.csv")
     if max_patches and backend != "torch":
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
-    runner, prec, _ = _inference_engine(model, dev, precision, backend, min(len(images), 32))
-    records = _predict(runner, images, top_k, tta=tta, precision=prec, max_patches=max_patches)
-    if format == "json":
-        print(json.dumps(records, indent=1))
-    elif format == "csv":
-        w = csv.writer(sys.stdout)
-        w.writerow(["image", "rank", "label", "probability"])
-        for r in records:
-            for i, (label, p) in enumerate(r.get("top", []), 1):
-                w.writerow([r["image"], i, label, f"{p:.6f}"])
-            if "error" in r:
-                w.writerow([r["image"], "", "error", r["error"]])
-    else:
-        for r in records:
-            if "error" in r:
-                print(f"{r['image']}: ERROR {r['error']}")
-                continue
-            print(r["image"])
-            for label, p in r["top"]:
-                print(f"  {p:7.2%}  {label}")
-    return _exit_status(records)
+    inputs = gather_inputs(images, warn=lambda m: print(f"vitkit: warning: {m}", file=sys.stderr, flush=True))
+    if not len(inputs):
+        raise UsageError(f"no images in {', '.join(images)}")
+    dev = resolve_device(device)
+    model = load(checkpoint).to(dev)
+    runner, prec, _ = _inference_engine(model, dev, precision, backend, min(len(inputs), batch_size))
+    res = run(runner, inputs, out=out, fmt=fmt, resume=resume, top_k=top_k, batch_size=batch_size, tta=tta,
+              precision=prec, max_patches=max_patches, num_workers=num_workers, progress=progress)
+    rate = res.done_now / max(res.seconds, 1e-9)
+    where = f"; records in {out}" if out else ""
+    resumed = f" ({res.resumed:,} done earlier)" if res.resumed else ""
+    if res.stopped is not None and res.stopped != getattr(signal, "SIGPIPE", 13):
+        name = signal.Signals(res.stopped).name
+        print(f"vitkit: predict: stopped by {name} after {res.resumed + res.done_now:,} of {res.total:,} images"
+              f"{where}; the same command with --resume carries on", file=sys.stderr, flush=True)
+        _unreadable(res.failed, res.resumed + res.done_now)
+        return 128 + res.stopped
+    if progress:
+        print(f"vitkit: predict: {res.done_now:,} images in {res.seconds:.1f} s ({rate:,.0f} img/s){resumed}{where}",
+              file=sys.stderr, flush=True)
+    return _unreadable(res.failed, res.total)
 
 
 def _inference_engine(model, dev, precision: str, backend: str, batch: int):
@@ -694,9 +723,13 @@ def _inference_engine(model, dev, precision: str, backend: str, batch: int):
 
 def _exit_status(records: list[dict]) -> int:
     """0, or 1 after naming the inputs that could not be read (records with an "error"), on stderr."""
-    failed = [r["image"] for r in records if "error" in r]
+    return _unreadable([r["image"] for r in records if "error" in r], len(records))
+
+
+def _unreadable(failed: list[str], total: int) -> int:
+    """0, or 1 after naming the `failed` of `total` inputs that could not be read, on stderr."""
     if failed:
-        print(f"vitkit: {len(failed)} of {len(records)} image(s) could not be read: {', '.join(failed[:5])}"
+        print(f"vitkit: {len(failed)} of {total} image(s) could not be read: {', '.join(failed[:5])}"
               f"{' ...' if len(failed) > 5 else ''}", file=sys.stderr)
         return 1
     return 0

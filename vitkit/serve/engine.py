@@ -17,6 +17,7 @@ import torch
 
 from ..data.image import EvalTransform, load_image, resize_crop, to_uint8_tensor
 from ..errors import UsageError
+from ..inference.predict import top_classes
 
 
 class Predictor:
@@ -310,10 +311,11 @@ class MicroBatcher:
 
 
 def softmax_top(logits: np.ndarray, names: list[str], k: int) -> list[dict]:
+    """One image's logits -> its top-k entries {"index", "label", "probability"}: `inference.predict.top_classes`,
+    the schema of `vitkit predict`'s records too."""
     z = logits.astype(np.float64) - logits.max()
     p = np.exp(z) / np.exp(z).sum()
-    order = np.argsort(-p)[: max(1, min(k, len(p)))]
-    return [{"index": int(i), "label": names[i], "probability": float(p[i])} for i in order]
+    return top_classes(p, names, k)
 
 
 def explanations(model: torch.nn.Module, x: np.ndarray) -> dict:

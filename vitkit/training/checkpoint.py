@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from ..distributed import Dist
 from ..errors import CheckpointError, VitkitError
-from ..safety import parse_json, read_bytes, untrusted
+from ..safety import open_regular, parse_json, read_bytes, untrusted
 
 CKPT_DIR = "checkpoints"
 # Settings that do not change what a training step computes: a run may resume with them changed.
@@ -124,7 +124,7 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         path = Path(self.path) / ".metadata"
         with untrusted(str(path)):
-            with open(path, "rb") as f:
+            with open_regular(path, error=CheckpointError) as f:  # a FIFO here would block the reader
                 metadata = _MetadataUnpickler(f).load()
             if not isinstance(metadata, dcp.metadata.Metadata):
                 raise CheckpointError(f"{path} is not DCP metadata")

@@ -492,3 +492,236 @@ def test_masked_patch_prediction_targets_and_corruption_rates():
     m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=1, num_classes=0, mpp=True)
     logits, targets = m.forward_mpp((img - 0.5) / 0.5, img, g)
     assert logits.shape == (8, 512) and (targets == 2 * 64 + 7 * 8).all()
+
+
+# ---- timm's model API (docs/timm.md) ---------------------------------------------------------------------------
+
+def _tiny(name: str, **extra):
+    m = vitkit.create_model(name, **{**tiny_kwargs(name), **extra}).eval()
+    with torch.no_grad():  # no zero-initialised layer: outputs depend on every layer
+        for p in m.parameters():
+            if not p.any():
+                p.normal_(std=0.1)
+    return m
+
+
+_HEAD_NAMES = ("head.", "head_dist.", "fc_norm.", "attn_pool.", "pre_logits.", "mpp_head.")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_timm_api_sweep(name):
+    """Every registered model: num_classes, pretrained_cfg (as the timm folder export writes it), get_classifier,
+    group_matcher's groups (every parameter in exactly one; embeddings first, one group a block, the head last),
+    no_weight_decay (real parameter names, the ones vitkit's optimizer keeps out of decay), reset_classifier in timm's
+    order."""
+    from vitkit.checkpoints.timm import _pretrained_cfg
+    from vitkit.models.timm_api import layer_groups
+
+    m = _tiny(name)
+    c = m.config
+    assert m.num_classes == c.num_classes == 5 and m.get_classifier() is m.head
+    cfg = m.pretrained_cfg
+    assert cfg == m.default_cfg
+    theirs = _pretrained_cfg(c)
+    assert list(cfg["input_size"]) == theirs["input_size"] == [c.in_chans, *c.img_size]
+    for k in ("interpolation", "crop_pct", "crop_mode", "num_classes"):
+        assert cfg[k] == theirs[k], k
+    assert list(cfg["mean"]) == theirs["mean"] and list(cfg["std"]) == theirs["std"]
+    assert cfg["fixed_input_size"] == {"vit": True, "resnetv2": False, "swin": True}[c.arch]
+    m.get_submodule(cfg["first_conv"])  # vitkit's module names
+    assert isinstance(m.get_submodule(cfg["first_conv"]), torch.nn.Conv2d)
+    assert cfg["classifier"] == "head"
+    names = [n for n, _ in m.named_parameters()]
+    for coarse in (False, True):
+        groups = layer_groups(m, coarse)
+        flat = [n for g in groups.values() for n in g]
+        assert sorted(flat) == sorted(names) and len(flat) == len(set(flat))
+        first, last = groups[0], groups[max(groups)]
+        assert all(n.startswith(("patch_embed.", "stem.", "cls_token", "pos_embed.", "reg_token", "norm_pre."))
+                   for n in first), first
+        head = _HEAD_NAMES + (("norm.",) if coarse and c.arch != "vit" else ())  # timm's coarse stages: no norm pattern
+        assert "head.weight" in last and all(n.startswith(head) for n in last), last
+    if c.arch == "vit":
+        assert len(layer_groups(m)) == c.depth + 2  # embeddings, a group per block (the final norm with the last), head
+    nwd = m.no_weight_decay()
+    assert nwd <= set(names)
+    if c.arch == "vit":
+        assert {"pos_embed.weight", "cls_token"} & nwd or c.pos_embed != "learned_1d" or not c.class_token
+    # reset_classifier(num_classes, global_pool): timm's order; the pooling changes where the model can
+    with pytest.raises(ValueError, match="global_pool='max'"):
+        m.reset_classifier(5, "max")
+    with pytest.raises(ValueError, match="class names by keyword"):
+        m.reset_classifier(5, ["a"] * 5)
+    assert m.config.num_classes == 5 and m.config.class_names is None  # nothing changed by the refusals
+    m.reset_classifier(3, "avg", class_names=["a", "b", "c"])
+    assert m.global_pool == "avg" and m.num_classes == 3 and m.config.class_names == ["a", "b", "c"]
+    x = torch.randn(2, c.in_chans, *c.img_size)
+    if c.arch == "vit":
+        assert c.classifier == "gap" and m.attn_pool is None
+        feats = m.forward_features(x)
+        torch.testing.assert_close(m.forward_head(feats, pre_logits=True),
+                                   m.pre_logits(m.fc_norm(feats[:, c.num_prefix_tokens:].mean(1))))
+    assert m(x).shape == (2, 3)
+
+
+def test_no_weight_decay_is_what_vitkits_optimizer_leaves_undecayed():
+    from vitkit.training.optim import param_groups
+
+    for name, kw in [("vit_ti16", {}), ("dinov2_s14_reg4", {}), ("siglip_b16", {}), ("bit_r50x1", {}),
+                     ("vit_ti16", dict(pos_embed="relative")), ("vit_ti16", dict(distilled=True, mpp=True))]:
+        m = _tiny(name, **kw)
+        undecayed = {n for g in param_groups(m, 0.1) if g["weight_decay"] == 0 for n in g["names"]}
+        by_shape = {n for n, p in m.named_parameters() if p.ndim <= 1 or n.endswith(".bias")}
+        assert m.no_weight_decay() <= undecayed and undecayed - by_shape <= m.no_weight_decay(), (name, kw)
+
+
+@pytest.mark.xfail(strict=True, reason="vitkit's optimizer (training/optim.py _TOKENS) decays Swin's "
+                                       "relative_position_bias_table, which timm's no_weight_decay() leaves out")
+def test_swin_no_weight_decay_is_what_vitkits_optimizer_leaves_undecayed():
+    from vitkit.training.optim import param_groups
+
+    m = _tiny("swin_t")
+    undecayed = {n for g in param_groups(m, 0.1) if g["weight_decay"] == 0 for n in g["names"]}
+    assert m.no_weight_decay() and m.no_weight_decay() <= undecayed
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if get_entry(n).arch != "swin"] + ["swin_t"])
+def test_fx_traces_after_set_dynamic_img_size_at_two_sizes(name):
+    """torch.fx.symbolic_trace after set_dynamic_img_size(): the traced module reads the grid from its input, as the
+    model does (the position embedding, the rotary angles and the relative bias's table for it: one traced call
+    each). BiT takes any size as it is; Swin (laid out for one resolution) traces at its own size."""
+    m = _tiny(name)
+    if m.config.arch == "vit":
+        m.set_dynamic_img_size()
+        assert m.dynamic_img_size and not m.pretrained_cfg["fixed_input_size"]
+    gm = torch.fx.symbolic_trace(m)
+    h, w = m.config.img_size
+    step = (32, 32) if m.config.arch == "resnetv2" else m.config.patch_size
+    sizes = [(h, w)] if m.config.arch == "swin" else [(h, w), (h + step[0], w + 2 * step[1])]
+    with torch.no_grad():
+        for size in sizes:
+            x = torch.randn(2, m.config.in_chans, *size)
+            torch.testing.assert_close(gm(x), m(x), rtol=1e-5, atol=1e-5)
+    if getattr(m, "rope", None) is not None:  # tracing left no traced values in the angles' cache
+        assert all(isinstance(k[0][0], int) for k in m.rope._cache)
+
+
+@pytest.mark.parametrize("pos_embed", ["learned_2d", "sincos_2d", "relative", "none"])
+def test_fx_dynamic_size_every_position_embedding(pos_embed):
+    m = _tiny("vit_ti16", pos_embed=pos_embed, dynamic_img_size=True)
+    gm = torch.fx.symbolic_trace(m)
+    with torch.no_grad():
+        for size in ((32, 32), (48, 64)):
+            x = torch.randn(2, 3, *size)
+            torch.testing.assert_close(gm(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_create_model_takes_timms_keywords():
+    kw = dict(img_size=32, depth=2, embed_dim=48, num_heads=3)
+    m = vitkit.create_model("vit_ti16", pretrained=False, global_pool="avg", **kw)
+    # timm's 'avg': the mean of the patch tokens, normed after the pooling (fc_norm), the class token kept
+    assert m.config.classifier == "gap" and m.config.fc_norm and m.has_class_token and m.global_pool == "avg"
+    assert not vitkit.create_model("vit_ti16", global_pool="avg", fc_norm=False, **kw).config.fc_norm
+    assert vitkit.create_model("vit_ti16", classifier="gap", **kw).cls_token is None  # vitkit's GAP: the paper's
+    m = vitkit.create_model("vit_small_patch14_dinov2", global_pool="token", img_size=28, depth=1, mlp_ratio=2,
+                            act_layer="gelu_tanh", pos_embed="learn", drop_rate=0.1, pos_drop_rate=0.1,
+                            proj_drop_rate=0.1, exportable=True, scriptable=False, features_only=False, fc_norm=None,
+                            weight_init="jax", class_token=True, reg_tokens=2, dynamic_img_size=True, in_chans=1,
+                            num_classes=7, drop_path_rate=0.1)
+    c = m.config
+    assert (c.mlp_dim, c.act, c.pos_embed, c.drop_rate, c.reg_tokens, c.in_chans, m.num_classes) == \
+        (768, "gelu_tanh", "learned_1d", 0.1, 2, 1, 7)
+    assert m(torch.randn(1, 1, 42, 28)).shape == (1, 7)
+    assert vitkit.create_model("siglip_b16", global_pool="map", **kw).attn_pool is not None
+    assert vitkit.create_model("swin_t", global_pool="avg", window_size=(7, 7)).global_pool == "avg"
+    for name, bad, match in [
+        ("vit_ti16", dict(global_pool=""), "no vitkit equivalent"),
+        ("vit_ti16", dict(global_pool="avgmax"), "avgmax"),
+        ("vit_ti16", dict(features_only=True), "forward_intermediates"),
+        ("vit_ti16", dict(scriptable=True), "TorchScript"),
+        ("vit_ti16", dict(proj_drop_rate=0.2), "one dropout rate"),
+        ("vit_ti16", dict(dynamic_img_pad=True), "padding"),
+        ("vit_ti16", dict(global_pool="avg", classifier="gap"), "not both"),
+        ("vit_ti16", dict(act_layer="relu"), "act="),
+        ("vit_ti16", dict(embed_layer=object), "unknown option.*docs/timm.md"),
+        ("bit_r50x1", dict(global_pool="max"), "BiT"),
+        ("swin_t", dict(global_pool="token"), "Swin"),
+        ("swin_t", dict(window_size=(7, 8)), "square windows"),
+        ("siglip_b16", dict(global_pool="token"), "class_token"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            vitkit.create_model(name, **bad)
+
+
+def test_create_model_pretrained_and_checkpoint_path(tmp_path, monkeypatch):
+    from vitkit.checkpoints import catalog
+
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path / "cache"))
+    kw = dict(img_size=32, depth=2, embed_dim=48, num_heads=3, mlp_dim=96, num_classes=4)
+    src = _tiny("vit_ti16", **kw)
+    path = vitkit.save(src, tmp_path / "ti.safetensors")
+    entry = catalog.CatalogEntry("test-timm-api", {"ti.safetensors": path.as_uri()}, "vitkit")
+    monkeypatch.setitem(catalog.CATALOG, "test-timm-api", entry)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        m = vitkit.create_model("test-timm-api", pretrained=True)
+        torch.testing.assert_close(m(x), src(x))
+        m = vitkit.create_model("test-timm-api", pretrained=True, global_pool="avg", num_classes=6)
+        assert m.global_pool == "avg" and m.num_classes == 6 and m(x).shape == (2, 6)
+        m = vitkit.create_model("vit_ti16", checkpoint_path=path, **kw)
+        torch.testing.assert_close(m(x), src(x))
+    with pytest.raises(ValueError, match="not the model its name builds: embed_dim 48"):
+        vitkit.create_model("vit_s16", checkpoint_path=path)
+    with pytest.raises(ValueError, match=r"no pretrained weights named 'vit_b16'.*ViT-B_16-i21k.*vitkit catalog"):
+        vitkit.create_model("vit_b16", pretrained=True)
+    with pytest.raises(ValueError, match="give one"):
+        vitkit.create_model("vit_b16", pretrained=True, checkpoint_path=path)
+    from vitkit.models.timm_api import catalog_name
+
+    tagged = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
+    assert catalog_name(tagged) == f"timm/{tagged}"
+    assert catalog_name("swin_tiny_patch4_window7_224") == "timm/swin_tiny_patch4_window7_224.ms_in1k"  # the first tag
+
+
+def test_reset_classifier_pooling_changes_as_timms(tmp_path):
+    # attention pooling -> mean: the probe dropped, the model saves and loads as what it now is
+    m = _tiny("siglip_b16")
+    m.reset_classifier(4, "avg")
+    assert m.attn_pool is None and not any(k.startswith("attn_pool") for k in m.state_dict())
+    x = torch.randn(2, 3, *m.config.img_size)
+    back = vitkit.load(vitkit.save(m, tmp_path / "m.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), m(x))
+    with pytest.raises(ValueError, match="cannot be added"):
+        m.reset_classifier(4, "map")
+    with pytest.raises(ValueError, match="needs a class token"):
+        m.reset_classifier(4, "token")
+    e = _tiny("eva02_ti14")
+    with pytest.raises(ValueError, match="normalises after pooling"):
+        e.reset_classifier(4, "token")
+    v = _tiny("vit_ti16")
+    v.reset_classifier(4, "avg")
+    v.reset_classifier(4, "token")
+    assert v.global_pool == "token" and v.config.classifier == "token"
+    assert v.get_classifier().weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="num_classes must be an int"):
+        v.reset_classifier(-1)
+
+
+def test_set_input_size():
+    m = _tiny("vit_ti16", num_classes=3)
+    m.set_input_size(img_size=48, patch_size=16)
+    assert m.config.img_size == (48, 48) and m.pretrained_cfg["input_size"] == (3, 48, 48)
+    assert m(torch.randn(1, 3, 48, 48)).shape == (1, 3)
+    with pytest.raises(ValueError, match="keeps a model's patch size"):
+        m.set_input_size(patch_size=8)
+    s = _tiny("swin_t")  # img 32, patch 2, window 4: the window scales with the grid, as timm's set_input_size
+    s.set_input_size(64)
+    assert s.config.img_size == (64, 64) and s.config.window_size == 8
+    assert s(torch.randn(1, 3, 64, 64)).shape == (1, 5)
+    s.set_input_size(64, window_size=4)
+    assert s.config.window_size == 4
+    s.set_input_size(window_ratio=8)
+    assert s.config.window_size == 4
+    with pytest.raises(ValueError, match="square windows"):
+        s.set_input_size((64, 128))

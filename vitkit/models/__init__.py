@@ -3,7 +3,8 @@ and the Swin Transformer."""
 from .registry import build_config, build_model, config_with, create_model, get_entry, list_models
 from .resnet import ResNetV2, ResNetV2Config
 from .swin import SwinConfig, SwinTransformer
+from .timm_api import layer_groups
 from .vit import ViTConfig, VisionTransformer
 
-__all__ = ["build_config", "build_model", "config_with", "create_model", "get_entry", "list_models",
+__all__ = ["build_config", "build_model", "config_with", "create_model", "get_entry", "layer_groups", "list_models",
            "ResNetV2", "ResNetV2Config", "SwinConfig", "SwinTransformer", "ViTConfig", "VisionTransformer"]

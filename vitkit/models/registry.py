@@ -199,7 +199,8 @@ def _check_fields(cls: type, overrides: dict) -> None:
     unknown = set(overrides) - fields
     if unknown:
         arch = next(a for a, (c, _) in ARCHS.items() if c is cls)
-        raise UsageError(f"unknown option(s) {sorted(unknown)} for a {arch} model; valid: {sorted(fields)}")
+        raise UsageError(f"unknown option(s) {sorted(unknown)} for a {arch} model; valid: {sorted(fields)} (and timm's "
+                         f"create_model keywords where they map: docs/timm.md)")
 
 
 def build_model(config: ViTConfig | ResNetV2Config | SwinConfig) -> nn.Module:
@@ -215,13 +216,65 @@ def build_model(config: ViTConfig | ResNetV2Config | SwinConfig) -> nn.Module:
     return build(config)
 
 
-def create_model(name: str, /, **overrides) -> nn.Module:
-    """Build a registered model with random (official-style) initialisation.
+def create_model(name: str, /, pretrained: bool = False, **overrides) -> nn.Module:
+    """Build a registered model with random (official-style) initialisation, or with `pretrained=True` load it from
+    vitkit's pretrained catalog, as `timm.create_model` does.
 
     Args:
-        name: a short name from `list_models()` ("vit_b16") or the paper's name ("ViT-B/16").
-        **overrides: any config field by keyword, named as timm users know them: img_size,
-            patch_size, in_chans, num_classes, num_heads, classifier, pos_embed,
-            representation_size, drop_rate, drop_path_rate, ...
+        name: a short name from `list_models()` ("vit_b16"), the paper's name ("ViT-B/16") or timm's name of a
+            registered architecture ("vit_small_patch14_dinov2"). With `pretrained=True`: a catalog name
+            ("ViT-B_16-i21k", "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k") or timm's name with or without the
+            tag ("vit_base_patch16_224.augreg2_in21k_ft_in1k", "swin_tiny_patch4_window7_224": the catalog's first
+            entry of that architecture, as timm picks its default tag); `vitkit catalog` lists them.
+        pretrained: load the catalog's weights (`vitkit.load(name, **overrides)`) instead of initialising.
+        **overrides: any config field by keyword (img_size, patch_size, in_chans, num_classes, num_heads,
+            classifier, pos_embed, representation_size, drop_rate, drop_path_rate, class_token, reg_tokens,
+            dynamic_img_size, ...), and timm's keywords where they map (`timm_api.translate_create_kwargs`):
+            global_pool ('token', 'avg': the mean of the patch tokens with the norm after it as timm's default,
+            'map'), mlp_ratio, act_layer (by name), pos_embed='learn', pos_drop_rate/proj_drop_rate (equal to
+            drop_rate: vitkit has one dropout rate), checkpoint_path (the named model from a file: `vitkit.load`, its
+            architecture checked against the name's). What has no vitkit equivalent is a UsageError saying so.
     """
-    return build_model(build_config(name, **overrides))
+    from .timm_api import catalog_name, translate_create_kwargs
+
+    overrides = dict(overrides)
+    checkpoint_path = overrides.pop("checkpoint_path", None)
+    if pretrained and checkpoint_path:
+        raise UsageError("pretrained=True loads the catalog's weights, checkpoint_path= a file of yours: give one")
+    if pretrained:
+        global_pool = overrides.pop("global_pool", None)  # the file decides the architecture; the pooling after
+        return _loaded(catalog_name(name), translate_create_kwargs(None, {}, overrides), global_pool)
+    entry, implied = _lookup(name)
+    if checkpoint_path:
+        global_pool = overrides.pop("global_pool", None)
+        kw = translate_create_kwargs(entry.arch, {**entry.kwargs, **implied}, overrides)
+        return _loaded(checkpoint_path, kw, global_pool, expected=build_config(name, **kw))
+    kw = translate_create_kwargs(entry.arch, {**entry.kwargs, **implied}, overrides)
+    return build_model(build_config(name, **kw))
+
+
+# what a checkpoint must share with the model its name builds (create_model's checkpoint_path)
+_STRUCTURE = {"vit": ("embed_dim", "depth", "num_heads", "patch_size", "hybrid_layers", "mlp_dim", "mlp_layer", "rope",
+                      "class_token", "reg_tokens"),
+              "resnetv2": ("layers", "width_factor", "channels"),
+              "swin": ("embed_dim", "depths", "num_heads", "patch_size")}
+
+
+def _loaded(path_or_name, kw: dict, global_pool: str | None, expected=None) -> nn.Module:
+    """`vitkit.load(path_or_name, **kw)`, its architecture checked against `expected` (the config the name builds:
+    create_model's checkpoint_path), then the pooling changed to timm's `global_pool` as `reset_classifier` changes
+    it (the head and the norms kept)."""
+    from ..checkpoints import load
+
+    model = load(path_or_name, **kw)
+    if expected is not None:
+        c = model.config
+        if c.arch != expected.arch:
+            raise UsageError(f"{path_or_name} holds a {c.arch} model, not the {expected.arch} its name builds")
+        diff = [f"{f} {getattr(c, f)} (the name's: {getattr(expected, f)})" for f in _STRUCTURE[c.arch]
+                if getattr(c, f) != getattr(expected, f)]
+        if diff:
+            raise UsageError(f"{path_or_name} is not the model its name builds: {'; '.join(diff)}")
+    if global_pool is not None:
+        model._set_global_pool(global_pool)
+    return model

@@ -18,6 +18,7 @@ from torch import nn
 
 from .layers import DropPath, Linear, StdConv2d, pad_same
 from .layers.tracing import is_fx_tracing
+from .timm_api import TimmModelApi, check_avg_pool, check_class_names, check_num_classes
 from ..errors import UsageError
 from ..safety import check_sizes, check_types
 
@@ -207,8 +208,13 @@ class ResNetV2Config:
         return asdict(self)
 
 
-class ResNetV2(nn.Module):
-    """BiT: pre-activation ResNet-v2 with StdConv2d and GroupNorm(32); stem 7x7/2 conv, pad 1, 3x3/2 max-pool."""
+class ResNetV2(TimmModelApi, nn.Module):
+    """BiT: pre-activation ResNet-v2 with StdConv2d and GroupNorm(32); stem 7x7/2 conv, pad 1, 3x3/2 max-pool.
+
+    timm's model API (`TimmModelApi`, docs/timm.md): num_classes, pretrained_cfg, get_classifier, reset_classifier
+    (num_classes, global_pool), no_weight_decay, group_matcher, ..."""
+
+    _first_conv = "stem.conv"
 
     def __init__(self, config: ResNetV2Config) -> None:
         super().__init__()
@@ -277,11 +283,34 @@ class ResNetV2(nn.Module):
         """Recompute each residual block's activations in the backward instead of storing them (training memory)."""
         self.grad_checkpointing = enable
 
-    def reset_classifier(self, num_classes: int, class_names: list[str] | None = None) -> None:
-        """A new zero-initialised head, as for fine-tuning."""
-        self.config.num_classes, self.config.class_names = num_classes, class_names
-        device = self.norm.weight.device
-        self.head = Linear(self.num_features, num_classes, device=device) if num_classes else nn.Identity()
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None,
+                         class_names: list[str] | None = None) -> None:
+        """A new zero-initialised head, as for fine-tuning; timm's order (`global_pool`: 'avg', the mean, is the only
+        pooling; None keeps it), class names by keyword."""
+        num_classes = check_num_classes(num_classes)
+        names = check_class_names(num_classes, class_names, global_pool)
+        self._set_global_pool(global_pool)
+        self.config.num_classes, self.config.class_names = num_classes, names
+        w = self.norm.weight
+        self.head = nn.Identity()
         if num_classes:
+            self.head = Linear(self.num_features, num_classes, device=w.device, dtype=w.dtype)
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
+
+    def _set_global_pool(self, global_pool: str | None) -> None:
+        check_avg_pool(global_pool, "BiT")
+
+    @property
+    def global_pool(self) -> str:
+        return "avg"
+
+    def _fixed_input_size(self) -> bool:
+        return False  # a CNN: any size of at least 32 x 32 (config.img_size is the preprocessing's)
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm's parameter groups for layer-wise LR decay (`timm_api.layer_groups`): the stem, then each block
+        (each stage with `coarse`), the final norm with the last, the head last (no pattern); timm's own patterns,
+        the module names being timm's."""
+        return dict(stem=r"^stem", blocks=r"^stages\.(\d+)" if coarse else [
+            (r"^stages\.(\d+)\.blocks\.(\d+)", None), (r"^norm\.", (99999,))])

@@ -33,6 +33,8 @@ from torch import nn
 from .layers import DropPath, LayerNorm, Linear, Mlp
 from .layers.attention import _CPU_BF16_NATIVE
 from .layers.patch_embed import to_2tuple
+from .layers.tracing import is_fx_tracing
+from .timm_api import TimmModelApi, check_avg_pool, check_class_names, check_num_classes
 from ..errors import UsageError
 from ..safety import check_sizes, check_types
 
@@ -187,6 +189,8 @@ class WindowAttention(nn.Module):
         matmul + softmax beats the fused kernel, whose bf16 backward is slow."""
         if self.impl != "auto":
             return self.impl == "explicit"
+        if is_fx_tracing():  # no device or dtype to read: the fused kernel, as the ViT's attention
+            return False
         return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad and _CPU_BF16_NATIVE
 
     def bias(self) -> torch.Tensor:
@@ -238,7 +242,7 @@ class SwinBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         B, H, W, C = x.shape
-        if (H, W) != tuple(self.grid):
+        if not is_fx_tracing() and (H, W) != tuple(self.grid):
             raise UsageError(f"this Swin block is laid out for a {self.grid[0]}x{self.grid[1]} map, got {H}x{W}: "
                              f"build or load the model at the input's size (img_size=)")
         h = self.norm1(x)
@@ -288,14 +292,18 @@ class PatchEmbedNorm(nn.Module):
         self.in_chans, self.img_size = c.in_chans, c.img_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4 or x.shape[1] != self.in_chans or tuple(x.shape[2:]) != tuple(self.img_size):
+        if not is_fx_tracing() and (x.ndim != 4 or x.shape[1] != self.in_chans
+                                    or tuple(x.shape[2:]) != tuple(self.img_size)):
             raise UsageError(f"expected input of shape (B, {self.in_chans}, {self.img_size[0]}, {self.img_size[1]}), "
                              f"got {tuple(x.shape)}")
         return self.norm(self.proj(x).permute(0, 2, 3, 1))  # (B, D, gh, gw) -> (B, gh, gw, D)
 
 
-class SwinTransformer(nn.Module):
-    """Swin: build it with `vitkit.create_model("swin_t")` or `vitkit.load(...)`."""
+class SwinTransformer(TimmModelApi, nn.Module):
+    """Swin: build it with `vitkit.create_model("swin_t")` or `vitkit.load(...)`.
+
+    timm's model API (`TimmModelApi`, docs/timm.md): num_classes, pretrained_cfg, get_classifier, reset_classifier
+    (num_classes, global_pool), set_input_size, no_weight_decay, group_matcher, ..."""
 
     def __init__(self, config: SwinConfig) -> None:
         super().__init__()
@@ -372,9 +380,55 @@ class SwinTransformer(nn.Module):
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
-    def reset_classifier(self, num_classes: int, class_names: list[str] | None = None) -> None:
-        self.config.num_classes, self.config.class_names = num_classes, class_names
-        self.head = self._new_head(num_classes).to(self.norm.weight.device)
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None,
+                         class_names: list[str] | None = None) -> None:
+        """A new head (truncated normal, std 0.02, as the paper's code), in timm's order (`global_pool`: 'avg', the
+        mean, is the only pooling; None keeps it), class names by keyword."""
+        num_classes = check_num_classes(num_classes)
+        names = check_class_names(num_classes, class_names, global_pool)
+        self._set_global_pool(global_pool)
+        self.config.num_classes, self.config.class_names = num_classes, names
+        w = self.norm.weight
+        self.head = self._new_head(num_classes).to(device=w.device, dtype=w.dtype)
+
+    def _set_global_pool(self, global_pool: str | None) -> None:
+        check_avg_pool(global_pool, "Swin")
+
+    @property
+    def global_pool(self) -> str:
+        return "avg"
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm's parameter groups for layer-wise LR decay (`timm_api.layer_groups`): the patch embedding, then each
+        block (a stage's patch merging with its first block; each stage with `coarse`), the final norm with the last,
+        the head last (no pattern); timm's own patterns, the module names being timm's."""
+        return dict(stem=r"^patch_embed", blocks=r"^layers\.(\d+)" if coarse else [
+            (r"^layers\.(\d+)\.downsample", (0,)), (r"^layers\.(\d+)\.\w+\.(\d+)", None), (r"^norm\.", (99999,))])
+
+    def set_input_size(self, img_size: int | tuple[int, int] | None = None, patch_size=None,
+                       window_size: int | tuple[int, int] | None = None, window_ratio: int | None = None,
+                       always_partition: bool | None = None) -> None:
+        """timm's `set_input_size`: lay the windows out for another resolution. The window: `window_size`, else the
+        new patch grid // `window_ratio`, else (timm's default) the window scaled with the grid, so that every stage
+        keeps its window-to-map ratio (7 at 224 -> 12 at 384). vitkit's windows are square, one size for all stages;
+        the relative-position tables are resampled where the window changes (`set_img_size`)."""
+        self._check_patch_size(patch_size)
+        if always_partition:
+            raise UsageError("always_partition=True: vitkit's Swin uses one window for a stage whose map is no larger "
+                             "than the window (timm's default, always_partition=False)")
+        c = self.config
+        new = to_2tuple(img_size) if img_size is not None else tuple(c.img_size)
+        grid = (new[0] // c.patch_size[0], new[1] // c.patch_size[1])
+        if window_size is not None:
+            sizes = {window_size} if isinstance(window_size, int) else set(to_2tuple(window_size))
+        elif window_ratio is not None:
+            sizes = {max(1, g // window_ratio) for g in grid}
+        else:
+            sizes = {max(1, c.window_size * g // old) for g, old in zip(grid, c.grid_size)}
+        if len(sizes) != 1:
+            raise UsageError(f"windows of {sorted(sizes)} per side: vitkit's Swin has square windows; pass "
+                             f"window_size= (an int) for img_size {new}")
+        self.set_img_size(new, window_size=sizes.pop())
 
     def set_img_size(self, img_size: int | tuple[int, int], method: str = "bicubic_noaa",
                      window_size: int | None = None) -> None:

@@ -23,6 +23,7 @@ the MLP (`mlp_norm`), the SwiGLU MLP (`mlp_layer`), 2-D rotary embeddings (`rope
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -53,6 +54,7 @@ from .layers.patch_embed import to_2tuple
 from .layers.pos_embed import RESAMPLE_METHODS
 from .layers.tracing import is_fx_tracing
 from .resnet import ResNetBackbone, backbone_stride
+from .timm_api import VIT_POOL_NAMES, TimmModelApi, check_class_names, check_num_classes, vit_classifier
 from ..errors import UsageError
 from ..safety import check_sizes, check_types
 
@@ -308,6 +310,26 @@ def mpp_targets(pixels: torch.Tensor, patch: tuple[int, int]) -> torch.Tensor:
     return (bits * weights).sum(-1)  # (B, N)
 
 
+# torch.fx with dynamic_img_size: the patch grid is read from the input's shape when the traced module runs, so what
+# depends on it (the position embedding resampled to it, the rotary angles, the relative bias's table) is one call
+# each in the graph, run with the real grid (as `pad_same` in resnet.py), instead of Python branches on traced sizes.
+def _pos_embed_at(pos_embed: nn.Module, x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    return pos_embed(x, tuple(grid))
+
+
+def _rope_at(rope: nn.Module, grid: tuple[int, int], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return rope(tuple(grid), device=like.device)
+
+
+def _attention_at(attn: nn.Module, x: torch.Tensor, grid: tuple[int, int], rope, mask) -> torch.Tensor:
+    return attn(x, grid=tuple(grid), rope=rope, mask=mask)
+
+
+torch.fx.wrap("_pos_embed_at")
+torch.fx.wrap("_rope_at")
+torch.fx.wrap("_attention_at")
+
+
 class Block(nn.Module):
     """One pre-norm encoder block (Eq. 2-3): x + MSA(LN(x)), then x + MLP(LN(x))."""
 
@@ -343,8 +365,13 @@ class Block(nn.Module):
             y, attn = self.attn(self.norm1(x), return_attention=True, grid=grid, rope=rope, mask=mask)
             x = x + self.drop_path1(self.ls1(y))
             return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))), attn
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), grid=grid, rope=rope, mask=mask)))
+        x = x + self.drop_path1(self.ls1(self._attend(self.norm1(x), grid, rope, mask)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+    def _attend(self, x: torch.Tensor, grid, rope, mask) -> torch.Tensor:
+        if grid is not None and self.attn.rel_pos is not None and is_fx_tracing():  # the bias's table for the grid
+            return _attention_at(self.attn, x, grid, rope, mask)
+        return self.attn(x, grid=grid, rope=rope, mask=mask)
 
 
 class PreLogits(nn.Module):
@@ -360,8 +387,11 @@ class PreLogits(nn.Module):
         return torch.tanh(self.fc(x))
 
 
-class VisionTransformer(nn.Module):
-    """ViT, and with `hybrid_layers` set, the ResNet + ViT hybrid. Build it with `vitkit.create_model`."""
+class VisionTransformer(TimmModelApi, nn.Module):
+    """ViT, and with `hybrid_layers` set, the ResNet + ViT hybrid. Build it with `vitkit.create_model`.
+
+    timm's model API (`TimmModelApi`, docs/timm.md): num_classes, pretrained_cfg, get_classifier, reset_classifier
+    (num_classes, global_pool), set_input_size, no_weight_decay, group_matcher, embed_dim, num_prefix_tokens, ..."""
 
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
@@ -441,20 +471,28 @@ class VisionTransformer(nn.Module):
         added (to the patches alone with no_embed_class), then the pre-norm where there is one (CLIP)."""
         prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.dist_token, self.reg_token) if t is not None]
         if self.config.no_embed_class:
-            x = self.pos_embed(x, grid)  # (B, N, D)
+            x = self._add_pos(x, grid)  # (B, N, D)
         if prefix:
             x = torch.cat([*prefix, x], dim=1)  # (B, p + N, D)
         if not self.config.no_embed_class:
-            x = self.pos_embed(x, grid)
+            x = self._add_pos(x, grid)
         x = self.norm_pre(self.pos_drop(x))
         if self.lowp_stream and torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return x
 
+    def _add_pos(self, x: torch.Tensor, grid: tuple[int, int] | None) -> torch.Tensor:
+        if grid is not None and is_fx_tracing():  # one traced call, resampling to the grid the input has
+            return _pos_embed_at(self.pos_embed, x, grid)
+        return self.pos_embed(x, grid)
+
     def rope_for(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary embedding's (sin, cos) for an image batch's patch grid, or None for a model without one."""
         if self.rope is None:
             return None
+        if is_fx_tracing():  # the angles for the grid the input has, one traced call (none of them cached here)
+            sincos = _rope_at(self.rope, self.patch_embed.grid_for(x), x)
+            return sincos[0], sincos[1]
         return self.rope(self.patch_embed.grid_for(x), device=x.device)
 
     def _run(self, blk: Block, x: torch.Tensor, **kw) -> torch.Tensor:
@@ -665,12 +703,93 @@ class VisionTransformer(nn.Module):
         """Recompute each block's activations in the backward instead of storing them (training memory)."""
         self.grad_checkpointing = enable
 
-    def reset_classifier(self, num_classes: int, class_names: list[str] | None = None) -> None:
-        """A new zero-initialised head, as for fine-tuning (Sec. 3.2)."""
-        self.config.num_classes, self.config.class_names = num_classes, class_names
-        self.head = self._new_head(num_classes).to(self.patch_embed.proj.weight.device)
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None,
+                         class_names: list[str] | None = None) -> None:
+        """A new zero-initialised head, as for fine-tuning (Sec. 3.2), in timm's order: `global_pool` ('token',
+        'avg', 'map'; None keeps it) changes the pooling as timm's does (`_set_global_pool`); class names by keyword."""
+        num_classes = check_num_classes(num_classes)
+        names = check_class_names(num_classes, class_names, global_pool)
+        if global_pool is not None:
+            self._set_global_pool(global_pool)
+        self.config.num_classes, self.config.class_names = num_classes, names
+        w = self.patch_embed.proj.weight
+        self.head = self._new_head(num_classes).to(device=w.device, dtype=w.dtype)
         if self.head_dist is not None:
-            self.head_dist = self._new_head(num_classes).to(self.patch_embed.proj.weight.device)
+            self.head_dist = self._new_head(num_classes).to(device=w.device, dtype=w.dtype)
+
+    def _set_global_pool(self, global_pool: str) -> None:
+        """Pool as timm's `global_pool` names it, the norms where they are (timm's reset_classifier): 'avg' the mean
+        of the patch tokens, 'token' the class token (a model with one, whose norm comes before the pooling), 'map'
+        only where the model has its attention pooling (timm cannot add one either); leaving 'map' drops it."""
+        c = self.config
+        new = vit_classifier(global_pool)
+        if new == c.classifier:
+            return
+        if new == "map":
+            raise UsageError("global_pool='map': this model has no attention pooling, and it cannot be added after "
+                             "construction (in timm neither): create the model with global_pool='map'")
+        if c.distilled:
+            raise UsageError("a distilled model (DeiT) pools its class and distillation tokens: "
+                             "global_pool='token' only")
+        if new == "token" and not c.class_token:
+            raise UsageError("global_pool='token' needs a class token; this model has none (class_token=False)")
+        if new == "token" and c.fc_norm:
+            raise UsageError("global_pool='token': this model normalises after pooling (fc_norm, timm's default for "
+                             "'avg'), which vitkit applies to the mean alone; create the model with "
+                             "global_pool='token'")
+        dataclasses.replace(c, classifier=new)  # the config's own checks, before anything changes
+        c.classifier = new
+        self.attn_pool = None
+
+    # ---- timm's names (timm_api.TimmModelApi has the ones every family shares) -----------------------------------
+
+    @property
+    def embed_dim(self) -> int:
+        return self.config.embed_dim
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens before the patches: the class token, DeiT's distillation token, the registers."""
+        return self.config.num_prefix_tokens
+
+    @property
+    def has_class_token(self) -> bool:
+        return bool(self.config.class_token)
+
+    @property
+    def global_pool(self) -> str:
+        """timm's name of the pooling: 'token', 'avg' or 'map' (vitkit's classifier 'token', 'gap', 'map')."""
+        return VIT_POOL_NAMES[self.config.classifier]
+
+    @property
+    def dynamic_img_size(self) -> bool:
+        return self.config.dynamic_img_size
+
+    def _fixed_input_size(self) -> bool:
+        return not self.config.dynamic_img_size
+
+    def _classifier_names(self) -> str | tuple[str, ...]:
+        return ("head", "head_dist") if self.head_dist is not None else "head"
+
+    @property
+    def _first_conv(self) -> str:
+        return "patch_embed.proj" if self.config.hybrid_layers is None else "patch_embed.backbone.stem.conv"
+
+    def set_input_size(self, img_size: int | tuple[int, int] | None = None,
+                       patch_size: int | tuple[int, int] | None = None) -> None:
+        """timm's name: `set_img_size(img_size)` (the position embedding resampled by the checkpoint's own method);
+        a patch size other than the model's is refused (timm resamples the kernel; vitkit does not)."""
+        self._check_patch_size(patch_size)
+        if img_size is not None:
+            self.set_img_size(img_size)
+
+    def group_matcher(self, coarse: bool = False) -> dict:
+        """timm's parameter groups for layer-wise LR decay (`timm_api.layer_groups`): the embeddings (patch
+        embedding, a hybrid's ResNet, the tokens, the position embedding, the pre-norm) first, then one group per
+        block, the final norm with the last block, the pooling and head last (no pattern). `coarse` changes nothing
+        (as in timm's ViT)."""
+        return dict(stem=r"^(?:cls_token|reg_token|dist_token|mask_token|pos_embed|patch_embed|norm_pre)",
+                    blocks=[(r"^blocks\.(\d+)\.", None), (r"^norm\.", (99999,))])
 
     # ---- masked patch prediction (Sec. 4.6, App. B.1.2) --------------------------------------------
 

@@ -86,7 +86,7 @@ def _build(cfg: TrainConfig, spec: DataSpec, ov: dict, k: int) -> nn.Module:
             raise TrainingError(f"the checkpoint's classes {c.class_names} do not match the data's {spec.classes}; "
                                 f"pass model.overrides.num_classes=0 ... or use data whose classes match")
         if c.num_classes != k:
-            model.reset_classifier(k, list(spec.classes))  # a new zero-initialised head for the data's classes
+            model.reset_classifier(k, class_names=list(spec.classes))  # a new zero-initialised head for the data's classes
         else:
             c.class_names = list(spec.classes)
         if c.in_chans != spec.in_chans:

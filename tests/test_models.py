@@ -575,8 +575,6 @@ def test_no_weight_decay_is_what_vitkits_optimizer_leaves_undecayed():
         assert m.no_weight_decay() <= undecayed and undecayed - by_shape <= m.no_weight_decay(), (name, kw)
 
 
-@pytest.mark.xfail(strict=True, reason="vitkit's optimizer (training/optim.py _TOKENS) decays Swin's "
-                                       "relative_position_bias_table, which timm's no_weight_decay() leaves out")
 def test_swin_no_weight_decay_is_what_vitkits_optimizer_leaves_undecayed():
     from vitkit.training.optim import param_groups
 
@@ -725,3 +723,19 @@ def test_set_input_size():
     assert s.config.window_size == 4
     with pytest.raises(ValueError, match="square windows"):
         s.set_input_size((64, 128))
+
+
+@pytest.mark.parametrize("name", ["vit_ti16", "swin_t", "bit_r50x1"])
+def test_layer_decay_scales_follow_timm_s_groups(name):
+    """vitkit's optimizer decays the LR by timm's layer groups: the embeddings get the smallest scale, the head 1,
+    and within a family each later block a larger one (Swin's stages, BiT's stages too)."""
+    from vitkit.models import layer_groups
+    from vitkit.training.optim import param_groups
+
+    m = _tiny(name)
+    scale = {n: g["lr_scale"] for g in param_groups(m, 0.05, layer_decay=0.5) for n in g["names"]}
+    groups = layer_groups(m)
+    top = max(groups)
+    for gid, names in groups.items():
+        assert {scale[n] for n in names} == {0.5 ** (top - gid)}
+    assert len(groups) > 3

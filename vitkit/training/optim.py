@@ -13,32 +13,32 @@ from ..errors import UsageError
 
 
 # learned tokens and embeddings: no weight decay (as timm's no_weight_decay: cls/dist/reg tokens, position, probe)
-_TOKENS = ("pos_embed", "cls_token", "dist_token", "reg_token", "mask_token", "rel_pos", "attn_pool.latent")
+_TOKENS = ("pos_embed", "cls_token", "dist_token", "reg_token", "mask_token", "rel_pos", "attn_pool.latent",
+           "relative_position_bias_table")
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
     return p.ndim <= 1 or name.endswith(".bias") or any(t in name for t in _TOKENS)
 
 
-def layer_id(name: str, depth: int) -> int:
-    """0 for the embeddings, i + 1 for block i, depth + 1 for the final norm and head."""
-    if name.startswith(("patch_embed", "cls_token", "pos_embed", "dist_token", "reg_token", "norm_pre", "mask_token")):
-        return 0
-    if m := re.match(r"blocks\.(\d+)\.", name):
-        return int(m.group(1)) + 1
-    if name.startswith("stem") or name.startswith("stages"):
-        return 0
-    return depth + 1
+def layer_ids(model: nn.Module) -> dict[str, int]:
+    """{parameter name: layer}, as timm's layer-wise LR decay numbers them (`model.group_matcher()`: the embeddings
+    0, each block (Swin: each block of each stage; BiT: the stem, then each stage) its own layer, the final norm with
+    the last block, the head last)."""
+    from ..models import layer_groups
+
+    return {name: gid for gid, names in layer_groups(model).items() for name in names}
 
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | None = None) -> list[dict]:
-    depth = len(getattr(model, "blocks", [])) or 0
+    ids = layer_ids(model) if layer_decay else {}
+    top = max(ids.values(), default=0)
     groups: dict[tuple, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         wd = 0.0 if _no_decay(name, p) else weight_decay
-        scale = layer_decay ** (depth + 1 - layer_id(name, depth)) if layer_decay else 1.0
+        scale = layer_decay ** (top - ids[name]) if layer_decay else 1.0
         g = groups.setdefault((wd, scale), {"params": [], "weight_decay": wd, "lr_scale": scale, "names": []})
         g["params"].append(p)
         g["names"].append(name)

@@ -247,8 +247,8 @@ def resnetv2_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch
 
 def _pretrained_cfg(c) -> dict:
     """timm's preprocessing record for a vitkit config."""
-    return {"input_size": [c.in_chans, *c.img_size], "fixed_input_size": c.arch == "vit", "interpolation": c.interpolation,
-            "crop_pct": c.crop_pct, "crop_mode": "center", "mean": list(c.mean), "std": list(c.std),
+    return {"input_size": [c.in_chans, *c.img_size], "fixed_input_size": c.arch == "vit" and not c.dynamic_img_size,
+            "interpolation": c.interpolation, "crop_pct": c.crop_pct, "crop_mode": "center", "mean": list(c.mean), "std": list(c.std),
             "num_classes": c.num_classes}
 
 

@@ -118,8 +118,8 @@ def test_predict_and_eval_run_on_an_engine_and_agree_with_eager(home, tmp_path, 
         outs[backend] = json.loads(capsys.readouterr().out)
     for backend in ("onnx", "openvino"):
         for a, b in zip(outs["torch"], outs[backend]):
-            assert [t[0] for t in a["top"]] == [t[0] for t in b["top"]]
-            assert np.allclose([t[1] for t in a["top"]], [t[1] for t in b["top"]], atol=1e-4)
+            assert [t["index"] for t in a["top"]] == [t["index"] for t in b["top"]]
+            assert np.allclose([t["probability"] for t in a["top"]], [t["probability"] for t in b["top"]], atol=1e-4)
     folder = tmp_path / "data"
     for i, c in enumerate(CLASSES[:10]):
         (folder / c).mkdir(parents=True)

@@ -81,7 +81,7 @@ def test_eval_predict_and_explain_see_the_same_input(tmp_path, capsys):
         probs = model(batch).softmax(-1)
     recs = predict(model, files, top_k=1)
     for rec, p in zip(recs, probs):
-        assert rec["top"][0][1] == pytest.approx(p.max().item(), abs=1e-6)
+        assert rec["top"][0]["probability"] == pytest.approx(p.max().item(), abs=1e-6)
     assert main(["eval", str(ckpt), "--data", str(root), "--num-workers", "0", "--out", str(tmp_path / "ev"), "--device", "cpu"]) == 0
     report = json.loads((tmp_path / "ev" / "eval_report.json").read_text())
     assert report["n"] == 6  # val/ (2 per class), as the trainer evaluates, not test/ (3 per class)
@@ -155,7 +155,7 @@ def test_predict_and_explain_work_on_a_bit_checkpoint(tmp_path, capsys):
     Image.fromarray(np.random.default_rng(1).integers(0, 255, (80, 72, 3), dtype=np.uint8)).save(img)
     assert main(["predict", str(img), "--checkpoint", str(ckpt), "--format", "json", "--device", "cpu"]) == 0
     rec = json.loads(capsys.readouterr().out)[0]
-    assert len(rec["top"]) == 3 and abs(sum(p for _, p in rec["top"]) - 1) < 1e-5
+    assert len(rec["top"]) == 3 and abs(sum(t["probability"] for t in rec["top"]) - 1) < 1e-5
     assert main(["explain", str(img), "--checkpoint", str(ckpt), "--out", str(tmp_path / "ex")]) == 0
     arrays = np.load(tmp_path / "ex" / "x.npz")
     h, w = vitkit.load(ckpt).config.img_size  # a timm state dict records no size: BiT's default 224, stride 32

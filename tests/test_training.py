@@ -167,7 +167,7 @@ def test_image_folder_end_to_end(tmp_path, capsys):
     assert main(["predict", str(img), str(root / "train" / "digit0" / "broken.png"), "--checkpoint", str(ckpt), "--format", "json",
                  "--tta", "flip-shift", "--device", "cpu"]) == 1  # one file could not be read
     recs = json.loads(capsys.readouterr().out)
-    assert recs[0]["top"][0][0] in {"digit0", "digit1", "digit2"} and "error" in recs[1]
+    assert recs[0]["top"][0]["label"] in {"digit0", "digit1", "digit2"} and "error" in recs[1]
     cfg.data.strict_images = True
     cfg.run.out_dir = str(tmp_path / "strict")
     with pytest.raises(Exception, match="broken.png"):

@@ -42,6 +42,10 @@ FORMATS = ("table", "json", "jsonl", "csv")
 RESUMABLE = ("jsonl", "csv")
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".jsonlines": "jsonl", ".json": "json", ".csv": "csv",
             ".txt": "table"}
+# the decoding threads' priority (Linux `nice`, per thread): they take the cores the model's forward leaves idle, and
+# do not preempt its OpenMP threads, whose barriers would then wait for them (measured: 1,000 640x480 JPEGs into a
+# 28-px model on 2 cores, 2.3 s at the model's priority, 1.7 s at nice 10; model-bound 28-px PNGs 1.5 s -> 1.4 s)
+DECODE_NICE = 10
 CSV_HEADER = ["image", "rank", "index", "label", "probability", "error"]
 # what reading a shard sample's bytes may raise (as `ShardDataset.__getitem__` catches): that sample's error record
 _SHARD_UNREADABLE = (VitkitError, OSError, ValueError, MemoryError, http.client.HTTPException)
@@ -183,6 +187,12 @@ class _Prefetch:
             self.cv.notify_all()
 
     def _work(self) -> None:
+        if DECODE_NICE and sys.platform == "linux":  # a thread's own priority (elsewhere it would be the process's)
+            try:
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + DECODE_NICE))
+            except OSError:
+                pass
         while True:
             with self.cv:
                 while not self.todo and not self.closed:

@@ -242,5 +242,7 @@ def test_bad_output_options_are_refused_before_anything_runs(ckpt, tree, tmp_pat
 def test_the_python_api_reads_the_same_inputs(ckpt, tree):
     inputs = gather_inputs([tree / "list" / "pred.csv", tree / "loose.png"])
     assert inputs.names == [str(tree / "list" / "sub" / "y.png"), str(tree / "list" / "x.png"), str(tree / "loose.png")]
+    (tree / "list" / "paths.csv").write_text("sub/y.png\nx.png\n")  # a list of paths alone: labels are not needed
+    assert gather_inputs([tree / "list" / "paths.csv"]).names == inputs.names[:2]
     recs = predict(vitkit.load(ckpt), inputs.names, top_k=1, batch_size=2, num_workers=2)
     assert [r["image"] for r in recs] == inputs.names and all(len(r["top"]) == 1 for r in recs)

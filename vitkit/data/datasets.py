@@ -317,14 +317,7 @@ def csv_list(path: str | Path, classes: list[str] | None = None, **kw) -> FileDa
     Relative paths are read relative to the CSV's folder.
     """
     path = Path(path)
-    rows = []
-    with io.TextIOWrapper(open_regular(path, error=DatasetError), newline="") as f:
-        for row in csv.reader(f):
-            if not row or row[0].strip().lower() in ("path", "file", "filename", "image"):
-                continue
-            if len(row) < 2:
-                raise DatasetError(f"{path}: row {row} is not 'path,label'")
-            rows.append((row[0].strip(), row[1].strip()))
+    rows = _csv_rows(path, labels=True)
     names = classes or sorted({lab for _, lab in rows}, key=lambda s: (not s.isdigit(), int(s) if s.isdigit() else s))
     idx = {c: i for i, c in enumerate(names)}
     samples = []
@@ -333,6 +326,26 @@ def csv_list(path: str | Path, classes: list[str] | None = None, **kw) -> FileDa
             raise DatasetError(f"{path}: label {lab!r} is not among the classes {names}")
         samples.append((str(p if Path(p).is_absolute() else path.parent / p), idx[lab]))
     return FileDataset(samples, list(names), name=str(path), **kw)
+
+
+def _csv_rows(path: Path, labels: bool) -> list[tuple[str, str | None]]:
+    """(path, label) per row of a CSV list (a header row is allowed); without `labels` a path alone is a row."""
+    rows: list[tuple[str, str | None]] = []
+    with io.TextIOWrapper(open_regular(path, error=DatasetError), newline="") as f:
+        for row in csv.reader(f):
+            if not row or row[0].strip().lower() in ("path", "file", "filename", "image"):
+                continue
+            if labels and len(row) < 2:
+                raise DatasetError(f"{path}: row {row} is not 'path,label'")
+            rows.append((row[0].strip(), row[1].strip() if len(row) > 1 else None))
+    return rows
+
+
+def csv_paths(path: str | Path) -> list[str]:
+    """The image paths of a CSV list, `path` or `path,label` rows (labels ignored: prediction), relative paths read
+    relative to the CSV's folder."""
+    path = Path(path)
+    return [str(p if Path(p).is_absolute() else path.parent / p) for p, _ in _csv_rows(path, labels=False)]
 
 
 def check_classes(labels: torch.Tensor, classes: list[str], what: str) -> None:

@@ -109,10 +109,11 @@ def _shard_splits(location: str) -> list[str] | None:
 
 def gather_inputs(items: Iterable[str | Path], warn: Callable[[str], None] | None = None) -> Inputs:
     """Image files, folders (every file with an image extension below them, `datasets.IMAGE_EXTS`, sorted), CSV
-    lists (`path,label` rows: `datasets.csv_list`, relative paths from the CSV's folder) and shard locations (a
+    lists (`path` or `path,label` rows, the labels ignored: `datasets.csv_paths`, relative paths from the CSV's
+    folder) and shard locations (a
     split folder or URL with index.json, or a shard set root: its train/, val/ and test/), in the order given. A
     path that does not exist stays a file: its record says so. `warn` hears of a folder without images."""
-    from ..data.datasets import IMAGE_EXTS, csv_list
+    from ..data.datasets import IMAGE_EXTS, csv_paths
 
     out = Inputs()
     for item in items:
@@ -134,7 +135,7 @@ def gather_inputs(items: Iterable[str | Path], warn: Callable[[str], None] | Non
             for p in found:
                 out.add_file(str(p))
         elif s.lower().endswith(".csv") and Path(s).is_file():
-            for p, _ in csv_list(s).samples:
+            for p in csv_paths(s):
                 out.add_file(p)
         else:
             out.add_file(s)

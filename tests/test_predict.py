@@ -3,6 +3,7 @@ service's schema, a clean stop on SIGTERM and `--resume` to the file an uninterr
 import csv
 import io
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -246,3 +247,12 @@ def test_the_python_api_reads_the_same_inputs(ckpt, tree):
     assert gather_inputs([tree / "list" / "paths.csv"]).names == inputs.names[:2]
     recs = predict(vitkit.load(ckpt), inputs.names, top_k=1, batch_size=2, num_workers=2)
     assert [r["image"] for r in recs] == inputs.names and all(len(r["top"]) == 1 for r in recs)
+
+
+def test_a_folder_of_images_with_its_own_index_json_is_a_folder(ckpt, tree, tmp_path):
+    """A web folder's index.json (not a vitkit shard index) leaves it a folder of images."""
+    web = tmp_path / "web"
+    shutil.copytree(tree / "set", web)
+    (web / "index.json").write_text('{"pages": []}')
+    names = gather_inputs([web]).names
+    assert len(names) == len(gather_inputs([tree / "set"]).names) and all(n.startswith(str(web)) for n in names)

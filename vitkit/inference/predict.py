@@ -83,6 +83,20 @@ class Inputs:
         self.sources.append(path)
 
 
+def _vitkit_index(path: Path) -> bool:
+    """Whether `path` is a shard index `vitkit data pack` wrote (a web page's index.json is not)."""
+    from ..data.shards import FORMAT
+    from ..safety import parse_json, read_bytes
+
+    if not path.is_file():
+        return False
+    try:
+        index = parse_json(read_bytes(path), str(path))
+    except VitkitError:
+        return False
+    return isinstance(index, dict) and index.get("format") == FORMAT
+
+
 def _shard_splits(location: str) -> list[str] | None:
     """The shard split(s) `location` names: itself (a folder or URL holding index.json), or the train/, val/ and
     test/ splits of a shard set (`vitkit data pack`); None when it is no shard location."""
@@ -97,10 +111,10 @@ def _shard_splits(location: str) -> list[str] | None:
             return [location.rstrip("/")]
         except (OSError, VitkitError):  # no index.json there: a set's root, perhaps
             pass
-    elif (Path(location) / "index.json").is_file():
+    elif _vitkit_index(Path(location) / "index.json"):
         return [location.rstrip("/")]
-    if not is_shards(location):
-        return None
+    if not is_shards(location) or (not remote and not _vitkit_index(Path(location) / "train" / "index.json")):
+        return None  # a folder of images, whatever other index.json it holds
     splits = [location.rstrip("/") + "/" + s for s in ("train", "val", "test") if is_shards_split(location, s)]
     if not splits:
         raise UsageError(f"{location}: no shard index (index.json) in it or in its train/, val/ or test/")
@@ -160,7 +174,7 @@ class _Batch:
 
 
 class _Prefetch:
-    """`fn(i)` for the indices of each batch, computed by `workers` daemon threads at most `depth` batches ahead of
+    """`fn(i)` for the indices of each batch, computed by `workers` threads at most `depth` batches ahead of
     the consumer (the memory bound), handed out in order. workers 0: computed by the consumer, when it asks."""
 
     def __init__(self, fn: Callable[[int], object], batches: Iterable[list[int]], workers: int, depth: int,
@@ -173,7 +187,11 @@ class _Prefetch:
         if workers > 0:
             for _ in range(depth):
                 self._submit()
-            self.threads = [threading.Thread(target=self._work, name=f"vitkit-decode-{i}", daemon=True) for i in range(workers)]
+            # not daemons: a daemon thread still inside a torch op (resizing, packing) when the interpreter exits
+            # aborts the process ("terminate called without an active exception", SIGABRT); close() joins them,
+            # and every read they make is bounded (regular files only; fetches under a deadline)
+            self.threads = [threading.Thread(target=self._work, name=f"vitkit-decode-{i}", daemon=False)
+                            for i in range(workers)]
             for t in self.threads:
                 t.start()
 
@@ -223,16 +241,14 @@ class _Prefetch:
                     raise r.error
             yield b.indices, b.results
 
-    def close(self, wait_s: float = 2.0) -> None:
-        """Drop the work not started and let the threads end: joined (each finishes the image in hand), up to
-        `wait_s` in all; one stuck on a read that never ends is left behind (a daemon: it does not hold the exit)."""
+    def close(self) -> None:
+        """Drop the work not started and let the threads end: each finishes the image in hand, then is joined."""
         with self.cv:
             self.closed = True
             self.todo.clear()
             self.cv.notify_all()
-        deadline = time.monotonic() + wait_s
         for t in getattr(self, "threads", []):
-            t.join(max(0.0, deadline - time.monotonic()))
+            t.join()
 
 
 class _Raised:
@@ -431,7 +447,10 @@ def read_done(path: str | Path, fmt: str, names: Sequence[str], k: int) -> Done:
     input j's, with `k` classes or an error. A last line cut short (a kill while writing), and with it a record
     whose rows are not all there, is left out. Anything else that is not such a record is a UsageError: the file is
     then not this command's output, and nothing is written to it."""
-    lines = _lines(Path(path).read_bytes())
+    from ..safety import open_regular
+
+    with open_regular(path) as f:  # the results file is ours, but a FIFO there must not block
+        lines = _lines(f.read())
     done = Done()
     again = "remove it or write to another --out"
 

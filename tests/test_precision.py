@@ -177,6 +177,9 @@ def test_decide_keeps_fp32_unless_bf16_wins_clearly(ratios, expected):
 def test_decide_on_nothing_measured_and_a_bad_time_is_fp32():
     assert precision.decide([], [])[0] == "fp32"
     assert precision.decide([0.01, 0.0], [0.005, 0.005])[1]["rounds"] == 1  # a zero time is no round
+    assert precision.decide([0.01], [0.005])[0] == "fp32"  # one round, however clear, decides nothing
+    assert precision.decide([0.01, 0.01], [0.005, 0.005])[0] == "fp32"
+    assert precision.decide([0.01] * 3, [0.005] * 3)[0] == "bf16"
 
 
 def test_the_reason_line_says_the_numbers(home, monkeypatch):

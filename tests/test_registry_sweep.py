@@ -128,11 +128,14 @@ def test_every_transformers_class_at_its_size_and_another(name):
             if (d / f"logits{tag}.npy").exists():
                 assert np.abs(model(t).numpy() - np.load(d / f"logits{tag}.npy")).max() <= TOL
                 continue
-            assert np.abs(model(t).numpy() - np.load(d / f"pooled{tag}.npy")).max() <= TOL
+            hidden = np.load(d / f"hidden{tag}.npy")
+            # ViTModel's pooler (tanh(dense(class token))) is left unused: the output is the normed class token
+            pooled = hidden[:, 0] if name == "ViTModel" else np.load(d / f"pooled{tag}.npy")
+            assert np.abs(model(t).numpy() - pooled).max() <= TOL
             out = model.forward_intermediates(t, layers=[-1], attention=False)
             # transformers' CLIP returns the last block's tokens before post_layernorm, the others after the norm
             feats = out["tokens"][model.config.depth - 1] if "CLIP" in name else out["features"]
-            assert np.abs(feats.numpy() - np.load(d / f"hidden{tag}.npy")).max() <= TOL
+            assert np.abs(feats.numpy() - hidden).max() <= TOL
 
 
 def test_dinov2_classifier_loads_as_a_backbone_when_asked():
@@ -164,3 +167,24 @@ def test_torchvision_at_another_size_resamples_as_torchvision():
         assert np.abs(_logits(model, np.load(d / f"input{tag}.npy")) - np.load(d / f"logits{tag}.npy")).max() <= TOL
     # the resampled table itself (the logits of a one-layer model move little with the method)
     assert np.abs(model.pos_embed.weight.detach().numpy() - np.load(d / "pos_embedding_big.npy")).max() <= TOL
+
+
+def test_a_bare_timm_state_dict_resamples_as_timm(tmp_path):
+    """Without a config.json, a timm state dict still resamples its grid as timm does (antialiased bicubic)."""
+    row = TIMM["archs"]["vit_base_patch16_224"]
+    model = vitkit.load(REG / "timm" / row["group"] / "model.safetensors", num_heads=2,
+                        img_size=tuple(TIMM["versions"]["wide"]))
+    assert model.config.pos_resample == "bicubic"
+    xw = np.load(REG / "timm" / "input_wide.npy")
+    assert np.abs(_logits(model, xw) - np.load(REG / "timm" / row["group"] / "logits_wide.npy")).max() <= TOL
+
+
+def test_a_bare_state_dict_named_by_architecture_gets_its_sizes_checked_and_its_preprocessing(tmp_path):
+    """Named `vit_base_patch16_224` (768 wide, 12 heads), a 16-wide file is refused unless the caller says its head
+    count (timm refuses it on shape); the registered pretrained_cfg's preprocessing comes with the name."""
+    row = TIMM["archs"]["deit_small_patch16_224"]
+    f = REG / "timm" / row["group"] / "model.safetensors"
+    with pytest.raises(CheckpointError, match="registered size"):
+        vitkit.load(f, architecture="deit_small_patch16_224")
+    m = vitkit.load(f, architecture="deit_small_patch16_224", num_heads=2)
+    assert m.config.mean == (0.485, 0.456, 0.406) and m.config.interpolation == "bicubic" and m.config.crop_pct == 0.9

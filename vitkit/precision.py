@@ -130,11 +130,14 @@ def resolve(precision: str, model: nn.Module, device: torch.device | str, *, bat
     return Choice(choice, reason, rates)
 
 
+MIN_ROUNDS = 3  # fewer interleaved rounds than this never choose bf16
+
+
 def decide(fp32_times: Sequence[float], bf16_times: Sequence[float], margin: float = BF16_MARGIN,
            agree: float = BF16_AGREE) -> tuple[str, dict]:
     """fp32 or bf16 from interleaved timings (seconds per call, round i of each measured back to back): bf16 only
     where the median of the per-round speed-ups fp32_i / bf16_i is at least `margin` and bf16 was the faster in at
-    least `agree` of the rounds. Else fp32: the simpler and exact one is kept unless bf16 wins clearly. Returns the
+    least `agree` of at least MIN_ROUNDS rounds. Else fp32: the simpler and exact one is kept unless bf16 wins clearly. Returns the
     choice and {"ratio": the median speed-up, "low", "high", "wins", "need", "rounds"}."""
     ratios = [a / b for a, b in zip(fp32_times, bf16_times) if a > 0 and b > 0 and math.isfinite(a / b)]
     if not ratios:
@@ -142,7 +145,8 @@ def decide(fp32_times: Sequence[float], bf16_times: Sequence[float], margin: flo
     n = len(ratios)
     v = {"ratio": median(ratios), "low": min(ratios), "high": max(ratios), "wins": sum(r > 1.0 for r in ratios),
          "need": math.ceil(agree * n - 1e-9), "rounds": n}
-    return ("bf16" if v["ratio"] >= margin and v["wins"] >= v["need"] else "fp32"), v
+    clear = n >= MIN_ROUNDS and v["ratio"] >= margin and v["wins"] >= v["need"]  # one or two rounds decide nothing
+    return ("bf16" if clear else "fp32"), v
 
 
 def bf16_support() -> tuple[bool | None, str]:

@@ -134,11 +134,14 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
         elif fmt == "timm-vit" and "mask_token" in keys:
             fmt = "dinov2-release"  # DINOv2's own hub files (facebookresearch/dinov2), which timm converts the same way
         sd, f, unused = convert(raw)
+        if fmt in ("timm-vit", "dinov2-release"):  # timm's resample_abs_pos_embed: antialiased bicubic
+            f.setdefault("pos_resample", "bicubic")
         facts = {**f, **facts}
         if architecture is not None:  # a bare timm state dict named by its timm architecture, as timm users load it
             if not fmt.startswith("timm"):
                 raise UsageError(f"architecture={architecture!r} names a timm architecture; {path} is a {fmt} file")
             facts = {**facts, **timm.architecture_facts(architecture)}
+            timm.check_architecture_sizes(architecture, sd, hints)
     if architecture is not None and kind in ("dir", "npz"):
         raise UsageError(f"architecture={architecture!r} is for a bare timm state dict; {path} records its own")
     config = _infer_config(sd, {**facts, **hints}, img_size_if_unknown, what=str(path))

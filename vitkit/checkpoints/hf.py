@@ -1,8 +1,9 @@
 """Hugging Face transformers ViT folders (config.json + weights) <-> vitkit names.
 
 HF keeps separate query/key/value Linears and a LayerNorm epsilon of 1e-12; its classifier reads the
-final-normed class token. ViTModel files (no "vit." prefix) may carry a pooler, tanh(dense(class token)): vitkit's
-pre-logits layer (`representation_size`), so the model's output is transformers' `pooler_output`.
+final-normed class token. ViTModel files (no "vit." prefix) may carry a pooler, tanh(dense(class token)), which vitkit
+leaves unused (reported in `model.load_report["unused"]`): the model's output is the normed class token, the
+features a classifier is fine-tuned on (transformers' ViTForImageClassification and timm drop the pooler too).
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         raise CheckpointError(f"Hugging Face model_type {hf_config.get('model_type')!r} is not a ViT vitkit reads"
                               + (" (transformers' DeiT: load timm's deit_* checkpoints instead)"
                                  if hf_config.get("model_type") == "deit" else ""))
-    pooler_tanh = (hf_config or {}).get("pooler_act", "tanh") == "tanh"
     sd, qkv, unused = {}, {}, []
     for k, v in w.items():
         key = k.removeprefix("vit.")
@@ -45,10 +45,6 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
                 sd[f"blocks.{i}.{_BLOCK[mod]}.{leaf}"] = v
             else:
                 raise CheckpointError(f"unexpected Hugging Face ViT key {k!r}")
-        elif key in ("pooler.dense.weight", "pooler.dense.bias") and pooler_tanh:
-            # ViTModel's pooler, tanh(dense(normed class token)): the paper's pre-logits layer, so that the model's
-            # output is transformers' pooler_output
-            sd["pre_logits.fc." + key.rsplit(".", 1)[1]] = v
         elif key.startswith(("pooler.", "embeddings.mask_token")):
             unused.append(k)
         else:
@@ -58,8 +54,6 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
     facts: dict = {"act": "gelu", "norm_eps": 1e-12, "pos_resample": "bicubic_noaa"}  # ViTEmbeddings' interpolation
     if hf_config:
         c = hf_config
-        if c.get("model_type", "vit") != "vit":
-            raise CheckpointError(f"Hugging Face model_type {c.get('model_type')!r} is not a ViT")
         act = c.get("hidden_act", "gelu")
         if act not in _ACT:
             raise CheckpointError(f"unsupported Hugging Face hidden_act {act!r}")

@@ -523,14 +523,16 @@ def folder_facts(cfg: dict) -> dict:
         facts["rope_ref_grid"] = None if ref is None else tuple(ref) if isinstance(ref, (list, tuple)) else (ref, ref)
     if eva and facts.get("rope") and facts.get("rope_ref_grid") is None and "ref_feat_shape" not in args:
         facts["rope_ref_grid"] = EVA02_ROPE["rope_ref_grid"] if arch.startswith("eva02_") else None
+    # the resolution, as timm's create_model settles it: model_args, else the entry point's own argument, else the
+    # pretrained_cfg's input size where that is fixed (timm's default: not fixed; a dynamic size never is)
+    user = cfg.get("model_args") or {}
+    fixed = pre.get("fixed_input_size", False) and not args.get("dynamic_img_size") and args.get("strict_img_size", True)
     if naflex:
         pass  # any size: the position grid's own (from the tensors) is the native one
-    elif "img_size" in args and "img_size" in (cfg.get("model_args") or {}):
+    elif "img_size" in user or "img_size" in args:
         facts["img_size"] = args["img_size"]
-    elif "input_size" in pre and pre.get("fixed_input_size", True):
-        facts["img_size"] = tuple(pre["input_size"][1:])  # timm's create_model takes it from the pretrained_cfg
-    elif "img_size" in args:
-        facts["img_size"] = args["img_size"]
+    elif "input_size" in pre and fixed:
+        facts["img_size"] = tuple(pre["input_size"][1:])
     if naflex:
         mode = (args.get("pos_embed_interp_mode", "bicubic"), args.get("pos_embed_antialias", True),
                 args.get("pos_embed_align_corners", False))
@@ -568,9 +570,27 @@ def architecture_facts(arch: str) -> dict:
         near = difflib.get_close_matches(arch, registered_archs(), n=3)
         raise CheckpointError(f"architecture {arch!r} is not one timm {json.loads(ARCHS_FILE.read_text())['timm_version']} "
                               f"registers in the families vitkit reads" + (f" (did you mean {', '.join(near)}?)" if near else ""))
-    facts = folder_facts({"architecture": arch})
+    entry = registered_archs()[arch]
+    facts = folder_facts({"architecture": arch, "pretrained_cfg": entry.get("pretrained_cfg", {})})
     facts.pop("img_size", None)
     return facts
+
+
+def check_architecture_sizes(arch: str, sd: dict[str, torch.Tensor], hints: dict) -> None:
+    """A state dict named by a timm architecture must have its registered width and depth, as timm's strict load
+    demands, unless the caller says what changed (`num_heads=`, as a timm user passes embed_dim/depth/num_heads to
+    create_model): the head count is the one size the tensors cannot show."""
+    kw = registered_archs()[arch]["kwargs"]
+    if "patch_embed.proj.weight" not in sd or "num_heads" in hints:
+        return
+    width = sd["patch_embed.proj.weight"].shape[0]
+    depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
+    want = {"embed_dim": (kw.get("embed_dim"), width), "depth": (kw.get("depth"), depth)}
+    wrong = {k: v for k, v in want.items() if v[0] is not None and v[0] != v[1]}
+    if wrong:
+        raise CheckpointError(f"the file is not timm's {arch} at its registered size ("
+                              + ", ".join(f"{k} {got} in the file, {reg} registered" for k, (reg, got) in wrong.items())
+                              + "): pass num_heads=... for the size it was built at")
 
 
 def _resnetv2_facts(arch: str, args: dict, pre: dict) -> dict:

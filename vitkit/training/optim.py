@@ -12,13 +12,11 @@ from .config import OptimConfig, ScheduleConfig
 from ..errors import UsageError
 
 
-# learned tokens and embeddings: no weight decay (as timm's no_weight_decay: cls/dist/reg tokens, position, probe)
-_TOKENS = ("pos_embed", "cls_token", "dist_token", "reg_token", "mask_token", "rel_pos", "attn_pool.latent",
-           "relative_position_bias_table")
-
-
 def _no_decay(name: str, p: torch.Tensor) -> bool:
-    return p.ndim <= 1 or name.endswith(".bias") or any(t in name for t in _TOKENS)
+    """Norms, biases, and the learned tokens and embeddings (`model.no_weight_decay()`, as timm's): no weight decay."""
+    from ..models.timm_api import NO_WEIGHT_DECAY
+
+    return p.ndim <= 1 or name.endswith(".bias") or any(t in name for t in NO_WEIGHT_DECAY)
 
 
 def layer_ids(model: nn.Module) -> dict[str, int]:

@@ -206,6 +206,8 @@ class _Prefetch:
             self.cv.notify_all()
 
     def _work(self) -> None:
+        if hasattr(signal, "pthread_sigmask"):  # SIGINT/SIGTERM go to the main thread, which holds them while it writes
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         if DECODE_NICE and sys.platform == "linux":  # a thread's own priority (elsewhere it would be the process's)
             try:
                 tid = threading.get_native_id()

@@ -290,7 +290,8 @@ def test_a_torch_without_onednn_and_mkl_ops_falls_back_cleanly(home, tmp_path):
     assert res["step"] == 3 and res["choice"].startswith("auto -> ")
 
 
-def test_a_run_records_its_auto_choice_and_resumes_in_it(tmp_path, home, capsys):
+def test_a_run_records_its_auto_choice_and_resumes_in_it(tmp_path, home, capsys, monkeypatch):
+    monkeypatch.setattr(precision, "bf16_support", lambda: (True, "native"))  # a probe runs, on any CPU
     out = tmp_path / "run"
     cfg = tiny_cfg(out, **{"run.precision": "auto", "schedule.epochs": 1})
     train(cfg, max_steps=2)

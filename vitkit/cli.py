@@ -567,7 +567,7 @@ def features(
     from safetensors.torch import save_file
 
     from .checkpoints import load
-    from .checkpoints.api import _atomic_write
+    from .cache import atomic_write
     from .device import resolve_device
     from .inference.features import extract_features
     from .models.vit import resolve_layers
@@ -586,7 +586,7 @@ def features(
             print(f"{r['image']}: ERROR {r['error']}")
     if tensors:
         meta = {"images": json.dumps([r["image"] for r in records if "row" in r]), "checkpoint": str(checkpoint)}
-        _atomic_write(Path(out), lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, str(p), metadata=meta))
+        atomic_write(Path(out), lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, str(p), metadata=meta))
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
         print(f"wrote {out}: {shapes}")
     return _exit_status(records)

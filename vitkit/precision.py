@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from statistics import median
@@ -36,6 +35,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .cache import cache_dir, read_json_cache, write_json_cache
 from .errors import UsageError
 from .models.layers import gemm
 
@@ -275,28 +275,17 @@ def _key(model: nn.Module, device: torch.device, batch: int, training: bool, low
 
 
 def _cache_file() -> Path:
-    from .checkpoints.catalog import cache_dir
-
     return cache_dir() / "precision" / f"{gemm.machine_key()}.json"
 
 
 def _load(path: Path) -> dict[str, dict]:
     if path not in _CHOICES:
         _CHOICES[path] = {}
-        try:
-            data = json.loads(path.read_text())
-            if isinstance(data, dict):
-                _CHOICES[path].update({k: v for k, v in data.items() if isinstance(v, dict)})
-        except (OSError, ValueError):
-            pass
+        data = read_json_cache(path, {})
+        if isinstance(data, dict):
+            _CHOICES[path].update({k: v for k, v in data.items() if isinstance(v, dict)})
     return _CHOICES[path]
 
 
 def _save(path: Path, known: dict[str, dict]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measured again next time
+    write_json_cache(path, known, indent=1, sort_keys=True)  # a read-only home: measured again next time

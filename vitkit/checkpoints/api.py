@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from . import bit, hf, hf_vision, official, swin, timm, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
 from .swin import infer_swin_config
 from .io import CheckpointError, read_hf_dir, read_npz, read_safetensors, read_torch, sniff
+from ..cache import atomic_write
 from ..errors import UsageError
 from ..safety import parse_json, read_bytes, untrusted
 
@@ -322,19 +321,6 @@ def _swin_method(resample: str | None) -> str:
     return "bicubic_noaa" if resample in (None, "bilinear") else resample
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temporary file in the same folder, then rename: a failed write leaves the old file intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous().clone()
             for k, v in model.state_dict().items()}
@@ -355,7 +341,7 @@ def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = N
     sd = model.state_dict() if state_dict is None else state_dict
     tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous().clone()
                for k, v in sd.items()}
-    _atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
+    atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
     return path
 
 
@@ -426,15 +412,15 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
             _check_reads_back(c, back, facts, f"{kind} state dict",
                               "\nA timm folder records these: export to a path without a suffix.")
             if path.suffix == ".safetensors":
-                _atomic_write(path, lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+                atomic_write(path, lambda p: save_file(out, str(p), metadata={"format": "pt"}))
             else:
-                _atomic_write(path, lambda p: torch.save(out, p))
+                atomic_write(path, lambda p: torch.save(out, p))
             return path
         hub_config = fmt.folder_config(c)
         _check_reads_back(c, back, {**facts, **fmt.folder_facts(hub_config)}, f"{kind} folder")
         path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
-        _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))
+        atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+        atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))
         return path
     if c.arch != "vit":
         raise CheckpointError(f"a {c.arch} model exports to 'vitkit' or 'timm' only, not {to!r}")
@@ -450,9 +436,9 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
         _check_reads_back(c, back, {**facts, **hf.preprocessing_facts(pre)},
                           f"a Hugging Face {fam or 'ViT'} folder")
         path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
-        _atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hf_config, indent=2)))
-        _atomic_write(path / hf.PREPROCESSOR_FILE, lambda p: p.write_text(json.dumps(pre, indent=2)))
+        atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+        atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hf_config, indent=2)))
+        atomic_write(path / hf.PREPROCESSOR_FILE, lambda p: p.write_text(json.dumps(pre, indent=2)))
         return path
     out = official.from_vitkit(sd, c)
     back, facts, _ = official.to_vitkit(out)
@@ -462,7 +448,7 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
         with open(p, "wb") as f:
             np.savez(f, **arrays)
 
-    _atomic_write(path, write_npz)
+    atomic_write(path, write_npz)
     return path
 
 

@@ -29,6 +29,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cache import cache_dir
 from ..safety import Deadline, open_regular, open_url
 from .io import CheckpointError
 
@@ -176,10 +177,6 @@ _DINOV2_URL = "https://dl.fbaipublicfiles.com/dinov2"
 for _m in ("vits14", "vitb14", "vitl14", "vitg14", "vits14_reg4", "vitb14_reg4"):
     register_checkpoint(f"dinov2_{_m}", f"{_DINOV2_URL}/dinov2_{_m.split('_')[0]}/dinov2_{_m}_pretrain.pth", "dinov2-release",
                         f"DINOv2 {_m}: the original release's backbone")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("VITKIT_HOME", Path.home() / ".cache" / "vitkit")).expanduser()
 
 
 # Servers that publish a checksum with every file, and how: "gcs" (Google Cloud Storage: the object's MD5 in

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..models.layers.patch_embed import to_2tuple
 from .image import _PIL_INTERP, BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
+from ..cache import cache_dir
 from ..errors import UsageError, VitkitError
 from ..safety import MAX_TENSOR_BYTES, open_regular
 
@@ -104,7 +105,6 @@ def data_roots(data_dir: str | Path | None, name: str) -> list[Path]:
         if base:
             roots += [Path(base) / name, Path(base)]
     roots += [Path("/usr/share/datasets") / name]
-    from ..checkpoints.catalog import cache_dir
 
     roots.append(cache_dir() / "data" / name)
     return roots

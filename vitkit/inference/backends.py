@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..precision import _save  # the atomic JSON write of the precision cache
+from ..cache import atomic_write, cache_dir, read_json_cache, write_json_cache
 from . import engine_probe
 
 BACKENDS = ("auto", "torch", "onnx", "openvino")
@@ -168,24 +168,24 @@ def within(y: np.ndarray, ref: np.ndarray, tolerance: float) -> bool:
 def export_for(model: nn.Module, digest: str | None = None) -> Path:
     """vitkit's ONNX export of `model` (dynamic batch, fp32, checked against eager), cached by its weights: ONNX
     Runtime and OpenVINO both run this one file."""
-    from ..checkpoints.catalog import cache_dir
     from ..deploy import export_model
 
     digest = digest or weights_digest(model)
     path = cache_dir() / "backends" / "exports" / f"{digest}.onnx"
     if path.is_file():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{digest}.{os.getpid()}.tmp.onnx")
-    try:
-        export_model(model, tmp, "onnx", dynamic_batch=True)
-        data = tmp.with_name(tmp.name + ".data")
-        if data.exists():  # a model over 2 GB keeps its weights beside the graph: the graph names this file
-            raise UsageError(f"{type(model).__name__} is over 2 GB: run it with --backend torch")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    def write(tmp: Path) -> None:
+        onnx = tmp.with_name(tmp.name + ".onnx")  # the exporter wants the suffix
+        try:
+            export_model(model, onnx, "onnx", dynamic_batch=True)
+            if onnx.with_name(onnx.name + ".data").exists():  # over 2 GB: weights beside the graph, which names them
+                onnx.with_name(onnx.name + ".data").unlink()
+                raise UsageError(f"{type(model).__name__} is over 2 GB: run it with --backend torch")
+            os.replace(onnx, tmp)
+        finally:
+            onnx.unlink(missing_ok=True)
+
+    return atomic_write(path, write)
 
 
 def engine(backend: str, precision: str, path: str | Path, threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
@@ -354,7 +354,6 @@ def choose(model: nn.Module, batch: int, *, threads: int | None = None, toleranc
            force_bf16: bool = False) -> BackendChoice:
     """The fastest engine within `tolerance` of fp32 eager for `model` at `batch` on this machine (measured once per
     machine, engine versions, weights and batch, then read from the cache)."""
-    from ..checkpoints.catalog import cache_dir
     from ..models.layers import gemm
 
     pb = max(1, min(batch, PROBE_BATCH))
@@ -372,7 +371,7 @@ def choose(model: nn.Module, batch: int, *, threads: int | None = None, toleranc
         table = measure(model, pb, threads=threads, tolerance=tolerance, candidates=candidates, digest=digest, log=log,
                         force_bf16=force_bf16)
         known[key] = [vars(c) for c in table]
-        _save(cache, known)
+        write_json_cache(cache, known, indent=1, sort_keys=True)
     name, why = pick(table)
     from ..bench import cpu_model
 
@@ -448,8 +447,5 @@ class BackendModel(nn.Module):
 
 
 def _load(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        return {k: v for k, v in data.items() if isinstance(v, list)} if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    data = read_json_cache(path, {})
+    return {k: v for k, v in data.items() if isinstance(v, list)} if isinstance(data, dict) else {}

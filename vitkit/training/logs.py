@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..checkpoints.api import _atomic_write
+from ..cache import atomic_write
 
 
 class Progress:
@@ -52,7 +52,7 @@ class MetricsLog:
                     continue  # the line being written when the run was killed
                 if rec.get("step", 0) <= resumed_at:
                     kept.append(line)
-            _atomic_write(path, lambda p: p.write_text("".join(f"{x}\n" for x in kept)))
+            atomic_write(path, lambda p: p.write_text("".join(f"{x}\n" for x in kept)))
         self.file = open(path, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter

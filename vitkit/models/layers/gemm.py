@@ -20,7 +20,6 @@ $VITKIT_HOME/gemm/<cpu>[-caps-<ISA caps>]-<torch>-t<threads>.json, so each shape
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -29,6 +28,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from ...cache import cache_dir, read_json_cache, write_json_cache
 
 PATHS = ("mkl", "mkl-packed", "onednn-packed")
 WGRAD_PATHS = ("mkl", "onednn")  # the weight gradient dW = dY^T X: both operands activations, nothing to prepack
@@ -143,8 +144,6 @@ def machine_key() -> str:
 
 
 def _cache_file() -> Path:
-    from ...checkpoints.catalog import cache_dir
-
     return cache_dir() / "gemm" / f"{machine_key()}.json"
 
 
@@ -154,32 +153,25 @@ def _load() -> None:
         return
     _LOADED = True
     try:
-        data = json.loads(_cache_file().read_text())
-        for row in data:
+        for row in read_json_cache(_cache_file(), []):
             key = tuple(row["shape"])
             if len(key) == 5:  # (kind, k, n, rows, threads); anything else is from another version: measured again
                 _CHOICES[key], _RATES[key] = row["path"], row["gflops"]
-    except (OSError, ValueError, KeyError):
+    except (KeyError, TypeError):
         pass
 
 
 def _save() -> None:
-    try:
-        path = _cache_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        merged: dict[tuple, dict] = {}
-        try:  # another process may have measured other shapes since this one read the file: keep them
-            for row in json.loads(path.read_text()):
-                if len(row["shape"]) == 5:
-                    merged[tuple(row["shape"])] = row
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        merged.update({k: {"shape": list(k), "path": p, "gflops": _RATES.get(k, {})} for k, p in _CHOICES.items()})
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(list(merged.values()), indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measure again next time
+    path = _cache_file()
+    merged: dict[tuple, dict] = {}
+    try:  # another process may have measured other shapes since this one read the file: keep them
+        for row in read_json_cache(path, []):
+            if len(row["shape"]) == 5:
+                merged[tuple(row["shape"])] = row
+    except (KeyError, TypeError):
+        pass
+    merged.update({k: {"shape": list(k), "path": p, "gflops": _RATES.get(k, {})} for k, p in _CHOICES.items()})
+    write_json_cache(path, list(merged.values()), indent=1)  # a read-only home: measured again next time
 
 
 def _bucket(rows: int) -> int:

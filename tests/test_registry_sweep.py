@@ -149,7 +149,10 @@ def test_a_compiled_or_ddp_model_s_state_dict_loads(tmp_path):
 
     model = vitkit.create_model("vit_ti16", num_classes=3, img_size=32, patch_size=8, depth=2).eval()
     x = torch.randn(2, 3, 32, 32)
-    sd = {f"module._orig_mod.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    # torch's own wrappers name the keys: DataParallel as DDP does ("module."), torch.compile ("_orig_mod.")
+    wrapped = torch.nn.DataParallel(torch.compile(model)).state_dict()
+    assert all(k.startswith("module._orig_mod.") for k in wrapped)
+    sd = {k: v.contiguous() for k, v in wrapped.items()}
     save_file(sd, tmp_path / "wrapped.safetensors")
     torch.save(sd, tmp_path / "wrapped.pth")
     for f in ("wrapped.safetensors", "wrapped.pth"):

@@ -22,7 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitkit  # noqa: E402
-from vitkit.bench import cpu_model, gemm_rates, make_step  # noqa: E402
+from vitkit.machine.cpu import cpu_model
+from vitkit.machine.gemm import gemm_rates
+from vitkit.bench import make_step
 
 GROUPS = {  # op name (after "::") -> group; anything else is "other"
     "gemm": {"addmm", "mm", "linear", "_linear_pointwise", "_mkl_linear", "matmul"},
@@ -51,7 +53,7 @@ def linear_flops(model: torch.nn.Module, x: torch.Tensor) -> int:
     """FLOPs of the forward's Linear (and patch-embedding) matmuls alone, counted as the calls happen."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from vitkit.stats import CPU_FLOPS
+    from vitkit.models.stats import CPU_FLOPS
 
     with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as fc, torch.no_grad():
         model(x)

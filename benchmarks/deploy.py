@@ -39,8 +39,8 @@ def speed(args) -> dict:
     import onnxruntime as ort
 
     import vitkit
-    from vitkit.deploy import export_model
-    from vitkit.models.layers.linear import pack_linears
+    from vitkit.inference.export import export_model
+    from vitkit.machine.fast_linear import pack_linears
 
     results = {}
     tmp = Path(tempfile.mkdtemp())
@@ -81,7 +81,7 @@ def accuracy(args) -> dict:
     import vitkit
     from vitkit.data.datasets import load_dataset
     from vitkit.data.image import EvalTransform
-    from vitkit.deploy import export_model
+    from vitkit.inference.export import export_model
 
     model = vitkit.load(args.checkpoint).eval()
     test = load_dataset("fashion-mnist").test

@@ -5,8 +5,8 @@ in one process (4 rounds of 1 s each way, the best of each):
 """
 import sys, time, torch, vitkit
 from vitkit.bench import make_step
-from vitkit.models.layers.linear import FastGemm
-from vitkit.bench import cpu_model
+from vitkit.machine.fast_linear import FastGemm
+from vitkit.machine.cpu import cpu_model
 orig = FastGemm._linear_act
 model, dtype, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)

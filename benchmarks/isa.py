@@ -8,7 +8,7 @@ measurements in a child process under each, one after the other, and prints them
                                       # fp32 on the packed GEMM, fp32 on MKL, bf16 with and without the bf16 token stream
     python benchmarks/isa.py ops      # benchmarks/ops.py patch-embed and attention (bf16 fused vs explicit included)
 
-Numbers are img/s from `vitkit.precision.measure` (best of interleaved calls) or ms from ops.py (median of rounds).
+Numbers are img/s from `vitkit.machine.precision.measure` (best of interleaved calls) or ms from ops.py (median of rounds).
 """
 import argparse
 import json
@@ -22,7 +22,7 @@ CAPS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_C
 
 MODELS_CHILD = r"""
 import json, torch, vitkit
-from vitkit.precision import measure
+from vitkit.machine.precision import measure
 from vitkit.training import get_preset
 cfg = get_preset("fashion-mnist")
 models = {"fashion-mnist preset (28 px)": (vitkit.create_model(cfg.model.name, num_classes=10, img_size=28, in_chans=1,
@@ -70,7 +70,7 @@ def ops() -> None:
 
 
 if __name__ == "__main__":
-    from vitkit.bench import cpu_model
+    from vitkit.machine.cpu import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["models", "ops"])

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     import vitkit
-    from vitkit.bench import cpu_model
+    from vitkit.machine.cpu import cpu_model
     from vitkit.training import get_preset
 
     cfg = get_preset("fashion-mnist")

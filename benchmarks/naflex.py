@@ -160,8 +160,8 @@ def throughput(args) -> dict:
 def padding(args) -> dict:
     """Rows padded to the longest image of each batch, or to the budget (one shape per batch size), on a stream of
     batches whose images (and so longest rows) vary, as a service sees them: the model set up as `vitkit serve` runs
-    it (fp32 on the packed fast GEMM, `vitkit.precision.for_inference`)."""
-    from vitkit.precision import for_inference
+    it (fp32 on the packed fast GEMM, `vitkit.machine.precision.for_inference`)."""
+    from vitkit.machine.precision import for_inference
 
     torch.manual_seed(0)
     model = vitkit.create_model(args.model, num_classes=10).eval()

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitkit  # noqa: E402
-from vitkit.bench import cpu_model  # noqa: E402
-from vitkit.deploy import export_model  # noqa: E402
+from vitkit.machine.cpu import cpu_model
+from vitkit.inference.export import export_model
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
     args = p.parse_args()
     import openvino as ov
 
-    from vitkit.inference.engine_probe import openvino_core
+    from vitkit.machine.engine_probe import openvino_core
 
     torch.manual_seed(0)
     m = vitkit.create_model(args.model).eval()

@@ -3,7 +3,7 @@ GEMM paths for the Linear shapes, and attention's fused kernel against explicit 
 
     python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
     python benchmarks/ops.py adamw         # one AdamW step over ViT-S/16 and ViT-B/16 parameters: foreach vs fused
-    python benchmarks/ops.py gemm          # GFLOP/s of every GEMM path (vitkit.models.layers.gemm) on S/16 and B/16 shapes
+    python benchmarks/ops.py gemm          # GFLOP/s of every GEMM path (vitkit.machine.gemm) on S/16 and B/16 shapes
     python benchmarks/ops.py attention     # fp32/bf16 attention core: F.scaled_dot_product_attention vs matmul-softmax-matmul
 
 Rounds alternate between the candidates; each number is the median over rounds, in ms.
@@ -84,7 +84,7 @@ def adamw() -> None:
 def gemm_paths() -> None:
     """Every path for the Linear shapes of S/16 and B/16 (qkv, proj, fc1, fc2) at batch 1 and 8 (197 tokens), and for
     a training step's dW at batch 16: GFLOP/s, best of interleaved rounds (`gemm.measure`)."""
-    from vitkit.models.layers import gemm
+    from vitkit.machine import gemm
 
     for name, d in (("S/16", 384), ("B/16", 768)):
         for kind, rows in (("linear", 197), ("linear", 8 * 197), ("wgrad", 16 * 197)):
@@ -128,7 +128,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["patch-embed", "adamw", "gemm", "attention"])
     args = ap.parse_args()
-    from vitkit.bench import cpu_model
+    from vitkit.machine.cpu import cpu_model
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}")
     {"patch-embed": patch_embed, "adamw": adamw, "gemm": gemm_paths, "attention": attention}[args.what]()

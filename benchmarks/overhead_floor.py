@@ -18,9 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitkit  # noqa: E402
-from vitkit.bench import cpu_model, make_step  # noqa: E402
-from vitkit.inference.backends import engine  # noqa: E402
-from vitkit.deploy import export_model  # noqa: E402
+from vitkit.machine.cpu import cpu_model
+from vitkit.bench import make_step
+from vitkit.machine.engine import engine
+from vitkit.inference.export import export_model
 
 
 def best_ms(fn, seconds: float = 1.0) -> float:

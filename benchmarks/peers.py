@@ -17,11 +17,11 @@ rounds, each round timed by its median call).
 On a GPU every timed call ends with a device synchronisation; both sides of a pair train with the same
 optimizer (AdamW, fused on CUDA, foreach on CPU), so only the models differ. `--compile` times both sides
 under `torch.compile` (vitkit with `fullgraph=True`; the peers without, so graph breaks are allowed there).
-Both sides' % of the matmul peak divide the same FLOPs, the model's (`vitkit.stats.count_flops`: every token
+Both sides' % of the matmul peak divide the same FLOPs, the model's (`vitkit.models.stats.count_flops`: every token
 through every block), although vitkit's forward runs the last block on the class token alone
 (`model.last_block_cls_only`), as the head reads nothing else.
 In fp32 on a CPU vitkit runs its Linear layers on the fastest GEMM measured on this machine
-(`vitkit.models.layers.gemm`), inference and training, as `vitkit bench`, `train`, `eval` and `predict` do
+(`vitkit.machine.gemm`), inference and training, as `vitkit bench`, `train`, `eval` and `predict` do
 (`--no-pack`: PyTorch's own GEMM, as the peers). The `ort` peer is vitkit's own model exported to ONNX
 (`vitkit export`'s exporter, dynamic batch) in ONNX Runtime's CPU provider with as many threads: fp32 inference
 cases only; `ort-int8` is that export after onnxruntime's dynamic int8 quantization of the weights (`vitkit export
@@ -56,8 +56,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vitkit  # noqa: E402
-from vitkit.bench import DTYPES, cpu_model, gemm_rates, make_step  # noqa: E402
-from vitkit.stats import count_flops  # noqa: E402
+from vitkit.bench import DTYPES, make_step
+from vitkit.machine.cpu import cpu_model
+from vitkit.machine.gemm import gemm_rates
+from vitkit.models.stats import count_flops
 
 SIZES = {"vit_s16": dict(hidden=384, depth=12, heads=6, mlp=1536, timm="vit_small_patch16_224"),
          "vit_b16": dict(hidden=768, depth=12, heads=12, mlp=3072, timm="vit_base_patch16_224"),
@@ -104,7 +106,7 @@ class OrtSession:
     def __init__(self, model: torch.nn.Module, tmp: Path, name: str, quantize: str | None = None) -> None:
         import onnxruntime as ort
 
-        from vitkit.deploy import export_model
+        from vitkit.inference.export import export_model
 
         report = export_model(model, tmp / f"{name}{'.int8' if quantize else ''}.onnx", "onnx", dynamic_batch=True,
                               quantize=quantize)  # int8: onnxruntime's dynamic quantization of the weights
@@ -128,8 +130,8 @@ class OvSession:
     def __init__(self, model: torch.nn.Module, tmp: Path, name: str, x: torch.Tensor, dtype: str, source: str) -> None:
         import openvino as ov
 
-        from vitkit.deploy import export_model
-        from vitkit.inference.engine_probe import openvino_core
+        from vitkit.inference.export import export_model
+        from vitkit.machine.engine_probe import openvino_core
 
         core = openvino_core()  # one Core per process: freed Cores can leave the main thread's signal stack unmapped
         if source == "ov":

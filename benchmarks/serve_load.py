@@ -180,7 +180,7 @@ def main() -> int:
     batched = next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vitkit_batched_images ")), float("nan"))
     tokens = next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vitkit_packed_tokens ")), 0.0)
     padding = next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vitkit_packed_padding_tokens ")), 0.0)
-    from vitkit.bench import cpu_model
+    from vitkit.machine.cpu import cpu_model
 
     res = {"backend": served["backend"], "backend_reason": reason, "cpu": cpu_model(), "seconds": elapsed, "clients": args.clients, "requests": total, "requests_per_s": total / elapsed,
            "valid": len(lat), "valid_per_s": len(lat) / elapsed, "p50_ms": pct(50), "p99_ms": pct(99),

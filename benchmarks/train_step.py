@@ -16,7 +16,7 @@ peak memory above the weights and optimizer state (CUDA's allocator peak, in the
 world size 1, the growth of resident memory over one step in a child process whose glibc maps every large block
 and unmaps it when freed, so that resident memory follows the live tensors: slower, hence not the timed one), and
 the MFU:
-3 x the forward's FLOPs (vitkit.stats.count_flops) per image x img/s over --peak-tflops x ranks (default: the
+3 x the forward's FLOPs (vitkit.models.stats.count_flops) per image x img/s over --peak-tflops x ranks (default: the
 fastest GEMM measured on this device in this dtype by vitkit.bench.gemm_rates, the peak `vitkit bench` uses).
 """
 from __future__ import annotations
@@ -39,11 +39,13 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from vitkit.bench import DTYPES, PeakMemory, cpu_model, gemm_rates  # noqa: E402
-from vitkit.distributed import Dist, wrap_model  # noqa: E402
+from vitkit.bench import DTYPES, PeakMemory
+from vitkit.machine.cpu import cpu_model
+from vitkit.machine.gemm import gemm_rates
+from vitkit.training.distributed import Dist, wrap_model
 from vitkit.models import create_model  # noqa: E402
-from vitkit.models.layers.linear import pack_linears  # noqa: E402
-from vitkit.stats import count_flops  # noqa: E402
+from vitkit.machine.fast_linear import pack_linears
+from vitkit.models.stats import count_flops
 from vitkit.training.config import OptimConfig  # noqa: E402
 from vitkit.training.optim import build_optimizer  # noqa: E402
 

@@ -72,7 +72,7 @@ def _run_step() -> Path:
     if _RUN_STEP is None:
         import torch
 
-        from vitkit.distributed import Dist
+        from vitkit.training.distributed import Dist
         from vitkit.training import checkpoint
 
         m = _tiny_model()

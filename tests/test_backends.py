@@ -10,7 +10,8 @@ from PIL import Image
 import vitkit
 from vitkit import cli
 from vitkit.inference import backends
-from vitkit.inference.backends import CANDIDATES, Candidate, measure, pick
+from vitkit.machine import engine
+from vitkit.machine.engine import CANDIDATES, Candidate, pick
 
 CLASSES = [f"class {i}" for i in range(10)]
 
@@ -57,15 +58,15 @@ def test_auto_measures_every_installed_engine_against_fp32_eager_and_caches_the_
         assert table[name].rate > 0 and not table[name].skipped and table[name].error <= 1e-5, table[name]
     for name in ("torch-bf16", "openvino-bf16"):  # bf16 rounds: a difference, or a reason it did not run here
         c = table[name]
-        assert (c.rate > 0 and 0 < c.error <= backends.TOLERANCE) or c.skipped, c
+        assert (c.rate > 0 and 0 < c.error <= engine.TOLERANCE) or c.skipped, c
     kept = [c for c in served.choice.table if c.rate and not c.skipped]
     chosen = table[served.choice.name]
-    assert chosen in kept and chosen.rate * backends.MARGIN >= max(c.rate for c in kept)
+    assert chosen in kept and chosen.rate * engine.MARGIN >= max(c.rate for c in kept)
     assert served.backend == served.choice.name and "auto -> " + chosen.name in served.choice.reason
     # the engine picked, on new images and more of them than it was measured with: within the tolerance of eager
     x = np.random.default_rng(1).standard_normal((37, 3, 32, 32)).astype(np.float32)
     ref = _eager(vitkit.load(ckpt).eval(), x)
-    assert backends.within(served(x), ref, backends.TOLERANCE)
+    assert engine.within(served(x), ref, engine.TOLERANCE)
     assert [(c.name, c.rate, c.skipped) for c in served.choice.table] == \
         [(r["name"], r["img_per_s"], r["skipped"]) for r in d["table"]]
     assert len(list((home / "backends").glob("*.json"))) == 1 and len(list((home / "backends" / "exports").glob("*.onnx"))) == 1
@@ -76,15 +77,15 @@ def test_a_failing_engine_or_one_outside_the_tolerance_is_dropped_not_fatal(home
     good = backends.export_for(m)
     m2 = _model()
     torch.nn.init.normal_(m2.head.weight, std=0.31)  # other weights: another export, which we corrupt
-    path = home / "backends" / "exports" / f"{backends.weights_digest(m2)}.onnx"
+    path = home / "backends" / "exports" / f"{engine.weights_digest(m2)}.onnx"
     path.write_bytes(b"\x08\x07not an onnx graph")
-    table = measure(m2, 2, candidates=("torch-fp32", "onnx-fp32", "openvino-fp32"))
+    table = engine.measure(m2, 2, candidates=("torch-fp32", "onnx-fp32", "openvino-fp32"), export=backends.export_for)
     assert [c.name for c in table] == ["torch-fp32", "onnx-fp32", "openvino-fp32"]
     assert all(c.skipped.startswith("failed: exit status") and not c.rate for c in table[1:]), table
     assert pick(table)[0] == "torch-fp32"
     assert good.is_file()  # the export of the other weights is untouched
     # tolerance 0 leaves only engines within the absolute 1e-3: bf16's rounding of logits of about 2 is outside it
-    table = measure(m, 2, tolerance=0.0, candidates=("torch-fp32", "torch-bf16"))
+    table = engine.measure(m, 2, tolerance=0.0, candidates=("torch-fp32", "torch-bf16"))
     assert table[1].error > 0 and table[1].skipped.startswith("outside the tolerance"), table
     assert pick(table)[0] == "torch-fp32"
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from vitkit.bench import bench_model
-from vitkit.models.layers import gemm
+from vitkit.machine import gemm
 from vitkit.cli import main
 
 
@@ -12,7 +12,7 @@ from vitkit.cli import main
 def test_bench_reports_consistent_fields(train):
     import vitkit
 
-    from vitkit.stats import count_flops
+    from vitkit.models.stats import count_flops
 
     m = vitkit.create_model("vit_ti16", img_size=32, depth=2, num_classes=10)
     r = bench_model(m, "tiny", batch_size=2, train=train, min_seconds=0.05, iters=2, warmup=1, peak=1e11)
@@ -20,7 +20,7 @@ def test_bench_reports_consistent_fields(train):
     # the work per second it reports is the model's FLOPs (3x with the backward) at the measured rate
     assert r.achieved_tflops == pytest.approx(r.gflops_per_img * (3 if train else 1) * r.img_per_s / 1e3)
     assert (r.latency_ms_b1 is None) == train
-    from vitkit.models.layers.linear import packing_available
+    from vitkit.machine.fast_linear import packing_available
 
     # fp32 on a CPU, inference and training alike run the 2 blocks' 4 Linear layers each, the head and the patch
     # embedding on the GEMM path chosen here; the choices made are reported with the rates they were made on
@@ -61,7 +61,7 @@ def test_cli_bench_low_precision_stream(capsys):
 def test_device_names_are_checked(capsys):
     import torch
 
-    from vitkit.device import resolve_device
+    from vitkit.machine.device import resolve_device
 
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu") == torch.device("cpu")

@@ -267,7 +267,7 @@ def test_the_default_export_runs_at_any_batch_in_its_engine(export_ckpt, fmt, tm
         sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
         run = lambda x: sess.run(None, {"pixel_values": x})[0]  # noqa: E731
     else:
-        from vitkit.inference.engine_probe import openvino_core  # the process's one Core (see test_deploy.py)
+        from vitkit.machine.engine_probe import openvino_core
 
         compiled = openvino_core().compile_model(str(out), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
         run = lambda x: compiled(x)[0]  # noqa: E731

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import vitkit
-from vitkit.deploy import ExportError, export_model
+from vitkit.inference.export import ExportError, export_model
 
 from conftest import FIXTURES
 
@@ -67,7 +67,7 @@ def test_onnx_export_matches_eager_at_two_batches_and_two_sizes(kind, tmp_path):
 def test_openvino_export_matches_eager_at_two_batches_and_two_sizes(kind, tmp_path):
     """One dynamic IR, compiled by OpenVINO's own runtime in f32, within 1e-4 of eager PyTorch; the service's
     OpenVINO backend answers as the PyTorch one."""
-    from vitkit.inference.engine_probe import openvino_core
+    from vitkit.machine.engine_probe import openvino_core
     from vitkit.serve.engine import TorchPredictor, load_predictor
 
     if kind == "hybrid" and os.environ.get("ONEDNN_MAX_CPU_ISA"):
@@ -97,7 +97,7 @@ SIGNALS_AFTER_OPENVINO = r"""
 import ctypes, faulthandler, signal, subprocess, sys, threading
 
 faulthandler.enable()  # as pytest and `python -X faulthandler` do: the main thread gets an alternate signal stack
-from vitkit.deploy import export_model, openvino_compile
+from vitkit.inference.export import export_model, openvino_compile
 from vitkit.serve.engine import load_predictor
 import vitkit
 
@@ -169,7 +169,7 @@ def test_cli_export(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "worst difference" in out and "(1, 3, 24, 12)" in out and "(3, 3, 24, 12)" in out  # a dynamic batch by default
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.onnx"]  # every weight inside, no stray g.onnx.data
-    from vitkit.deploy import onnx_config
+    from vitkit.inference.export import onnx_config
 
     assert onnx_config(tmp_path / "g.onnx")["classifier"] == "gap"
     import onnxruntime as ort

@@ -137,7 +137,7 @@ def test_distributed_evaluation_counts_every_sample_once(tmp_path):
             import json, torch, vitkit
             from vitkit.data.datasets import load_dataset
             from vitkit.data.image import EvalTransform
-            from vitkit.distributed import Dist
+            from vitkit.training.distributed import Dist
             from vitkit.evaluation import evaluate
             dist = Dist.from_env(torch.device("cpu"))
             m = vitkit.load({str(tmp_path / "m.safetensors")!r})

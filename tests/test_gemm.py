@@ -1,4 +1,4 @@
-"""The fast float32 CPU GEMM (`vitkit.models.layers.gemm`, `linear.py`): chosen by measurement, packed weights
+"""The fast float32 CPU GEMM (`vitkit.machine.gemm`, `linear.py`): chosen by measurement, packed weights
 for inference and training, the same logits and gradients as the plain path, clean fallbacks."""
 import copy
 import json
@@ -8,10 +8,12 @@ import pytest
 import torch
 
 import vitkit
-from vitkit.models.layers import Linear, gemm, pack_linears
-from vitkit.models.layers.linear import FastGemm, packing_available
+from vitkit.models.layers import Linear
+from vitkit.machine import fast_linear, gemm
+from vitkit.machine.fast_linear import pack_linears
+from vitkit.machine.fast_linear import FastGemm, packing_available
 from vitkit.models.layers.std_conv import StdConv2d
-from vitkit.stats import count_flops
+from vitkit.models.stats import count_flops
 
 from conftest import tiny_kwargs
 
@@ -225,7 +227,7 @@ def test_inference_gelu_runs_inside_oneDNNs_gemm_with_the_unfused_numbers(act, m
     bf16 rounding, computed from the fp32 accumulator). Elsewhere the GELU runs as its own op."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vitkit.models.layers import gemm, linear
+    from vitkit.machine import gemm, fast_linear
     from vitkit.models.layers.mlp import Mlp
 
     torch.manual_seed(0)
@@ -246,7 +248,7 @@ def test_inference_gelu_runs_inside_oneDNNs_gemm_with_the_unfused_numbers(act, m
     pack_linears(mlp)
     y = bf16()
     assert (y - ref).abs().max() <= 2e-2 * ref.abs().max()
-    assert ("aten::gelu" in ops(bf16)) == (linear._BF16_PACKS is False)  # fused where oneDNN packs bf16 weights
+    assert ("aten::gelu" in ops(bf16)) == (fast_linear._BF16_PACKS is False)  # fused where oneDNN packs bf16 weights
     monkeypatch.setattr(gemm, "FORCE", "onednn-packed")
     pack_linears(mlp)
 

@@ -6,7 +6,7 @@ import torch
 
 import vitkit
 from vitkit.models import get_entry
-from vitkit.stats import model_stats
+from vitkit.models.stats import model_stats
 
 from conftest import tiny_kwargs
 
@@ -57,7 +57,7 @@ def test_flops_of_vit_b16_and_tokens():
 def test_flops_count_the_cpu_fused_attention():
     # a real CPU forward runs the fused attention kernel, which torch's counter does not know by itself:
     # the count must equal the meta-device count (where attention runs as explicit matmuls), T^2 term included
-    from vitkit.stats import count_flops
+    from vitkit.models.stats import count_flops
 
     model = vitkit.create_model("vit_ti16", img_size=64, num_classes=0)
     with torch.device("meta"):
@@ -202,7 +202,7 @@ def test_last_block_runs_on_the_class_token_alone(pos_embed, impl):
     # the head reads the class token only, so forward() runs the last block's queries, projection and MLP
     # on it alone: the same logits and gradients as the full block, and (B, 1, D) into that MLP
     from vitkit.models.layers.attention import Attention
-    from vitkit.stats import count_flops
+    from vitkit.models.stats import count_flops
 
     torch.manual_seed(0)
     if pos_embed == "hybrid":

@@ -13,7 +13,7 @@ import torch
 
 import vitkit
 from vitkit.models.registry import build_config, build_model
-from vitkit.stats import count_flops, count_params
+from vitkit.models.stats import count_flops, count_params
 
 F = Path(__file__).resolve().parent / "fixtures" / "modern"
 TOL = 1e-4
@@ -268,7 +268,7 @@ def test_rope_models_give_attention_maps_from_the_rotated_queries():
 def test_onnx_export_of_a_rotary_registers_model(tmp_path):
     """torch.export / ONNX with dynamic batch and size: the rotary angles and the position embedding are computed in
     the graph for every grid; onnxruntime matches eager (export_model checks 2 batches x 2 sizes, fails above 1e-4)."""
-    from vitkit.deploy import export_model
+    from vitkit.inference.export import export_model
 
     m = vitkit.load(F / "readback" / "vitkit_eva_modern" / "source.safetensors").eval()  # rope, registers, SwiGLU
     report = export_model(m, tmp_path / "m.onnx", "onnx", dynamic_batch=True, dynamic_size=True)

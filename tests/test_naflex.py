@@ -147,7 +147,7 @@ def test_resize_to_patches_keeps_the_aspect_ratio_within_the_budget():
 def test_packed_onnx_export_matches_eager_and_timm(tmp_path):
     import onnxruntime as ort
 
-    from vitkit.deploy import export_model
+    from vitkit.inference.export import export_model
 
     m = vitkit.load(FIX / "timm_map").eval()
     report = export_model(m, tmp_path / "m.onnx", packed=True)  # checked against eager on 3 other batches and lengths

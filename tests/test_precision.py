@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vitkit
-from vitkit import precision
+from vitkit.machine import precision
 from vitkit.errors import UsageError
 from vitkit.training import apply_overrides, checkpoint, get_preset, train
 
@@ -60,7 +60,7 @@ def test_auto_takes_the_faster_measured_precision_and_caches_it(home, native, tr
     assert c.reason.startswith(f"auto -> {c.precision}: bf16 {v['ratio']:.2f}x fp32 on this CPU (")
     assert f"{r16:.0f} vs {r32:.0f} img/s in their median rounds" in c.reason
     [cache] = (home / "precision").glob("*.json")
-    assert vitkit.models.layers.gemm.cpu_name().split("-")[0] in cache.name and f"t{torch.get_num_threads()}" in cache.name
+    assert vitkit.machine.cpu.cpu_name().split("-")[0] in cache.name and f"t{torch.get_num_threads()}" in cache.name
     # the next process reads the file: nothing measured again, the same choice, said so
     precision._CHOICES.clear()
     again = precision.resolve("auto", m, "cpu", batch=256, training=training, lowp_stream=True)
@@ -82,7 +82,7 @@ def test_the_probe_changes_nothing_it_measures(home):
     assert not m.training and m.lowp_stream is False
     assert all(p.grad is None for p in m.parameters())
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
-    from vitkit.models.layers.linear import FastGemm
+    from vitkit.machine.fast_linear import FastGemm
 
     assert not any(mod.packable or mod._packed for mod in m.modules() if isinstance(mod, FastGemm))
 
@@ -112,13 +112,12 @@ def _run_python(code: str, env_extra: dict, home: Path) -> dict:
 
 CHOICE_CODE = """
 import json, torch, vitkit
-from vitkit import precision
-from vitkit.models.layers import gemm
+from vitkit.machine import cpu, gemm, precision
 m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4, mlp_dim=128, num_classes=10)
 c = precision.resolve("auto", m, "cpu", batch=32, training=True)
 paths = {p: gemm.choose(64, 128, 512) for p in ["linear"]} | {"wgrad": gemm.choose(64, 128, 512, kind="wgrad")}
-print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "caps": gemm.isa_caps(), "precision": c.precision,
-                  "bf16_native": gemm.bf16_native(), "flags": gemm.cpu_info().get("flags", "").split(),
+print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "caps": cpu.isa_caps(), "precision": c.precision,
+                  "bf16_native": cpu.bf16_native(), "flags": cpu.cpu_info().get("flags", "").split(),
                   "reason": c.reason, "rates": c.rates, "gemm": paths, "gemm_rates": gemm.choices()}))
 """
 
@@ -198,7 +197,7 @@ def test_the_reason_line_says_the_numbers(home, monkeypatch):
 
 
 def test_interleaved_rounds_alternate_the_order_after_warm_up():
-    from vitkit.inference.engine_probe import interleaved_rounds
+    from vitkit.machine.engine_probe import interleaved_rounds
 
     calls = []
     times = interleaved_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=4,
@@ -221,19 +220,19 @@ AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c"
     ({}, None),  # nothing to go by: the probe decides
 ])
 def test_the_native_bf16_gate(monkeypatch, info, native):
-    from vitkit.models.layers import gemm
+    from vitkit.machine import cpu
 
-    monkeypatch.setattr(gemm, "cpu_info", lambda: info)
+    monkeypatch.setattr(cpu, "cpu_info", lambda: info)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     assert precision.bf16_support()[0] is native
 
 
 def test_no_native_bf16_keeps_fp32_without_a_probe_unless_bf16_is_named(home, monkeypatch, capsys):
-    from vitkit.inference import backends
-    from vitkit.models.layers import gemm
+    from vitkit.machine import cpu
+    from vitkit.machine import engine as backends
 
-    monkeypatch.setattr(gemm, "cpu_info", lambda: {"flags": AVX2_FLAGS})
+    monkeypatch.setattr(cpu, "cpu_info", lambda: {"flags": AVX2_FLAGS})
     monkeypatch.setattr(precision, "measure", lambda *a, **k: pytest.fail("measured on a CPU without native bf16"))
     m = _tiny_vit()
     c = precision.for_inference(m, "cpu", "auto", batch=1)
@@ -256,7 +255,8 @@ def test_no_native_bf16_keeps_fp32_without_a_probe_unless_bf16_is_named(home, mo
 
 def test_backend_auto_keeps_torch_bf16_only_where_it_wins_clearly(home, native, monkeypatch):
     """torch-fp32 and torch-bf16 are timed in the same interleaved rounds and judged by `decide`."""
-    from vitkit.inference import backends, engine_probe
+    from vitkit.machine import engine as backends
+    from vitkit.machine import engine_probe
 
     for ratios, kept in (([1.02, 0.97, 1.01, 1.40, 0.99], False), ([1.45, 1.52, 1.38, 1.60, 1.49], True)):
         fp32, bf16 = _rounds(ratios)
@@ -273,7 +273,7 @@ HIDDEN_OPS_CODE = """
 import json, torch
 torch.backends.mkldnn.is_available = lambda: False   # as a build without oneDNN (some aarch64 wheels)
 torch.backends.mkl.is_available = lambda: False      # and without MKL
-from vitkit.models.layers import gemm, linear
+from vitkit.machine import fast_linear as linear, gemm
 from vitkit.training import get_preset, apply_overrides, train
 cfg = get_preset("fashion-mnist", smoke=True)
 apply_overrides(cfg, {"data.dataset": "digits", "model.overrides.img_size": 16, "run.out_dir": OUT, "run.progress": False})

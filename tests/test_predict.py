@@ -39,7 +39,7 @@ def ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def _one_gemm(monkeypatch):
     """Runs compared bit for bit in this process take one GEMM path (none measured between them)."""
-    from vitkit.models.layers import gemm
+    from vitkit.machine import gemm
 
     monkeypatch.setattr(gemm, "FORCE", "onednn-packed")
 

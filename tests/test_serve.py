@@ -204,7 +204,7 @@ def test_the_web_page_in_headless_chromium(server, tmp_path):
 
 
 def test_the_onnx_backend_answers_as_the_torch_one(tmp_path):
-    from vitkit.deploy import export_model
+    from vitkit.inference.export import export_model
     from vitkit.serve import OnnxPredictor
 
     m = _model()

@@ -14,7 +14,7 @@ import torch
 import vitkit
 from vitkit.errors import UsageError
 from vitkit.models import get_entry
-from vitkit.stats import model_stats
+from vitkit.models.stats import model_stats
 
 F = Path(__file__).resolve().parent / "fixtures" / "swin"
 TIMM = F / "timm_swin"
@@ -123,7 +123,7 @@ def test_training_onnx_and_explain_on_a_swin(tmp_path):
 
     from vitkit.analysis.commands import explain_images
     from vitkit.cli import main
-    from vitkit.deploy import export_model
+    from vitkit.inference.export import export_model
 
     code = main(["train", "fashion-mnist", "--smoke", "model.name=swin_t", f"run.out_dir={tmp_path / 'run'}",
                  "run.precision=fp32"])

@@ -182,7 +182,7 @@ def test_random_resized_crops_of_files_are_cut_at_full_resolution(tmp_path):
 
     from vitkit.data.datasets import image_folder
     from vitkit.data.image import random_resized_crop_box
-    from vitkit.distributed import Dist
+    from vitkit.training.distributed import Dist
     from vitkit.training.trainer import _prepare
 
     rng = random.Random(0)

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models.layers.linear import pack_linears
+from .machine.cpu import cpu_model
+from .machine.fast_linear import pack_linears
+from .machine.gemm import gemm_rates
 from .errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -21,62 +23,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def gemm_rates(dtype: str = "fp32", device: str | torch.device = "cpu", n: int | None = None,
-               seconds: float = 1.5) -> dict[str, float]:
-    """FLOP/s of every GEMM path this device has for an n x n x n product in `dtype`, best of several runs each.
-
-    fp32 on a CPU: `torch.mm` (MKL) and the packed paths `vitkit.models.layers.gemm` chooses among (MKL packed,
-    oneDNN packed); which is fastest depends on the CPU (on AMD Zen 5 oneDNN's runs ~2.3x MKL's). bf16/fp16 on a
-    CPU: `torch.mm` (oneDNN there) and oneDNN with a packed weight. On a GPU: `torch.mm`."""
-    from .models.layers import gemm
-
-    device = torch.device(device)
-    n = n or (8192 if device.type == "cuda" else 1024)
-    dt = DTYPES[dtype]
-    g = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device, dt)
-    b = torch.randn(n, n, generator=g).to(device, dt)
-    calls = {"torch.mm": lambda: a @ b}
-    if device.type == "cpu":
-        wt = b.t().contiguous()  # y = a @ b as a linear layer with weight b^T
-        for path in ("mkl-packed", "onednn-packed") if dtype == "fp32" else ("onednn-packed",):
-            if not gemm.available(path):
-                continue
-            try:
-                packed = gemm.pack(path, wt, n)
-                fn = (lambda p=packed, path=path: gemm.run(path, a, p, wt, None, n))
-                fn()
-            except (RuntimeError, AttributeError):
-                continue
-            calls[path] = fn
-    rates = {}
-    with torch.no_grad():
-        for name, fn in calls.items():
-            fn()
-            _sync(device)
-            best, t_end = 0.0, time.perf_counter() + seconds / len(calls)
-            while time.perf_counter() < t_end:
-                t = time.perf_counter()
-                fn()
-                _sync(device)
-                best = max(best, 2 * n**3 / (time.perf_counter() - t))
-            rates[name] = best
-    return rates
-
-
-def matmul_peak(dtype: str = "fp32", device: str | torch.device = "cpu", n: int | None = None, seconds: float = 1.5) -> float:
-    """This device's matmul FLOP/s in `dtype`: the fastest GEMM path it has (`gemm_rates`), not `torch.mm`'s alone."""
-    return max(gemm_rates(dtype, device, n, seconds).values())
-
-
-def cpu_model() -> str:
-    """`lscpu`'s model name and CPU family, as every CPU speed is reported beside."""
-    from .models.layers.gemm import cpu_info
-
-    info = cpu_info()
-    return f"{info.get('model name', 'unknown CPU')}, family {info.get('cpu family', '?')}"
 
 
 class PeakMemory:
@@ -202,7 +148,7 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
                 compile_: bool = False, compile_mode: str = "default", device: str | torch.device = "cpu", warmup: int = 2, iters: int = 5,
                 min_seconds: float = 3.0, latency: bool = True, peak: float | None = None, pack: bool = True,
                 freezing: bool = False) -> BenchResult:
-    from .stats import count_flops
+    from .models.stats import count_flops
 
     device = torch.device(device)
     model = model.to(device)
@@ -219,8 +165,8 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
         one = make_step(model, x[:1], dtype, False, compile_, compile_mode, pack=pack, freezing=freezing)
         lat = statistics.median(time_fn(one, device, 2, 10, 1.0)) * 1e3
     work = flops * (3 if train else 1)  # backward ~ 2x forward
-    from .models.layers import gemm
-    from .models.layers.linear import FastGemm
+    from .machine import gemm
+    from .machine.fast_linear import FastGemm
 
     rates = {"given": peak} if peak else gemm_rates(dtype, device)
     peak_path = max(rates, key=rates.get)
@@ -259,7 +205,7 @@ def bench(
         img_size: input resolution (default: the model's).
         batch_size: images per call.
         dtype: auto (bf16 where a short probe measures it faster than fp32 here for this model, batch and mode,
-            else fp32; `vitkit.precision`) | fp32 | bf16 | fp16 (bf16/fp16 via autocast; fp16 on GPU).
+            else fp32; `vitkit.machine.precision`) | fp32 | bf16 | fp16 (bf16/fp16 via autocast; fp16 on GPU).
         compile: torch.compile the model (full graph).
         compile_mode: torch.compile's mode; reduce-overhead replays CUDA graphs (for launch-bound small batches on a GPU).
         freezing: with --compile, inference: Inductor's freezing (weights as constants, prepacked for oneDNN).
@@ -269,7 +215,7 @@ def bench(
         num_classes: head size for registry models.
         min_seconds: measure for at least this long.
         no_pack: in fp32 on a CPU, call the Linear layers on PyTorch's own GEMM (MKL) instead of the fastest one
-            measured here (`vitkit.models.layers.gemm`).
+            measured here (`vitkit.machine.gemm`).
         backend: inference on a CPU: torch (eager, the measurements above) | auto (the engine `--backend auto`
             picks for this model and batch: `vitkit.inference.backends`) | onnx | openvino (vitkit's ONNX export,
             made once and cached); --dtype picks fp32 or bf16 (OpenVINO) where it applies.
@@ -282,7 +228,7 @@ def bench(
     from pathlib import Path
 
     from . import create_model, load
-    from .device import resolve_device
+    from .machine.device import resolve_device
 
     dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}
@@ -293,7 +239,7 @@ def bench(
         return _bench_engines(net.to(dev), model, dev, batch_size, dtype, backend, backends, train, compile, min_seconds,
                               json_out)
     if dtype == "auto":
-        from .precision import resolve
+        from .machine.precision import resolve
 
         choice = resolve("auto", net.to(dev), dev, batch=batch_size, training=train, lowp_stream=lowp_stream,
                          fast_gemm=not no_pack and not compile)
@@ -339,7 +285,8 @@ def _bench_engines(net: nn.Module, name: str, dev: torch.device, batch: int, dty
     `vitkit bench --backend auto|onnx|openvino` (the rate and batch-1 latency of one engine)."""
     import json
 
-    from .inference.backends import BackendModel, calibration_batch, check_backend, choose, resolve_and_announce, say
+    from .inference.backends import choose, open_engine
+    from .machine.engine import calibration_batch, check_backend
 
     check_backend(backend)
     if dev.type != "cpu" or train or compile_:
@@ -348,7 +295,7 @@ def _bench_engines(net: nn.Module, name: str, dev: torch.device, batch: int, dty
     if table:
         if dtype not in ("auto", "fp32", "bf16"):
             raise UsageError(f"--backends measures fp32 and bf16 engines, not {dtype}")
-        choice = choose(net, batch, refresh=True, log=say)
+        choice = choose(net, batch, refresh=True)
         d = choice.to_dict() | {"model": name, "cpu": cpu_model(), "threads": torch.get_num_threads()}
         if json_out:
             print(json.dumps(d, indent=1))
@@ -357,8 +304,8 @@ def _bench_engines(net: nn.Module, name: str, dev: torch.device, batch: int, dty
             print(choice.format_table())
             print(f"--backend {choice.reason}")
         return d
-    choice = resolve_and_announce(net, backend, dtype, batch)
-    m = BackendModel(net, choice)
+    m = open_engine(net, backend, dtype, batch)
+    choice = m.choice
     x = calibration_batch(net, batch)
     times = time_fn(lambda: m.run(x), dev, 2, 5, min_seconds)
     lat = statistics.median(time_fn(lambda: m.run(x[:1]), dev, 2, 10, 1.0)) * 1e3

@@ -8,7 +8,7 @@ Downloads (`checkpoints.catalog`), datasets, ONNX exports and the machine measur
     $VITKIT_HOME (default ~/.cache/vitkit)/
         <catalog name>/, urls/, verified/    downloaded checkpoints and their verification markers
         data/<dataset>/                      downloaded datasets
-        gemm/, precision/, backends/         what was measured on this machine (JSON, keyed by `gemm.machine_key`)
+        gemm/, precision/, backends/         what was measured on this machine (JSON, keyed by `machine.cpu.machine_key`)
         backends/exports/                    the ONNX exports the engines run
 """
 from __future__ import annotations

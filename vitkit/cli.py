@@ -39,7 +39,7 @@ def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool =
         json_out: print JSON instead of a table.
     """
     from .models import get_entry, list_models
-    from .stats import model_stats
+    from .models.stats import model_stats
 
     rows = [model_stats(get_entry(n), num_classes) for n in list_models(pattern)]
     if json_out:
@@ -173,7 +173,7 @@ def export(
             patches (B, L, P*P*C), coords (B, L, 2) int64, valid (B, L) bool; B and L dynamic.
     """
     from .checkpoints import load
-    from .deploy import export_model
+    from .inference.export import export_model
 
     report = export_model(load(checkpoint), out, format, dynamic_batch=dynamic_batch, dynamic_size=dynamic_size,
                           opset=opset, quantize=None if quantize == "none" else quantize, packed=packed)
@@ -389,15 +389,15 @@ def evaluate(
     from .data.datasets import csv_list, decodes_files, folder_test_split, image_folder, is_shards, load_dataset
     from .data.image import EvalTransform
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
-
-    from .device import resolve_device
+    from .inference.backends import inference_engine
+    from .machine.device import resolve_device
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
     if max_patches and backend != "torch":
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch); an ONNX export with "
                          "packed inputs: vitkit export CHECKPOINT OUT.onnx --packed")
-    runner, prec, reason = _inference_engine(model, dev, precision, backend, batch_size)
+    runner, prec, reason = inference_engine(model, dev, precision, backend, batch_size)
     c = model.config
     names = c.class_names
     replicate = None
@@ -487,8 +487,8 @@ def _frozen_backbone(checkpoint: str, data: str, data_dir: str | None, train_sub
     (the training split cut to `train_subset` images), and the channel replication grey data needs for an RGB model."""
     from .checkpoints import load
     from .data.datasets import InMemoryDataset, load_dataset
-    from .device import resolve_device
-    from .precision import for_inference
+    from .machine.device import resolve_device
+    from .machine.precision import for_inference
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
@@ -568,10 +568,10 @@ def features(
 
     from .checkpoints import load
     from .cache import atomic_write
-    from .device import resolve_device
+    from .machine.device import resolve_device
     from .inference.features import extract_features
     from .models.vit import resolve_layers
-    from .precision import for_inference
+    from .machine.precision import for_inference
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
@@ -664,8 +664,9 @@ def predict(
             square size.
     """
     from .checkpoints import load
-    from .device import resolve_device
+    from .machine.device import resolve_device
     from .evaluation.metrics import check_tta
+    from .inference.backends import inference_engine
     from .inference.predict import gather_inputs, resolve_format, run
 
     fmt = resolve_format(format, out)
@@ -683,7 +684,7 @@ def predict(
         raise UsageError(f"no images in {', '.join(images)}")
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
-    runner, prec, _ = _inference_engine(model, dev, precision, backend, min(len(inputs), batch_size))
+    runner, prec, _ = inference_engine(model, dev, precision, backend, min(len(inputs), batch_size))
     res = run(runner, inputs, out=out, fmt=fmt, resume=resume, top_k=top_k, batch_size=batch_size, tta=tta,
               precision=prec, max_patches=max_patches, num_workers=num_workers, progress=progress)
     rate = res.done_now / max(res.seconds, 1e-9)
@@ -699,26 +700,6 @@ def predict(
         print(f"vitkit: predict: {res.done_now:,} images in {res.seconds:.1f} s ({rate:,.0f} img/s){resumed}{where}",
               file=sys.stderr, flush=True)
     return _unreadable(res.failed, res.total)
-
-
-def _inference_engine(model, dev, precision: str, backend: str, batch: int):
-    """What `predict` and `eval` run on: (the model to call, the autocast precision around it, the reason line).
-    backend torch: the eager model, `precision` resolved (`vitkit.precision`); auto / onnx / openvino: a
-    `BackendModel` on the engine chosen (`vitkit.inference.backends`), which applies its own precision."""
-    from .inference.backends import BackendModel, check_backend, resolve_and_announce
-    from .precision import for_inference
-
-    check_backend(backend)
-    if backend == "torch":
-        choice = for_inference(model, dev, precision, batch)
-        return model, choice.precision, choice.reason
-    if dev.type != "cpu":
-        if backend != "auto":
-            raise UsageError(f"--backend {backend} runs on the CPU: add --device cpu")
-        choice = for_inference(model, dev, precision, batch)
-        return model, choice.precision, f"backend auto on {dev}: torch; precision {choice.reason}"
-    choice = resolve_and_announce(model, backend, precision, batch)
-    return BackendModel(model, choice), "fp32", f"backend {choice.reason}"
 
 
 def _exit_status(records: list[dict]) -> int:
@@ -757,7 +738,7 @@ def explain(
     """
     from .analysis.commands import explain_images
     from .checkpoints import load
-    from .models.layers.linear import pack_linears
+    from .machine.fast_linear import pack_linears
 
     model = load(checkpoint)
     pack_linears(model)  # float32 on CPU: the fastest GEMM measured here

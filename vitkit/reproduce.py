@@ -167,7 +167,7 @@ def _distill(variant: str, seed: int, scale: Scale, work: Path) -> dict:
             "params (M)": sum(p.numel() for p in load(work / "final.safetensors").parameters()) / 1e6}
 
 
-# The swin study's three models, at matched FLOPs (~30 MFLOPs per image; `vitkit.stats.count_flops`): the studies'
+# The swin study's three models, at matched FLOPs (~30 MFLOPs per image; `vitkit.models.stats.count_flops`): the studies'
 # ViT (33.5), the hybrid of data-scale (28.6), and a 3-stage Swin on 32 px in 2x2 patches (32.2): maps 16, 8, 4,
 # 4x4 windows, shifted windows in the first two stages.
 SWIN = {"img_size": 32, "patch_size": 2, "in_chans": 1, "window_size": 4, "embed_dim": 28, "depths": (2, 2, 2),
@@ -181,7 +181,7 @@ def _infer_speed(checkpoint: Path, batch: int = 128, rounds: int = 5) -> float:
     import torch
 
     from .checkpoints import load
-    from .models.layers.linear import pack_linears
+    from .machine.fast_linear import pack_linears
 
     model = load(checkpoint).eval()
     pack_linears(model)

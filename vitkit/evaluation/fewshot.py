@@ -103,7 +103,7 @@ def features(model: nn.Module, data, transform, batch_size: int = 500, device="c
     """The pooled representation (the head's input: `forward_head(..., pre_logits=True)`) of every image of a
     dataset, and the labels; computed in `precision` (fp32 | bf16 | fp16 autocast), returned in float32."""
     from ..data.datasets import _load_batches, eval_index_batches
-    from ..precision import autocast
+    from ..machine.precision import autocast
 
     was = model.training
     model.eval()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
-from ..precision import autocast
+from ..machine.precision import autocast
 
 
 @dataclass
@@ -81,7 +81,7 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
     """Accuracy of `model` on `data` (an in-memory or file dataset); `transform` maps uint8 batches to model inputs.
 
     tta: test-time augmentation (`tta_views`): the prediction is the mean of the views' probabilities.
-    dist: a `vitkit.distributed.Dist`: each rank evaluates its own contiguous part and the counts are summed, so
+    dist: a `vitkit.training.distributed.Dist`: each rank evaluates its own contiguous part and the counts are summed, so
         every sample counts exactly once; every rank gets the whole result. lockstep: every rank runs the same
         number of forward passes (a model sharded with FSDP2).
     """

@@ -1,175 +1,25 @@
-"""Which engine runs inference here: eager PyTorch (fp32 or bf16), ONNX Runtime, or OpenVINO (fp32 or bf16).
-
-No engine is fastest everywhere: on a CPU with bf16 instructions OpenVINO's bf16 or vitkit's packed bf16 wins, on an
-AVX2-only CPU bf16 is emulated and an fp32 engine wins, and which fp32 engine depends on the CPU and the model.
-`choose(model, batch)` (`--backend auto`) measures every candidate installed on this machine for this model and batch:
-
-    torch-fp32     eager, Linears on the packed fast GEMM (`vitkit.models.layers.gemm`)
-    torch-bf16     eager, bf16 autocast, each weight cast and packed once
-    onnx-fp32      onnxruntime on vitkit's ONNX export (`vitkit[deploy]`)
-    openvino-fp32  OpenVINO's CPU plugin on the same file, INFERENCE_PRECISION_HINT f32 read back (`vitkit[openvino]`)
-    openvino-bf16  the same with the hint bf16 (only where the plugin keeps it: a CPU with bf16 instructions)
-
-On one calibration batch (the model's own normalisation of seeded random pixels) each candidate's logits are compared
-with fp32 eager's: a candidate whose max |difference| exceeds TOLERANCE x max |fp32 logit| (+ 1e-3) is dropped, so a
-backend that is fast but wrong is never picked. The fastest of the rest wins, except that a candidate earlier in the
-list above (simpler: no export, explanations, fp32) is kept when the winner beats it by less than MARGIN. The exported
-engines are measured in a child process (a crash there, as OpenVINO's under some ISA caps, drops the candidate instead
-of the caller). Every engine is timed the same way (`engine_probe.interleaved_rounds`): warm-up calls, then five
-rounds (three for a call over half a second), each repeating the call until it lasts MIN_ROUND_S, the median round
-its rate; torch-fp32 and torch-bf16 in the same rounds, interleaved, and torch-bf16 kept only where it is clearly
-the faster (`vitkit.precision.decide`: a median per-round speed-up of BF16_MARGIN, the faster in most rounds). On a
-CPU without native bf16 the bf16 engines are not timed unless bf16 is asked for by name. The measurements are cached per machine (CPU, ISA caps, torch, threads), installed engine
-versions, model weights and batch in $VITKIT_HOME/backends/<machine>.json, and the ONNX export in
-$VITKIT_HOME/backends/exports/, so each model is measured and exported once per machine.
-"""
+"""The engine an inference command runs on (`--backend auto|torch|onnx|openvino`): vitkit's one engine choice
+(`vitkit.machine.engine`), handed the export its ONNX and OpenVINO candidates run. eval, predict, serve and bench
+all come here."""
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
+from ..cache import atomic_write, cache_dir
 from ..errors import UsageError
-from ..cache import atomic_write, cache_dir, read_json_cache, write_json_cache
-from . import engine_probe
-
-BACKENDS = ("auto", "torch", "onnx", "openvino")
-CANDIDATES = ("torch-fp32", "torch-bf16", "onnx-fp32", "openvino-fp32", "openvino-bf16")  # simplest first
-TOLERANCE = 0.05  # max |logit - fp32 eager logit| <= TOLERANCE * max |fp32 logit| + ATOL on the calibration batch
-ATOL = 1e-3
-MARGIN = 1.05  # a later candidate must be this much faster than an earlier one to be preferred
-PROBE_BATCH = 32  # the most images a measured call takes (larger batches run in chunks of the measured size)
-CACHE_VERSION = 2  # 2: rounds interleaved and medians, bf16 kept only where clearly faster and native
-
-
-class _Named:
-    """`name` is "<backend>-<precision>", as in CANDIDATES."""
-
-    name: str
-
-    @property
-    def backend(self) -> str:
-        return self.name.split("-")[0]
-
-    @property
-    def precision(self) -> str:
-        return self.name.split("-")[1]
-
-
-@dataclass
-class Candidate(_Named):
-    """One engine's measurement: `rate` img/s at `batch`, `error` its max |logit - fp32 eager| relative to the largest
-    fp32 logit; `skipped` why it is not a candidate (not installed, failed, outside the tolerance)."""
-
-    name: str
-    rate: float = 0.0
-    error: float | None = None
-    skipped: str = ""
-
-
-@dataclass
-class BackendChoice(_Named):
-    """The engine inference runs on and why: `name` (a CANDIDATES entry), one line of `reason`, every candidate's
-    measurement in `table`, and for onnx/openvino the exported file."""
-
-    name: str
-    reason: str
-    table: list[Candidate] = field(default_factory=list)
-    batch: int = 1
-    export: Path | None = None
-
-    def format_table(self) -> str:
-        fp32 = next((c.rate for c in self.table if c.name == "torch-fp32" and c.rate), 0.0)
-        lines = [f"{'backend':<15} {'img/s':>8} {'vs torch-fp32':>13} {'max rel diff':>12}  note"]
-        for c in self.table:
-            rate = f"{c.rate:8.2f}" if c.rate else f"{'-':>8}"
-            rel = f"{c.rate / fp32:12.2f}x" if c.rate and fp32 else f"{'-':>13}"
-            err = f"{c.error:12.2e}" if c.error is not None else f"{'-':>12}"
-            note = "chosen" if c.name == self.name else c.skipped
-            lines.append(f"{c.name:<15} {rate} {rel} {err}  {note}")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return {"choice": self.name, "reason": self.reason, "batch": self.batch,
-                "table": [{"name": c.name, "img_per_s": c.rate, "max_rel_diff": c.error, "skipped": c.skipped}
-                          for c in self.table]}
-
-
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise UsageError(f"--backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    return backend
-
-
-def installed(backend: str) -> str | None:
-    """The version of an optional engine, or None when it is not installed."""
-    try:
-        if backend == "onnx":
-            import onnx  # noqa: F401
-            import onnxruntime
-            import onnxscript  # noqa: F401
-
-            return onnxruntime.__version__
-        if backend == "openvino":
-            import onnx  # noqa: F401
-            import onnxscript  # noqa: F401
-            import openvino
-
-            return openvino.get_version()
-    except ImportError:
-        return None
-    return torch.__version__
-
-
-def weights_digest(model: nn.Module) -> str:
-    """A digest of the model's architecture and every weight: measurements and exports are per model."""
-    h = hashlib.blake2b(digest_size=16)
-    cfg = getattr(model, "config", None)
-    h.update(json.dumps(cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg), sort_keys=True, default=str).encode())
-    for name, t in model.state_dict().items():
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        t = t.detach().cpu().contiguous().reshape(-1)
-        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def calibration_batch(model: nn.Module, batch: int) -> np.ndarray:
-    """`batch` images of seeded uniform random pixels in [0, 1], normalised with the model's own mean and std."""
-    c = model.config
-    g = np.random.default_rng(0)
-    x = g.random((batch, c.in_chans, *c.img_size), dtype=np.float32)
-    mean = np.asarray(c.mean, np.float32).reshape(1, -1, 1, 1)
-    std = np.asarray(c.std, np.float32).reshape(1, -1, 1, 1)
-    return np.ascontiguousarray((x - mean) / std, dtype=np.float32)
-
-
-def rel_diff(y: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(y.astype(np.float64) - ref).max() / max(float(np.abs(ref).max()), 1e-12))
-
-
-def within(y: np.ndarray, ref: np.ndarray, tolerance: float) -> bool:
-    return bool(np.isfinite(y).all()) and float(np.abs(y.astype(np.float64) - ref).max()) <= \
-        tolerance * float(np.abs(ref).max()) + ATOL
-
-
-# ---------------------------------------------------------------------------------------------------- runners
+from ..machine import engine
+from ..machine.engine import BackendChoice, BackendModel, weights_digest
+from ..machine.precision import for_inference
+from .export import export_model
 
 
 def export_for(model: nn.Module, digest: str | None = None) -> Path:
     """vitkit's ONNX export of `model` (dynamic batch, fp32, checked against eager), cached by its weights: ONNX
     Runtime and OpenVINO both run this one file."""
-    from ..deploy import export_model
-
     digest = digest or weights_digest(model)
     path = cache_dir() / "backends" / "exports" / f"{digest}.onnx"
     if path.is_file():
@@ -188,264 +38,34 @@ def export_for(model: nn.Module, digest: str | None = None) -> Path:
     return atomic_write(path, write)
 
 
-def engine(backend: str, precision: str, path: str | Path, threads: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
-    """An exported model compiled for this CPU: onnxruntime (fp32) or OpenVINO (fp32 or bf16, the hint read back),
-    as a function (B, C, H, W) float32 -> logits."""
-    try:
-        return engine_probe.compile_engine(backend, precision, path, threads)
-    except engine_probe.EngineError as e:
-        raise UsageError(str(e)) from e
+def choose(model: nn.Module, batch: int, *, refresh: bool = False, threads: int | None = None,
+           log=engine.say) -> BackendChoice:
+    """`--backend auto`'s measurement for `model` at `batch` (`vitkit.machine.engine.choose`), with this package's
+    export for the ONNX and OpenVINO candidates."""
+    return engine.choose(model, batch, refresh=refresh, threads=threads, log=log, export=export_for)
 
 
-def torch_runner(model: nn.Module, precision: str) -> Callable[[np.ndarray], np.ndarray]:
-    """Eager inference in `precision` on the CPU's fastest GEMM (weights packed once; bf16: cast once too)."""
-    from ..models.layers.linear import pack_linears
-    from ..precision import autocast
-
-    device = next(model.parameters()).device
-    model.eval()
-    pack_linears(model, enable=precision in ("fp32", "bf16"))
-
-    def run(x: np.ndarray) -> np.ndarray:
-        with torch.inference_mode(), autocast(precision, device):
-            return model(torch.from_numpy(x).to(device)).float().cpu().numpy()
-
-    return run
+def open_engine(model: nn.Module, backend: str, precision: str, batch: int, threads: int | None = None
+                ) -> BackendModel:
+    """`model` on the engine `--backend`/`--precision` name (auto: measured, `vitkit.machine.engine.resolve`), the
+    choice, its progress and (auto) its table printed on stderr: `.choice` says which."""
+    choice = engine.resolve_and_announce(model.eval(), backend, precision, batch, threads=threads, export=export_for)
+    return BackendModel(model, choice, threads)
 
 
-def chunked(fn: Callable[[np.ndarray], np.ndarray], batch: int) -> Callable[[np.ndarray], np.ndarray]:
-    """`fn` on at most `batch` images per call (the batch it was measured at; bounds an engine's memory)."""
-    def run(x: np.ndarray) -> np.ndarray:
-        if len(x) <= batch:
-            return fn(np.ascontiguousarray(x, dtype=np.float32))
-        return np.concatenate([fn(np.ascontiguousarray(x[i:i + batch], dtype=np.float32)) for i in range(0, len(x), batch)])
-    return run
-
-
-# ---------------------------------------------------------------------------------------------------- measuring
-
-
-def _probe_child(backend: str, precision: str, path: Path, x: np.ndarray, threads: int, timeout: float) -> tuple[float, np.ndarray]:
-    """Rate and calibration logits of an exported engine, measured in a child process."""
-    with tempfile.TemporaryDirectory(prefix="vitkit-probe-") as d:
-        np.save(Path(d) / "x.npy", x)
-        cmd = [sys.executable, engine_probe.__file__, backend, precision, str(path), d, str(threads)]  # no torch there
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"no answer in {timeout:.0f} s") from None
-        if r.returncode != 0:
-            last = (r.stderr.strip().splitlines() or [""])[-1][:200]
-            raise RuntimeError(f"exit status {r.returncode}{' (crashed: signal ' + str(-r.returncode) + ')' if r.returncode < 0 else ''}"
-                               f"{': ' + last if last else ''}")
-        rate = json.loads((Path(d) / "rate.json").read_text())["rate"]
-        return float(rate), np.load(Path(d) / "y.npy", allow_pickle=False)
-
-
-def measure(model: nn.Module, batch: int, *, threads: int | None = None, tolerance: float = TOLERANCE,
-            candidates: tuple[str, ...] = CANDIDATES, digest: str | None = None, log=None,
-            force_bf16: bool = False) -> list[Candidate]:
-    """Every candidate's img/s at `batch` and its difference from fp32 eager on the calibration batch.
-
-    torch-fp32 and torch-bf16 are timed together, in interleaved rounds (`engine_probe.interleaved_rounds`), and
-    torch-bf16 stays a candidate only where `precision.decide` finds it clearly faster (the median per-round
-    speed-up at least precision.BF16_MARGIN, the faster in most rounds). On a CPU without native bf16
-    (`precision.bf16_support`) the bf16 candidates are not timed (torch-bf16's logits are still compared), unless
-    `force_bf16` (bf16 asked for by name)."""
-    from ..models.layers.linear import pack_linears
-    from ..precision import BF16_MARGIN, bf16_support, decide
-
-    threads = threads or torch.get_num_threads()
-    x = calibration_batch(model, batch)
-    table = [Candidate(n) for n in CANDIDATES if n in candidates]
-    ref: np.ndarray | None = None
-    path: Path | None = None
-    say = log or (lambda s: None)
-    was_training = model.training
-    native, why = bf16_support()
-    emulated = native is False and not force_bf16
-    eager: dict[str, Callable[[], np.ndarray]] = {}  # the torch candidates, timed together after the loop
-    try:
-        for c in table:
-            try:
-                if c.backend == "torch":
-                    run = torch_runner(model, c.precision)
-                    with torch.random.fork_rng():
-                        y = run(x)
-                    eager[c.name] = lambda run=run: run(x)
-                elif emulated and c.precision == "bf16":
-                    c.skipped = f"not measured: {why} (bf16 would be emulated)"
-                    continue
-                else:
-                    version = installed(c.backend)
-                    if version is None:
-                        c.skipped = f"not installed (pip install 'vitkit[{'deploy' if c.backend == 'onnx' else 'openvino'}]')"
-                        continue
-                    if path is None:
-                        say("exporting to ONNX for the onnx and openvino candidates (once per model) ...")
-                        path = export_for(model, digest)
-                    c.rate, y = _probe_child(c.backend, c.precision, path, x, threads, timeout=600)
-            except Exception as e:  # noqa: BLE001 - a candidate that fails is not a candidate
-                c.rate, c.skipped = 0.0, f"failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}"
-                eager.pop(c.name, None)
-                continue
-            if c.name == "torch-fp32":
-                ref = y.astype(np.float64)
-            if ref is None:
-                c.skipped = "no fp32 eager reference"
-                eager.pop(c.name, None)
-                continue
-            c.error = rel_diff(y, ref)
-            if not within(y, ref, tolerance):
-                c.skipped = f"outside the tolerance ({c.error:.2g} > {tolerance:g} of the largest fp32 logit)"
-                eager.pop(c.name, None)
-            elif c.name == "torch-bf16" and emulated:
-                c.skipped = f"not timed: {why} (bf16 would be emulated)"
-                eager.pop(c.name, None)
-            if c.backend != "torch":
-                say(f"  {c.name}: {c.rate:.2f} img/s, max rel diff {c.error:.2g}{' (' + c.skipped + ')' if c.skipped else ''}")
-        rounds: dict[str, list[float]] = {}
-        with torch.random.fork_rng():
-            try:
-                rounds = engine_probe.interleaved_rounds(eager) if eager else {}
-            except Exception as e:  # noqa: BLE001 - a torch candidate that fails while timed is not a candidate
-                for c in table:
-                    if c.name in eager:
-                        c.skipped = f"failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}"
-        for c in table:
-            if c.name in rounds:
-                c.rate = batch / engine_probe.median(rounds[c.name])
-        if "torch-fp32" in rounds and "torch-bf16" in rounds:
-            verdict, v = decide(rounds["torch-fp32"], rounds["torch-bf16"])
-            if verdict == "fp32":
-                bf16 = next(c for c in table if c.name == "torch-bf16")
-                bf16.skipped = (f"not clearly faster than torch-fp32 ({v['ratio']:.2f}x, median of {v['rounds']} "
-                                f"interleaved rounds, the faster in {v['wins']}; needs {BF16_MARGIN:.2f}x in {v['need']})")
-        for c in table:
-            if c.backend == "torch" and c.error is not None:
-                say(f"  {c.name}: {c.rate:.2f} img/s, max rel diff {c.error:.2g}{' (' + c.skipped + ')' if c.skipped else ''}")
-    finally:
-        pack_linears(model, enable=False)
-        model.train(was_training)
-    return table
-
-
-def pick(table: list[Candidate]) -> tuple[str, str]:
-    """The winner among the kept candidates and the reason, in one line."""
-    kept = [c for c in table if c.rate and not c.skipped]
-    if not kept:
-        return "torch-fp32", "no candidate ran within the tolerance: torch-fp32"
-    best = max(kept, key=lambda c: c.rate)
-    chosen = next(c for c in kept if c.rate * MARGIN >= best.rate)  # the simplest within the margin of the fastest
-    runner_up = max((c for c in kept if c is not chosen), key=lambda c: c.rate, default=None)
-    why = f"{chosen.rate:.1f} img/s"
-    if chosen is not best:
-        why += f", within {MARGIN - 1:.0%} of {best.name}'s {best.rate:.1f} and simpler"
-    elif runner_up is not None:
-        why += f", {chosen.rate / runner_up.rate:.2f}x the next ({runner_up.name}, {runner_up.rate:.1f})"
-    dropped = [c.name for c in table if c.skipped.startswith("outside")]
-    if dropped:
-        why += f"; outside the tolerance: {', '.join(dropped)}"
-    return chosen.name, why
-
-
-def choose(model: nn.Module, batch: int, *, threads: int | None = None, tolerance: float = TOLERANCE,
-           candidates: tuple[str, ...] = CANDIDATES, refresh: bool = False, log=None,
-           force_bf16: bool = False) -> BackendChoice:
-    """The fastest engine within `tolerance` of fp32 eager for `model` at `batch` on this machine (measured once per
-    machine, engine versions, weights and batch, then read from the cache)."""
-    from ..models.layers import gemm
-
-    pb = max(1, min(batch, PROBE_BATCH))
-    threads = threads or torch.get_num_threads()
-    digest = weights_digest(model)
-    versions = {b: installed(b) for b in ("torch", "onnx", "openvino")}
-    key = json.dumps([CACHE_VERSION, digest, pb, threads, tolerance, sorted(candidates), versions]
-                     + (["bf16 forced"] if force_bf16 else []), sort_keys=True)
-    cache = cache_dir() / "backends" / f"{gemm.machine_key()}.json"
-    known = _load(cache)
-    cached = key in known and not refresh
-    if cached:
-        table = [Candidate(**row) for row in known[key]]
-    else:
-        table = measure(model, pb, threads=threads, tolerance=tolerance, candidates=candidates, digest=digest, log=log,
-                        force_bf16=force_bf16)
-        known[key] = [vars(c) for c in table]
-        write_json_cache(cache, known, indent=1, sort_keys=True)
-    name, why = pick(table)
-    from ..bench import cpu_model
-
-    reason = (f"auto -> {name}: {why} (batch {pb}, {threads} threads, {cpu_model()}"
-              f"{', measured earlier' if cached else ''})")
-    export = export_for(model, digest) if not name.startswith("torch") else None
-    return BackendChoice(name, reason, table, pb, export)
-
-
-def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threads: int | None = None,
-            log=None) -> BackendChoice:
-    """`--backend` and `--precision` as a command gives them: auto measures (`choose`); torch resolves the precision
-    (`vitkit.precision`); onnx and openvino run the cached export in fp32 (openvino: bf16 if asked)."""
-    check_backend(backend)
-    if backend == "auto":
-        if precision not in ("auto", "fp32", "bf16"):
-            raise UsageError(f"--backend auto picks among fp32 and bf16 engines, not {precision}")
-        cands = CANDIDATES if precision == "auto" else tuple(c for c in CANDIDATES if c.endswith(precision) or c == "torch-fp32")
-        return choose(model, batch, threads=threads, candidates=cands, log=log, force_bf16=precision == "bf16")
+def inference_engine(model: nn.Module, device: torch.device, precision: str, backend: str, batch: int
+                     ) -> tuple[nn.Module, str, str]:
+    """What `predict`, `eval` and `fewshot` run on: (the model to call, the autocast precision around it, the reason
+    line). backend torch: the eager model, `precision` resolved (`vitkit.machine.precision.for_inference`); auto /
+    onnx / openvino: a `BackendModel` on the engine chosen (`open_engine`), which applies its own precision."""
+    engine.check_backend(backend)
     if backend == "torch":
-        from ..precision import resolve as resolve_precision
-
-        device = next(model.parameters()).device
-        p = resolve_precision(precision, model, device, batch=batch, training=False)
-        return BackendChoice(f"torch-{p.precision}", p.reason, batch=batch)
-    if installed(backend) is None:
-        raise UsageError(f"--backend {backend} needs {backend}: pip install 'vitkit[{'deploy' if backend == 'onnx' else 'openvino'}]'")
-    p = "fp32" if precision in ("auto", "fp32") else precision
-    if (backend, p) not in (("onnx", "fp32"), ("openvino", "fp32"), ("openvino", "bf16")):
-        raise UsageError(f"--backend {backend} computes in {'fp32' if backend == 'onnx' else 'fp32 or bf16'}, not {precision}")
-    return BackendChoice(f"{backend}-{p}", f"{backend}-{p}: asked for", batch=batch, export=export_for(model))
-
-
-def say(line: str) -> None:
-    """A progress line on stderr, as the commands print their choices."""
-    print(f"vitkit: {line}", file=sys.stderr, flush=True)
-
-
-def resolve_and_announce(model: nn.Module, backend: str, precision: str, batch: int, *,
-                         threads: int | None = None) -> BackendChoice:
-    """`resolve`, with its progress, its reason and (for auto) the whole table printed on stderr."""
-    choice = resolve(model, backend, precision, batch, threads=threads, log=say)
-    say(f"backend {choice.reason}")
-    if backend == "auto":
-        print(choice.format_table(), file=sys.stderr, flush=True)
-    return choice
-
-
-class BackendModel(nn.Module):
-    """A model running on the engine a `BackendChoice` names, called like the eager model: (B, C, H, W) float32
-    tensor -> logits (fp32, on the CPU). Holds `config` for preprocessing and class names. For torch it is the
-    eager model in the chosen precision."""
-
-    def __init__(self, model: nn.Module, choice: BackendChoice, threads: int | None = None) -> None:
-        super().__init__()
-        self.config = model.config
-        self.choice = choice
-        if choice.backend == "torch":
-            self.eager = model
-            fn = torch_runner(model, choice.precision)
-        else:
-            from ..errors import CheckpointError
-            from ..safety import untrusted
-
-            self.eager = None
-            with untrusted(str(choice.export), CheckpointError):
-                fn = engine(choice.backend, choice.precision, choice.export, threads or torch.get_num_threads())
-        self.run = chunked(fn, max(choice.batch, PROBE_BATCH))
-        self.device = torch.device("cpu") if self.eager is None else next(model.parameters()).device
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.run(x.detach().float().cpu().numpy()))
-
-
-def _load(path: Path) -> dict:
-    data = read_json_cache(path, {})
-    return {k: v for k, v in data.items() if isinstance(v, list)} if isinstance(data, dict) else {}
+        choice = for_inference(model, device, precision, batch)
+        return model, choice.precision, choice.reason
+    if device.type != "cpu":
+        if backend != "auto":
+            raise UsageError(f"--backend {backend} runs on the CPU: add --device cpu")
+        choice = for_inference(model, device, precision, batch)
+        return model, choice.precision, f"backend auto on {device}: torch; precision {choice.reason}"
+    m = open_engine(model, backend, precision, batch)
+    return m, "fp32", f"backend {m.choice.reason}"

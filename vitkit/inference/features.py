@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..data.image import EvalTransform, ImageDecodeError, decode_for
-from ..precision import autocast
+from ..machine.precision import autocast
 
 
 @torch.no_grad()

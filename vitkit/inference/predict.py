@@ -36,7 +36,7 @@ from torch import nn
 from ..data.image import EvalTransform, ImageDecodeError, decode_for, load_image, to_uint8_tensor
 from ..errors import UsageError, VitkitError
 from ..evaluation.metrics import check_tta, tta_log_probs
-from ..precision import autocast
+from ..machine.precision import autocast
 
 FORMATS = ("table", "json", "jsonl", "csv")
 RESUMABLE = ("jsonl", "csv")
@@ -350,7 +350,7 @@ def predict(model: nn.Module, images: Sequence[str | Path], top_k: int = 5, batc
     unreadable. `images`: files, folders, CSV lists and shard sets (`gather_inputs`).
 
     tta: test-time augmentation (`vitkit.evaluation.tta_views`): probabilities averaged over the views.
-    precision: fp32 | bf16 | fp16 (autocast), as resolved by `vitkit.precision`.
+    precision: fp32 | bf16 | fp16 (autocast), as resolved by `vitkit.machine.precision`.
     max_patches: native aspect ratio (NaFlex): each image resized, keeping its aspect ratio, to at most this many
         patches, the batch packed into one forward (`vitkit.data.naflex`); None: the checkpoint's square size.
     num_workers: threads decoding ahead of the model (0: none).

@@ -61,8 +61,8 @@ class TorchPredictor(Predictor):
     backend = "torch"
 
     def __init__(self, model: torch.nn.Module, precision: str = "fp32", batch: int = 8) -> None:
-        """precision: auto | fp32 | bf16, resolved for a forward of `batch` images (`vitkit.precision`)."""
-        from ..precision import for_inference
+        """precision: auto | fp32 | bf16, resolved for a forward of `batch` images (`vitkit.machine.precision`)."""
+        from ..machine.precision import for_inference
 
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -71,7 +71,7 @@ class TorchPredictor(Predictor):
         self.explains = hasattr(model, "embed")  # a ViT or hybrid: attention rollout (not BiT, not Swin's windows)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        from ..precision import autocast
+        from ..machine.precision import autocast
 
         if isinstance(x, list):  # images of different sizes: one packed forward
             from ..models.layers.packing import pack
@@ -90,7 +90,7 @@ class OnnxPredictor(Predictor):
     def __init__(self, path: str | Path, threads: int | None = None) -> None:
         import onnxruntime as ort
 
-        from ..deploy import onnx_config
+        from ..inference.export import onnx_config
 
         d = onnx_config(path)
         d.pop("arch", None)
@@ -117,7 +117,7 @@ class OpenVinoPredictor(Predictor):
     backend = "openvino"
 
     def __init__(self, path: str | Path, threads: int | None = None, precision: str = "fp32") -> None:
-        from ..deploy import openvino_compile, openvino_config
+        from ..inference.export import openvino_compile, openvino_config
 
         d = openvino_config(path)
         d.pop("arch", None)
@@ -134,10 +134,10 @@ class EnginePredictor(Predictor):
     openvino given a checkpoint): predictions there, explanations from the eager fp32 model."""
 
     def __init__(self, model: torch.nn.Module, backend: str, precision: str, batch: int, threads: int | None) -> None:
-        from ..inference.backends import BackendModel, resolve_and_announce
+        from ..inference.backends import open_engine
 
-        choice = resolve_and_announce(model.eval(), backend, precision, batch, threads=threads)
-        self.choice, self.engine = choice, BackendModel(model, choice, threads)
+        self.engine = open_engine(model, backend, precision, batch, threads)
+        choice = self.choice = self.engine.choice
         self.backend, self.precision = choice.name, choice.precision
         self.model, self.config = model, model.config
         self.explains = hasattr(model, "embed")
@@ -151,7 +151,7 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
     exported = str(checkpoint).endswith((".onnx", ".xml"))
     if backend == "auto" or (backend in ("onnx", "openvino") and not exported):  # a checkpoint: measured or exported
         from ..checkpoints import load
-        from ..inference.backends import check_backend
+        from ..machine.engine import check_backend
 
         check_backend(backend)
         if threads:

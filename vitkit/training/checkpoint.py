@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ..distributed import Dist
+from .distributed import Dist
 from ..errors import CheckpointError, VitkitError
 from ..safety import open_regular, parse_json, read_bytes, untrusted
 

@@ -130,7 +130,7 @@ class RunConfig:
     seed: everything random derives from it.
     device: "auto", "cpu", "cuda", ...
     precision: "auto" (bf16 where a short probe measures it faster than fp32 for this model on this device, else
-        fp32; measured once per machine and cached, `vitkit.precision`), "fp32", "bf16" (autocast, CPU or GPU) or
+        fp32; measured once per machine and cached, `vitkit.machine.precision`), "fp32", "bf16" (autocast, CPU or GPU) or
         "fp16" (autocast + grad scaler, GPU). A resumed run keeps what its auto chose.
     precision_choice: written by the run: what precision resolved to and why (e.g. "auto -> fp32: bf16 0.10x
         fp32 on this CPU ..."); not read.
@@ -139,7 +139,7 @@ class RunConfig:
         optimizer stay fp32. ViTs only; no effect on a CNN or in fp32.
     compile: torch.compile the model.
     fast_gemm: fp32 on a CPU: the Linear layers' forward and input gradient on the fastest GEMM this machine has,
-        chosen by measurement once per CPU (`vitkit.models.layers.gemm`; oneDNN's packed GEMM runs 2x MKL's on
+        chosen by measurement once per CPU (`vitkit.machine.gemm`; oneDNN's packed GEMM runs 2x MKL's on
         AMD Zen 5); false: PyTorch's own (MKL). The same gradients to fp32 rounding.
     strategy: under torchrun (or `vitkit train --nproc N`): "ddp" (DistributedDataParallel) or
         "fsdp" (FSDP2: parameters, gradients and optimizer state sharded per block); "auto" is ddp with several

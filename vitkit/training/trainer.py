@@ -14,7 +14,7 @@ A run directory holds:
 Reading order: `train` sets a run up (`_prepare`), then runs steps (`_train_step`: the micro-batches of one
 optimizer step, forward, backward, clipping, update, EMA), logs, evaluates (`_evaluate_and_keep_best`) and
 checkpoints between them. Under torchrun every process runs this same code: `data.batch_size` is the global
-batch, each rank takes its slice (`iterate_batches`), DDP or FSDP2 (`vitkit.distributed`) keeps the weights in
+batch, each rank takes its slice (`iterate_batches`), DDP or FSDP2 (`vitkit.training.distributed`) keeps the weights in
 step, and only rank 0 writes logs and weights.
 """
 from __future__ import annotations
@@ -38,12 +38,12 @@ from ..data.augment import BatchAugment
 from ..data.datasets import DataSpec, InMemoryDataset, decodes_files, iterate_batches, load_dataset, split_holdout
 from ..data.naflex import PackAugment, PackTransform, VarSizeDataset
 from ..data.image import EvalTransform
-from ..device import resolve_device
-from ..distributed import Dist, full_state_dict, gradient_sync, resolve_strategy, wrap_model
+from ..machine.device import resolve_device
+from .distributed import Dist, full_state_dict, gradient_sync, resolve_strategy, wrap_model
 from ..errors import UsageError, VitkitError
 from ..evaluation import EvalResult, check_tta, evaluate, save_confusion_png, write_report
-from ..models.layers.linear import pack_linears
-from .. import precision as precision_mod
+from ..machine.fast_linear import pack_linears
+from ..machine import precision as precision_mod
 from . import checkpoint
 from .config import TrainConfig
 from .logs import MetricsLog, Progress
@@ -322,7 +322,7 @@ def _choose_precision(cfg: TrainConfig, model: nn.Module, dist: Dist, resumed: s
 
 def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
     """One line on the model a run built: name, architecture, parameters and GFLOPs per image."""
-    from ..stats import count_flops
+    from ..models.stats import count_flops
 
     c = model.config
     kind = "CNN" if not hasattr(model, "blocks") else \

@@ -3,7 +3,8 @@ from .attention import Attention, RelativePositionBias
 from .attention_pool import AttentionPool
 from .drop_path import DropPath
 from .layer_scale import LayerScale
-from .linear import Linear, pack_linears
+from .linear import Linear
+from ...machine.fast_linear import pack_linears
 from .mlp import Mlp, SwiGLU
 from .norm import LayerNorm
 from .patch_embed import PatchEmbed

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemm
+from ...machine.cpu import amx_usable, bf16_native
 from .linear import Linear
 from .norm import LayerNorm
 from .rope import apply_rope
@@ -23,8 +23,8 @@ from ...errors import UsageError
 
 # oneDNN's native bf16 (AVX-512 BF16, AMX) makes the explicit path's bf16 matmuls fast; AMX tiles make the fused
 # kernel's bf16 forward the faster one for inference (see `_explicit_is_faster`)
-_CPU_BF16_NATIVE = gemm.bf16_native()
-_CPU_HAS_AMX = gemm.amx_usable()
+_CPU_BF16_NATIVE = bf16_native()
+_CPU_HAS_AMX = amx_usable()
 
 
 class RelativePositionBias(nn.Module):

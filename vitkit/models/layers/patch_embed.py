@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import FastGemm
+from ...machine.fast_linear import FastGemm
 from .mlp import lecun_normal_
 from .tracing import is_fx_tracing
 from ...errors import UsageError

@@ -21,7 +21,6 @@ $VITKIT_HOME/gemm/<cpu>[-caps-<ISA caps>]-<torch>-t<threads>.json, so each shape
 from __future__ import annotations
 
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,7 +28,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ...cache import cache_dir, read_json_cache, write_json_cache
+from ..cache import cache_dir, read_json_cache, write_json_cache
+from . import cpu
 
 PATHS = ("mkl", "mkl-packed", "onednn-packed")
 WGRAD_PATHS = ("mkl", "onednn")  # the weight gradient dW = dY^T X: both operands activations, nothing to prepack
@@ -82,69 +82,8 @@ def run(path: str, x: torch.Tensor, packed: torch.Tensor | None, w: torch.Tensor
     return F.linear(x, w, b)
 
 
-def cpu_info() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if ":" in line:
-                    k, v = line.split(":", 1)
-                    info.setdefault(k.strip(), v.strip())
-    except OSError:
-        pass
-    return info
-
-
-def cpu_name() -> str:
-    """Vendor, family, model and name: what the choice of path depends on."""
-    info = cpu_info()
-    if not info:
-        return platform.processor() or platform.machine()
-    return "-".join(info.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name"))
-
-
-# Environment variables that cap the instruction sets oneDNN, MKL and ATen use (`ONEDNN_MAX_CPU_ISA=AVX2` makes an
-# AVX-512 machine run as an AVX2-only one): a capped process measures its own choices.
-ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
-
-
-def isa_caps() -> str:
-    """The instruction-set caps in force, e.g. "ONEDNN_MAX_CPU_ISA=AVX2,ATEN_CPU_CAPABILITY=avx2" ("" for none)."""
-    return ",".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
-
-
-# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) below which it has no bf16 dot product, and those that allow AMX
-_NO_BF16_ISAS = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
-_AMX_ISAS = {"ALL", "DEFAULT", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16"}
-
-
-def _onednn_cap() -> str:
-    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
-
-
-def bf16_native() -> bool:
-    """Whether oneDNN computes bf16 matmuls with the CPU's own bf16 instructions (AVX-512 BF16 or AMX) rather than
-    emulating them (AVX2-only CPUs, or a cap below AVX512_CORE_BF16), where a bf16 matmul is ~10x slower."""
-    flags = cpu_info().get("flags", "").split()
-    has = "avx512_bf16" in flags or "amx_bf16" in flags
-    return has and _onednn_cap() not in _NO_BF16_ISAS
-
-
-def amx_usable() -> bool:
-    """Whether oneDNN may use this CPU's AMX tiles (present, and not capped away)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()) and _onednn_cap() in _AMX_ISAS
-
-
-def machine_key() -> str:
-    """A file-name-safe key for measurements that hold on this machine: CPU, ISA caps, torch version, threads."""
-    caps = isa_caps()
-    raw = f"{cpu_name()}{'-caps-' + caps if caps else ''}-{torch.__version__}-t{torch.get_num_threads()}"
-    return "".join(c if c.isalnum() or c in "-." else "_" for c in raw)
-
-
 def _cache_file() -> Path:
-    return cache_dir() / "gemm" / f"{machine_key()}.json"
+    return cache_dir() / "gemm" / f"{cpu.machine_key()}.json"
 
 
 def _load() -> None:
@@ -247,3 +186,57 @@ def choices() -> dict[str, dict]:
     """What was chosen in this process: {"[dW of ]k x n @ rows": {"path", "gflops": {path: rate}}}."""
     return {f"{'dW of ' if kind == 'wgrad' else ''}{k} x {n} @ {r} rows, {t} threads": {"path": p, "gflops": _RATES.get((kind, k, n, r, t), {})}
             for (kind, k, n, r, t), p in _CHOICES.items()}
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gemm_rates(dtype: str = "fp32", device: str | torch.device = "cpu", n: int | None = None,
+               seconds: float = 1.5) -> dict[str, float]:
+    """FLOP/s of every GEMM path this device has for an n x n x n product in `dtype`, best of several runs each.
+
+    fp32 on a CPU: `torch.mm` (MKL) and the packed paths `choose` picks among (MKL packed,
+    oneDNN packed); which is fastest depends on the CPU (on AMD Zen 5 oneDNN's runs ~2.3x MKL's). bf16/fp16 on a
+    CPU: `torch.mm` (oneDNN there) and oneDNN with a packed weight. On a GPU: `torch.mm`."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    dt = _DTYPES[dtype]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device, dt)
+    b = torch.randn(n, n, generator=g).to(device, dt)
+    calls = {"torch.mm": lambda: a @ b}
+    if device.type == "cpu":
+        wt = b.t().contiguous()  # y = a @ b as a linear layer with weight b^T
+        for path in ("mkl-packed", "onednn-packed") if dtype == "fp32" else ("onednn-packed",):
+            if not available(path):
+                continue
+            try:
+                packed = pack(path, wt, n)
+                fn = (lambda p=packed, path=path: run(path, a, p, wt, None, n))
+                fn()
+            except (RuntimeError, AttributeError):
+                continue
+            calls[path] = fn
+    rates = {}
+    with torch.no_grad():
+        for name, fn in calls.items():
+            fn()
+            _sync(device)
+            best, t_end = 0.0, time.perf_counter() + seconds / len(calls)
+            while time.perf_counter() < t_end:
+                t = time.perf_counter()
+                fn()
+                _sync(device)
+                best = max(best, 2 * n**3 / (time.perf_counter() - t))
+            rates[name] = best
+    return rates
+
+
+def matmul_peak(dtype: str = "fp32", device: str | torch.device = "cpu", n: int | None = None, seconds: float = 1.5) -> float:
+    """This device's matmul FLOP/s in `dtype`: the fastest GEMM path it has (`gemm_rates`), not `torch.mm`'s alone."""
+    return max(gemm_rates(dtype, device, n, seconds).values())

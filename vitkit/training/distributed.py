@@ -18,7 +18,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from .errors import UsageError
+from ..errors import UsageError
 
 STRATEGIES = ("auto", "none", "ddp", "fsdp")
 

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from statistics import median
@@ -35,9 +36,10 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .cache import cache_dir, read_json_cache, write_json_cache
-from .errors import UsageError
-from .models.layers import gemm
+from ..cache import cache_dir, read_json_cache, write_json_cache
+from ..errors import UsageError
+from . import cpu, engine_probe, fast_linear
+from .fast_linear import pack_linears
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,15 +153,15 @@ def decide(fp32_times: Sequence[float], bf16_times: Sequence[float], margin: flo
 
 def bf16_support() -> tuple[bool | None, str]:
     """Whether this CPU computes bf16 natively: (True | False | None when /proc/cpuinfo does not say, why). x86:
-    avx512_bf16 or amx_bf16 in its flags and oneDNN not capped below them (`gemm.bf16_native`); Arm: bf16 in its
+    avx512_bf16 or amx_bf16 in its flags and oneDNN not capped below them (`cpu.bf16_native`); Arm: bf16 in its
     features."""
-    info = gemm.cpu_info()
+    info = cpu.cpu_info()
     if "flags" in info:
-        if gemm.bf16_native():
+        if cpu.bf16_native():
             return True, "this CPU has bf16 instructions"
         flags = set(info["flags"].split())
         if {"avx512_bf16", "amx_bf16"} & flags:
-            return False, f"oneDNN is capped below this CPU's bf16 instructions ({gemm.isa_caps()})"
+            return False, f"oneDNN is capped below this CPU's bf16 instructions ({cpu.isa_caps()})"
         return False, "this CPU has no native bf16 (neither avx512_bf16 nor amx_bf16 in its flags)"
     features = info.get("Features", info.get("features"))
     if features is not None:
@@ -172,10 +174,6 @@ def bf16_support() -> tuple[bool | None, str]:
 def for_inference(model: nn.Module, device: torch.device | str, precision: str = "auto", batch: int = 32) -> Choice:
     """Set a loaded model up for inference commands (eval, predict, fewshot, serve, bench): `precision` resolved for
     a forward at `batch` (printed to stderr), and in fp32 on a CPU its Linears on the packed fast GEMM."""
-    import sys
-
-    from .models.layers.linear import pack_linears
-
     model.eval()
     choice = resolve(precision, model, device, batch=batch, training=False)
     pack_linears(model, enable=choice.precision in ("fp32", "bf16"))  # fp32: the fastest GEMM; bf16: weights cast
@@ -195,10 +193,6 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
     fp32 runs on the packed GEMM where `fast_gemm` (autocast calls bypass it); in training, its weights are repacked
     every call, as after every optimizer step of a run.
     The model's weights, gradients, modes and the global random state are left as they were."""
-    from .inference.engine_probe import interleaved_rounds
-    from .models.layers import linear
-    from .models.layers.linear import pack_linears
-
     c = model.config
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, c.in_chans, *c.img_size, generator=g).to(device)
@@ -209,7 +203,7 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
     def call(precision: str) -> Callable[[], None]:
         def run() -> None:
             if training and precision == "fp32":
-                linear._optimizer_stepped()  # a run repacks after every optimizer step
+                fast_linear._optimizer_stepped()  # a run repacks after every optimizer step
             if was_lowp is not None:
                 model.lowp_stream = lowp_stream and precision != "fp32"
             with autocast(precision, device), torch.set_grad_enabled(training):
@@ -245,7 +239,7 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
                 if "bf16" in first:
                     times["bf16"] = [first["bf16"]]
             else:
-                times = interleaved_rounds(fns, rounds, MIN_ROUND_S, sync=lambda: _sync(device), warm=False)
+                times = engine_probe.interleaved_rounds(fns, rounds, MIN_ROUND_S, sync=lambda: _sync(device), warm=False)
     finally:
         pack_linears(model, enable=False)
         model.train(was_training)
@@ -275,7 +269,7 @@ def _key(model: nn.Module, device: torch.device, batch: int, training: bool, low
 
 
 def _cache_file() -> Path:
-    return cache_dir() / "precision" / f"{gemm.machine_key()}.json"
+    return cache_dir() / "precision" / f"{cpu.machine_key()}.json"
 
 
 def _load(path: Path) -> dict[str, dict]:

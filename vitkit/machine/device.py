@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from .errors import UsageError
+from ..errors import UsageError
 
 
 def resolve_device(name: str) -> torch.device:

@@ -22,7 +22,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import UsageError, VitkitError
+from ..errors import UsageError, VitkitError
+from ..machine.engine_probe import EngineError, openvino_core
+from ..machine.engine_probe import openvino_compile as compile_
+from ..models.layers.packing import PackedBatch, pack
+from ..safety import check_regular
 
 FORMATS = ("onnx", "torch-export", "openvino")
 TOLERANCE = 1e-4  # float32: max |exported - eager| over the check inputs
@@ -101,14 +105,12 @@ class PackedInputs(nn.Module):
         self.model, self.config = model, model.config
 
     def forward(self, patches: torch.Tensor, coords: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        from .models.layers.packing import PackedBatch
 
         return self.model.forward_packed(PackedBatch(patches, coords, valid))
 
 
 def packed_examples(config, seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A packed batch of `batch` random images of different grids (for tracing and checking a packed export)."""
-    from .models.layers.packing import pack
 
     g = torch.Generator().manual_seed(seed)
     (gh, gw), (ph, pw) = config.grid_size, config.patch_size
@@ -303,7 +305,6 @@ def _export_openvino(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset:
 def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | None = None):
     """An OpenVINO IR compiled for the CPU with INFERENCE_PRECISION_HINT f32 or bf16, the hint read back (the CPU
     plugin computes in bf16 by default where the CPU has it): a CompiledModel, called as model(x)."""
-    from .inference.engine_probe import EngineError, openvino_compile as compile_
 
     try:
         return compile_(path, precision, threads)
@@ -313,8 +314,6 @@ def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | N
 
 def openvino_config(path: str | Path) -> dict:
     """The vitkit config an OpenVINO export carries in its rt_info."""
-    from .inference.engine_probe import openvino_core
-    from .safety import check_regular
 
     check_regular(path)  # a FIFO would keep OpenVINO waiting for a writer
     if Path(path).with_suffix(".bin").exists():
@@ -342,7 +341,6 @@ def onnx_config(path: str | Path) -> dict:
     """The vitkit config an ONNX export carries in its metadata."""
     import onnx
 
-    from .safety import check_regular
 
     check_regular(path)  # a FIFO would keep onnx (and then onnxruntime) waiting for a writer
     proto = onnx.load(str(path), load_external_data=False)

@@ -6,8 +6,7 @@ import math
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from .models import build_model
-from .models.registry import ModelEntry
+from .registry import ModelEntry, build_model
 
 
 def count_params(model: torch.nn.Module) -> int:

@@ -1,0 +1,75 @@
+"""What this CPU is and what it may run: /proc/cpuinfo's fields, the instruction-set caps in force, native bf16 and
+AMX, and the key every measurement made on this machine is cached under."""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if ":" in line:
+                    k, v = line.split(":", 1)
+                    info.setdefault(k.strip(), v.strip())
+    except OSError:
+        pass
+    return info
+
+
+def cpu_name() -> str:
+    """Vendor, family, model and name: what the choice of path depends on."""
+    info = cpu_info()
+    if not info:
+        return platform.processor() or platform.machine()
+    return "-".join(info.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name"))
+
+
+# Environment variables that cap the instruction sets oneDNN, MKL and ATen use (`ONEDNN_MAX_CPU_ISA=AVX2` makes an
+# AVX-512 machine run as an AVX2-only one): a capped process measures its own choices.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+
+
+def isa_caps() -> str:
+    """The instruction-set caps in force, e.g. "ONEDNN_MAX_CPU_ISA=AVX2,ATEN_CPU_CAPABILITY=avx2" ("" for none)."""
+    return ",".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
+
+
+# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) below which it has no bf16 dot product, and those that allow AMX
+_NO_BF16_ISAS = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+_AMX_ISAS = {"ALL", "DEFAULT", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16"}
+
+
+def _onednn_cap() -> str:
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+
+
+def bf16_native() -> bool:
+    """Whether oneDNN computes bf16 matmuls with the CPU's own bf16 instructions (AVX-512 BF16 or AMX) rather than
+    emulating them (AVX2-only CPUs, or a cap below AVX512_CORE_BF16), where a bf16 matmul is ~10x slower."""
+    flags = cpu_info().get("flags", "").split()
+    has = "avx512_bf16" in flags or "amx_bf16" in flags
+    return has and _onednn_cap() not in _NO_BF16_ISAS
+
+
+def amx_usable() -> bool:
+    """Whether oneDNN may use this CPU's AMX tiles (present, and not capped away)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()) and _onednn_cap() in _AMX_ISAS
+
+
+def machine_key() -> str:
+    """A file-name-safe key for measurements that hold on this machine: CPU, ISA caps, torch version, threads."""
+    caps = isa_caps()
+    raw = f"{cpu_name()}{'-caps-' + caps if caps else ''}-{torch.__version__}-t{torch.get_num_threads()}"
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in raw)
+
+
+def cpu_model() -> str:
+    """`lscpu`'s model name and CPU family, as every CPU speed is reported beside."""
+    info = cpu_info()
+    return f"{info.get('model name', 'unknown CPU')}, family {info.get('cpu family', '?')}"

@@ -164,7 +164,7 @@ def test_file_urls_and_unknown_names(tmp_path):
 @pytest.mark.parametrize("kind", ["gcs", "hf"])
 def test_downloads_are_checked_against_the_hash_the_server_publishes(server, home, monkeypatch, kind):
     """No checksum in the catalog: the server's own is used (GCS's MD5, the hub's SHA-256 on its redirect)."""
-    from vitkit.checkpoints import catalog
+    from vitkit import download as catalog
 
     root, url = server
     monkeypatch.setitem(catalog.HASH_PUBLISHERS, "127.0.0.1", kind)
@@ -311,7 +311,7 @@ def test_downloads_of_one_file_at_once_take_turns(tmp_path):
     download, one verified file, no partial or lock file left, every caller gets the path."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vitkit.checkpoints.catalog import download
+    from vitkit.download import download
 
     data = np.random.default_rng(0).bytes(3_000_000)
     (tmp_path / "f.bin").write_bytes(data)

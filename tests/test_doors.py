@@ -205,7 +205,7 @@ def test_a_dripping_shard_server_is_cut_off_at_the_deadline(drip, tmp_path, caps
 
 
 def test_a_dripping_sample_a_dripping_download_and_dripping_headers_are_cut_off(drip, tmp_path):
-    from vitkit.checkpoints.catalog import download
+    from vitkit.download import download
     from vitkit.data.shards import _Bytes, _fetch
 
     how, e, _ = returns(lambda: _Bytes().read(f"{drip}/shard-000000.tar", 0, 4000))  # one sample's Range request

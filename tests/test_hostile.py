@@ -317,7 +317,7 @@ def test_a_download_declaring_a_petabyte_is_refused_before_it_starts(tmp_path):
     import http.server
     import threading
 
-    from vitkit.checkpoints.catalog import download
+    from vitkit.download import download
 
     class Liar(http.server.BaseHTTPRequestHandler):
         def do_GET(self):

@@ -1,7 +1,7 @@
 """Checkpoints: the official .npz, timm, HF, torchvision and vitkit formats; resampling; the pretrained catalog."""
 from .api import Checkpoint, convert, export, inspect_checkpoint, load, load_state, read_checkpoint, save
-from .catalog import CATALOG, cache_dir, download, register_checkpoint, resolve
+from .catalog import CATALOG, register_checkpoint, resolve
 from .io import CheckpointError
 
 __all__ = ["Checkpoint", "convert", "export", "inspect_checkpoint", "load", "load_state", "read_checkpoint", "save",
-           "CATALOG", "cache_dir", "download", "register_checkpoint", "resolve", "CheckpointError"]
+           "CATALOG", "register_checkpoint", "resolve", "CheckpointError"]

@@ -147,7 +147,7 @@ def load_fashion_mnist(split: str = "train", data_dir: str | Path | None = None,
         if path is None:
             if not download:
                 raise DatasetError(f"Fashion-MNIST file {stem}(.gz) not found in {[str(r) for r in roots]}")
-            from ..checkpoints.catalog import CheckpointError, download as fetch
+            from ..download import CheckpointError, download as fetch
 
             dest = roots[-1] / f"{stem}.gz"
             try:
@@ -187,7 +187,7 @@ def load_cifar(name: str = "cifar10", split: str = "train", data_dir: str | Path
     if archive is None:
         if not download:
             raise DatasetError(f"{fname} not found in {[str(r) for r in roots]}")
-        from ..checkpoints.catalog import CheckpointError, download as fetch
+        from ..download import CheckpointError, download as fetch
 
         try:
             archive = fetch(CIFAR_URLS[name], roots[-1] / fname, md5=CIFAR_MD5[name])

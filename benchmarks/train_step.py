@@ -43,7 +43,7 @@ from vitkit.bench import DTYPES, PeakMemory
 from vitkit.machine.cpu import cpu_model
 from vitkit.machine.gemm import gemm_rates
 from vitkit.training.distributed import Dist, wrap_model
-from vitkit.models import create_model  # noqa: E402
+from vitkit import create_model  # noqa: E402
 from vitkit.machine.fast_linear import pack_linears
 from vitkit.models.stats import count_flops
 from vitkit.training.config import OptimConfig  # noqa: E402

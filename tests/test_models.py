@@ -674,7 +674,7 @@ def test_create_model_pretrained_and_checkpoint_path(tmp_path, monkeypatch):
         vitkit.create_model("vit_b16", pretrained=True)
     with pytest.raises(ValueError, match="give one"):
         vitkit.create_model("vit_b16", pretrained=True, checkpoint_path=path)
-    from vitkit.models.timm_api import catalog_name
+    from vitkit.checkpoints.create import catalog_name
 
     tagged = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
     assert catalog_name(tagged) == f"timm/{tagged}"

@@ -1,6 +1,6 @@
 """vitkit: Vision Transformers ("An Image Is Worth 16x16 Words", arXiv 2010.11929) in PyTorch."""
-from .checkpoints import CheckpointError, convert, export, load, save
-from .models import ResNetV2, ResNetV2Config, ViTConfig, VisionTransformer, create_model, list_models
+from .checkpoints import CheckpointError, convert, create_model, export, load, save
+from .models import ResNetV2, ResNetV2Config, ViTConfig, VisionTransformer, list_models
 from .models.layers.packing import PackedBatch, pack
 
 __version__ = "0.1.0"

@@ -663,30 +663,11 @@ def predict(
             patches, the images packed into one forward of mixed sizes (eager torch); default: the checkpoint's
             square size.
     """
-    from .checkpoints import load
-    from .machine.device import resolve_device
-    from .evaluation.metrics import check_tta
-    from .inference.backends import inference_engine
-    from .inference.predict import gather_inputs, resolve_format, run
+    from .inference.predict import predict_images
 
-    fmt = resolve_format(format, out)
-    check_tta(tta)
-    if batch_size < 1 or num_workers < 0 or top_k < 1:
-        raise UsageError("--batch-size and --top-k must be >= 1, --num-workers >= 0")
-    if resume and out is None:
-        raise UsageError("--resume continues the file named by --out: add --out FILE")
-    if resume and fmt not in ("jsonl", "csv"):
-        raise UsageError(f"--resume continues a jsonl or csv file, not {fmt}: write to --out FILE.jsonl or FILE.csv")
-    if max_patches and backend != "torch":
-        raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
-    inputs = gather_inputs(images, warn=lambda m: print(f"vitkit: warning: {m}", file=sys.stderr, flush=True))
-    if not len(inputs):
-        raise UsageError(f"no images in {', '.join(images)}")
-    dev = resolve_device(device)
-    model = load(checkpoint).to(dev)
-    runner, prec, _ = inference_engine(model, dev, precision, backend, min(len(inputs), batch_size))
-    res = run(runner, inputs, out=out, fmt=fmt, resume=resume, top_k=top_k, batch_size=batch_size, tta=tta,
-              precision=prec, max_patches=max_patches, num_workers=num_workers, progress=progress)
+    res = predict_images(images, checkpoint, top_k=top_k, out=out, format=format, resume=resume,
+                         batch_size=batch_size, num_workers=num_workers, progress=progress, tta=tta, device=device,
+                         precision=precision, backend=backend, max_patches=max_patches)
     rate = res.done_now / max(res.seconds, 1e-9)
     where = f"; records in {out}" if out else ""
     resumed = f" ({res.resumed:,} done earlier)" if res.resumed else ""

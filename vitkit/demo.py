@@ -6,6 +6,12 @@ import shutil
 import time
 from pathlib import Path
 
+from PIL import Image
+
+from .data.datasets import load_fashion_mnist
+from .inference.predict import predict_images
+from .training import apply_overrides, get_preset, train
+
 # The preset's model for 1.2 epochs: 60% of the images of the two epochs the demo trained before, at the same top-1
 # on held-out training images (benchmarks/NOTES.md section 32). This short, flips and random erasing cost more than
 # they give (so no flip test-time augmentation), and smaller batches take more steps for the same work.
@@ -29,12 +35,6 @@ def demo(epochs: float | None = None, out: str = "runs/demo", images: int = 4) -
         out: the run directory.
         images: how many test images to write out and classify.
     """
-    from PIL import Image
-
-    from .cli import predict
-    from .data.datasets import load_fashion_mnist
-    from .training import apply_overrides, get_preset, train
-
     t0 = time.perf_counter()
     cfg = get_preset("fashion-mnist")
     apply_overrides(cfg, {**DEMO_RECIPE, **({"schedule.epochs": epochs} if epochs is not None else {})})
@@ -64,7 +64,7 @@ def demo(epochs: float | None = None, out: str = "runs/demo", images: int = 4) -
         Image.fromarray(test.images[i, 0].numpy()).save(f)
         files.append(str(f))
     print(f"\n== predicting {images} test images (the file names carry the true class)")
-    predict(files, checkpoint=str(Path(out) / "final.safetensors"), top_k=3, tta=cfg.run.tta)
+    predict_images(files, str(Path(out) / "final.safetensors"), top_k=3, tta=cfg.run.tta)
     total = time.perf_counter() - t0
     print(f"\n== demo done in {total:.0f} s: training and the test evaluation {t_train:.0f} s "
           f"({result['time_s']:.0f} s of steps and evaluation), prediction {total - t_train:.0f} s")

@@ -33,10 +33,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..checkpoints import load
 from ..data.image import EvalTransform, ImageDecodeError, decode_for, load_image, to_uint8_tensor
 from ..errors import UsageError, VitkitError
 from ..evaluation.metrics import check_tta, tta_log_probs
+from ..machine.device import resolve_device
 from ..machine.precision import autocast
+from .backends import inference_engine
 
 FORMATS = ("table", "json", "jsonl", "csv")
 RESUMABLE = ("jsonl", "csv")
@@ -729,3 +732,30 @@ def run(model: nn.Module, inputs: Inputs, *, out: str | None = None, fmt: str = 
             sink.close()
     summary.seconds = bar.elapsed()
     return summary
+
+
+def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, out: str | None = None,
+                   format: str = "auto", resume: bool = False, batch_size: int = 32, num_workers: int = 2,
+                   progress: bool = True, tta: str = "none", device: str = "auto", precision: str = "auto",
+                   backend: str = "torch", max_patches: int | None = None, stdout: TextIO | None = None) -> Summary:
+    """`vitkit predict` as a function: gather `images` (files, folders, CSV lists, shard sets), load `checkpoint`,
+    choose the engine (`inference.backends.inference_engine`) and `run` them, the records written to `out` (else
+    stdout) in `format`. The arguments are the command's (`vitkit predict --help`)."""
+    fmt = resolve_format(format, out)
+    check_tta(tta)
+    if batch_size < 1 or num_workers < 0 or top_k < 1:
+        raise UsageError("--batch-size and --top-k must be >= 1, --num-workers >= 0")
+    if resume and out is None:
+        raise UsageError("--resume continues the file named by --out: add --out FILE")
+    if resume and fmt not in ("jsonl", "csv"):
+        raise UsageError(f"--resume continues a jsonl or csv file, not {fmt}: write to --out FILE.jsonl or FILE.csv")
+    if max_patches and backend != "torch":
+        raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
+    inputs = gather_inputs(images, warn=lambda m: print(f"vitkit: warning: {m}", file=sys.stderr, flush=True))
+    if not len(inputs):
+        raise UsageError(f"no images in {', '.join(images)}")
+    dev = resolve_device(device)
+    model = load(checkpoint).to(dev)
+    runner, prec, _ = inference_engine(model, dev, precision, backend, min(len(inputs), batch_size))
+    return run(runner, inputs, out=out, fmt=fmt, resume=resume, top_k=top_k, batch_size=batch_size, tta=tta,
+               precision=prec, max_patches=max_patches, num_workers=num_workers, progress=progress, stdout=stdout)

@@ -1,10 +1,10 @@
 """The models of arXiv 2010.11929 (ViT, the ResNet+ViT hybrids, the BiT ResNet-v2 baseline), the ViTs that followed,
 and the Swin Transformer."""
-from .registry import build_config, build_model, config_with, create_model, get_entry, list_models
+from .registry import build_config, build_model, config_with, get_entry, list_models, lookup
 from .resnet import ResNetV2, ResNetV2Config
 from .swin import SwinConfig, SwinTransformer
 from .timm_api import layer_groups
 from .vit import ViTConfig, VisionTransformer
 
-__all__ = ["build_config", "build_model", "config_with", "create_model", "get_entry", "layer_groups", "list_models",
+__all__ = ["build_config", "build_model", "config_with", "get_entry", "layer_groups", "list_models", "lookup",
            "ResNetV2", "ResNetV2Config", "SwinConfig", "SwinTransformer", "ViTConfig", "VisionTransformer"]

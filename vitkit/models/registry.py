@@ -159,7 +159,8 @@ def list_models(pattern: str | None = None) -> list[str]:
     return [n for n in _REGISTRY if not pattern or fnmatch.fnmatch(n, pattern)]
 
 
-def _lookup(name: str) -> tuple[ModelEntry, dict]:
+def lookup(name: str) -> tuple[ModelEntry, dict]:
+    """The entry a name builds and the config settings the name implies (timm's name of a 384 px model: img_size)."""
     if name in _REGISTRY:
         return _REGISTRY[name], {}
     hit = _ALIASES.get(_norm(name))
@@ -171,11 +172,11 @@ def _lookup(name: str) -> tuple[ModelEntry, dict]:
 def get_entry(name: str) -> ModelEntry:
     """The registry entry for a short name ("vit_b16"), a paper name ("ViT-B/16", "R50+ViT-B/16") or timm's name
     of a published hybrid ("vit_tiny_r_s16_p8_384": the entry, whose resolution the name fixes at build time)."""
-    return _lookup(name)[0]
+    return lookup(name)[0]
 
 
 def build_config(name: str, /, **overrides) -> ViTConfig | ResNetV2Config | SwinConfig:
-    entry, implied = _lookup(name)
+    entry, implied = lookup(name)
     cls = ARCHS[entry.arch][0]
     _check_fields(cls, overrides)
     return cls(**{**entry.kwargs, **implied, **overrides})
@@ -215,66 +216,3 @@ def build_model(config: ViTConfig | ResNetV2Config | SwinConfig) -> nn.Module:
         check_alloc(nbytes, f"the {config.arch} model of this config ({params:,} parameters)", UsageError)
     return build(config)
 
-
-def create_model(name: str, /, pretrained: bool = False, **overrides) -> nn.Module:
-    """Build a registered model with random (official-style) initialisation, or with `pretrained=True` load it from
-    vitkit's pretrained catalog, as `timm.create_model` does.
-
-    Args:
-        name: a short name from `list_models()` ("vit_b16"), the paper's name ("ViT-B/16") or timm's name of a
-            registered architecture ("vit_small_patch14_dinov2"). With `pretrained=True`: a catalog name
-            ("ViT-B_16-i21k", "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k") or timm's name with or without the
-            tag ("vit_base_patch16_224.augreg2_in21k_ft_in1k", "swin_tiny_patch4_window7_224": the catalog's first
-            entry of that architecture, as timm picks its default tag); `vitkit catalog` lists them.
-        pretrained: load the catalog's weights (`vitkit.load(name, **overrides)`) instead of initialising.
-        **overrides: any config field by keyword (img_size, patch_size, in_chans, num_classes, num_heads,
-            classifier, pos_embed, representation_size, drop_rate, drop_path_rate, class_token, reg_tokens,
-            dynamic_img_size, ...), and timm's keywords where they map (`timm_api.translate_create_kwargs`):
-            global_pool ('token', 'avg': the mean of the patch tokens with the norm after it as timm's default,
-            'map'), mlp_ratio, act_layer (by name), pos_embed='learn', pos_drop_rate/proj_drop_rate (equal to
-            drop_rate: vitkit has one dropout rate), checkpoint_path (the named model from a file: `vitkit.load`, its
-            architecture checked against the name's). What has no vitkit equivalent is a UsageError saying so.
-    """
-    from .timm_api import catalog_name, translate_create_kwargs
-
-    overrides = dict(overrides)
-    checkpoint_path = overrides.pop("checkpoint_path", None)
-    if pretrained and checkpoint_path:
-        raise UsageError("pretrained=True loads the catalog's weights, checkpoint_path= a file of yours: give one")
-    if pretrained:
-        global_pool = overrides.pop("global_pool", None)  # the file decides the architecture; the pooling after
-        return _loaded(catalog_name(name), translate_create_kwargs(None, {}, overrides), global_pool)
-    entry, implied = _lookup(name)
-    if checkpoint_path:
-        global_pool = overrides.pop("global_pool", None)
-        kw = translate_create_kwargs(entry.arch, {**entry.kwargs, **implied}, overrides)
-        return _loaded(checkpoint_path, kw, global_pool, expected=build_config(name, **kw))
-    kw = translate_create_kwargs(entry.arch, {**entry.kwargs, **implied}, overrides)
-    return build_model(build_config(name, **kw))
-
-
-# what a checkpoint must share with the model its name builds (create_model's checkpoint_path)
-_STRUCTURE = {"vit": ("embed_dim", "depth", "num_heads", "patch_size", "hybrid_layers", "mlp_dim", "mlp_layer", "rope",
-                      "class_token", "reg_tokens"),
-              "resnetv2": ("layers", "width_factor", "channels"),
-              "swin": ("embed_dim", "depths", "num_heads", "patch_size")}
-
-
-def _loaded(path_or_name, kw: dict, global_pool: str | None, expected=None) -> nn.Module:
-    """`vitkit.load(path_or_name, **kw)`, its architecture checked against `expected` (the config the name builds:
-    create_model's checkpoint_path), then the pooling changed to timm's `global_pool` as `reset_classifier` changes
-    it (the head and the norms kept)."""
-    from ..checkpoints import load
-
-    model = load(path_or_name, **kw)
-    if expected is not None:
-        c = model.config
-        if c.arch != expected.arch:
-            raise UsageError(f"{path_or_name} holds a {c.arch} model, not the {expected.arch} its name builds")
-        diff = [f"{f} {getattr(c, f)} (the name's: {getattr(expected, f)})" for f in _STRUCTURE[c.arch]
-                if getattr(c, f) != getattr(expected, f)]
-        if diff:
-            raise UsageError(f"{path_or_name} is not the model its name builds: {'; '.join(diff)}")
-    if global_pool is not None:
-        model._set_global_pool(global_pool)
-    return model

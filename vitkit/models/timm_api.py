@@ -3,12 +3,11 @@
 `TimmModelApi` is mixed into `VisionTransformer`, `ResNetV2` and `SwinTransformer`: `num_classes`, `pretrained_cfg`
 (alias `default_cfg`), `get_classifier()`, `no_weight_decay()` and `head_hidden_size` here; `group_matcher()`,
 `set_input_size()` and the pooling half of `reset_classifier(num_classes, global_pool, class_names=)` in each model,
-where the module names and what may change differ. `translate_create_kwargs` maps timm's `create_model` keywords to
-vitkit's config fields (`vitkit.create_model`). docs/timm.md has the table: timm's name, vitkit's, the differences.
+where the module names and what may change differ. timm's `create_model` keywords map to vitkit's config fields in
+`vitkit.checkpoints.create`. docs/timm.md has the table: timm's name, vitkit's, the differences.
 """
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from typing import Any
@@ -161,126 +160,3 @@ def layer_groups(model: nn.Module, coarse: bool = False) -> dict[int, list[str]]
 
 
 # ---- timm's create_model keywords -> vitkit's config fields -------------------------------------------------------
-
-# accepted and ignored: what they ask for is how vitkit's models are anyway
-_NO_OPS = {"exportable": "vitkit's models export to ONNX as they are", "no_jit": "vitkit uses no TorchScript layers"}
-# accepted at their timm defaults (the value vitkit's models have), refused otherwise: {name: (default, why not)}
-_FIXED = {
-    "scriptable": (None, "vitkit's models are not TorchScript-scriptable (torch.fx, torch.compile and torch.export are "
-                         "the supported ways to capture them)"),
-    "features_only": (False, "vitkit has no feature-extraction wrapper: use model.forward_intermediates(x) or "
-                             "torch.fx feature extraction"),
-    "out_indices": (None, "vitkit has no feature-extraction wrapper: model.forward_intermediates(x, layers=...)"),
-    "pretrained_cfg": (None, "vitkit's preprocessing is the config's (mean, std, interpolation, crop_pct, img_size)"),
-    "pretrained_cfg_overlay": (None, "vitkit's preprocessing is the config's (mean, std, interpolation, crop_pct, "
-                                     "img_size)"),
-    "cache_dir": (None, "vitkit's catalog caches in $VITKIT_HOME and the Hugging Face cache (HF_HOME)"),
-    "patch_drop_rate": (0.0, "vitkit has no patch dropout"),
-    "dynamic_img_pad": (False, "vitkit has no padding to the patch size: use a size divisible by it"),
-    "final_norm": (True, "vitkit's ViT always has the final norm"),
-    "proj_bias": (True, "vitkit's attention and MLP projections always have a bias"),
-    "pool_include_prefix": (False, "vitkit's 'avg' pooling averages the patch tokens alone"),
-    "fix_init": (False, "vitkit's initialisation is the official JAX one"),
-    "drop_block_rate": (0.0, "vitkit's BiT has no DropBlock"),
-    "output_stride": (32, "vitkit's BiT has output stride 32 (no dilation)"),
-    "strict_img_size": (True, "vitkit's Swin is laid out for one resolution: set_input_size(img_size) for another"),
-    "always_partition": (False, "vitkit's Swin uses one window for a stage whose map is no larger than the window"),
-}
-_ACTS = {"gelu": "gelu", "gelu_tanh": "gelu_tanh", "quick_gelu": "quick_gelu"}
-_POS_EMBEDS = {"learn": "learned_1d", "none": "none"}
-
-
-def translate_create_kwargs(arch: str | None, base: dict, kw: dict) -> dict:
-    """timm's `create_model` keywords -> vitkit config overrides. `arch` is "vit", "resnetv2", "swin" or None (a
-    pretrained checkpoint whose architecture the file decides: the keywords that need one are then refused); `base`
-    is the registry entry's settings. vitkit's own field names pass through unchanged (`_check_fields` judges them)."""
-    kw = dict(kw)
-    out: dict = {}
-    for name, why in _NO_OPS.items():
-        kw.pop(name, None)
-    for name, (default, why) in _FIXED.items():
-        if name in kw:
-            value = kw.pop(name)
-            if value != default and not (default is None and value is False):
-                raise UsageError(f"{name}={value!r}: {why}")
-    if "weight_init" in kw:
-        value = kw.pop("weight_init")
-        if value not in ("jax", "skip"):
-            raise UsageError(f"weight_init={value!r}: vitkit initialises as the official JAX code does (timm's "
-                             f"'jax'); it has no other scheme")
-    if "act_layer" in kw:
-        value = kw.pop("act_layer")
-        if value not in _ACTS or arch not in ("vit", None):
-            raise UsageError(f"act_layer={value!r}: vitkit's ViT takes act= {tuple(_ACTS)} (by name)")
-        out["act"] = _ACTS[value]
-    if "fc_norm" in kw and kw["fc_norm"] is None:  # timm's "decide from global_pool"
-        del kw["fc_norm"]
-    if isinstance(kw.get("pos_embed"), str) and kw["pos_embed"] in _POS_EMBEDS and arch in ("vit", None):
-        out["pos_embed"] = _POS_EMBEDS[kw.pop("pos_embed")]
-    if "mlp_ratio" in kw and arch in ("vit", None):
-        if arch is None:
-            raise UsageError("mlp_ratio with pretrained=True: the checkpoint fixes the MLP's width")
-        ratio = kw.pop("mlp_ratio")
-        out["mlp_dim"] = int(kw.get("embed_dim", base.get("embed_dim", 768)) * ratio)
-    if arch == "swin" and "window_size" in kw and not isinstance(kw["window_size"], int):
-        w = tuple(kw["window_size"])
-        if len(set(w)) != 1:
-            raise UsageError(f"window_size={w}: vitkit's Swin has square windows, one size for every stage")
-        kw["window_size"] = w[0]
-    # timm's ViT splits vitkit's one dropout rate: head (drop_rate), embeddings (pos_drop_rate), projections
-    # (proj_drop_rate); vitkit's drop_rate is all of them (the paper's dropout), so the others must agree with it
-    rate = kw.get("drop_rate", base.get("drop_rate", 0.0))
-    for name in ("pos_drop_rate", "proj_drop_rate"):
-        if name in kw:
-            value = kw.pop(name)
-            if value != rate:
-                raise UsageError(f"{name}={value}: vitkit has one dropout rate, drop_rate={rate} (after the "
-                                 f"embeddings, in the attention output and the MLP, before the head); pass drop_rate= "
-                                 f"alone")
-    if "global_pool" in kw:
-        gp = kw.pop("global_pool")
-        if arch is None:
-            raise UsageError("global_pool needs the model's architecture")
-        if arch != "vit":
-            check_avg_pool(gp, "BiT" if arch == "resnetv2" else "Swin")
-        else:
-            if "classifier" in kw:
-                raise UsageError("give global_pool (timm's name) or classifier (vitkit's), not both")
-            out["classifier"] = vit_classifier(gp)
-            # timm: fc_norm defaults to global_pool == 'avg' (the norm after the pooling); the class token stays
-            # as the architecture has it (the paper's GAP, classifier='gap', has none)
-            out["fc_norm"] = kw.pop("fc_norm", gp == "avg")
-            if "class_token" not in kw:
-                from .vit import ViTConfig
-
-                out["class_token"] = ViTConfig(**{k: v for k, v in base.items()}).class_token
-    out.update(kw)
-    return out
-
-
-def catalog_name(name: str) -> str:
-    """The catalog entry `create_model(name, pretrained=True)` loads: the name itself, timm's hub copy of it
-    ("timm/<name>", the first tag when the name has none, as timm picks its default), or a UsageError naming the
-    catalog's entries for that model and how to list them all."""
-    from ..checkpoints.catalog import CATALOG
-
-    if name in CATALOG:
-        return name
-    if f"timm/{name}" in CATALOG:
-        return f"timm/{name}"
-    tagged = [k for k in CATALOG if k.startswith(f"timm/{name}.")]
-    if tagged:
-        return tagged[0]
-    hints = []
-    try:
-        from .registry import get_entry
-
-        stem = get_entry(name).paper_name.replace("/", "_")  # "ViT-B/16" -> the official release's "ViT-B_16-..."
-        short = stem.removeprefix("ViT-")  # ... and AugReg's "augreg-B_16-..."
-        hints = [k for k in CATALOG if k.startswith((f"{stem}-", f"augreg-{short}-"))]
-    except UsageError:
-        pass
-    hints = hints or difflib.get_close_matches(name, list(CATALOG), n=5, cutoff=0.5)
-    also = f"; candidates: {', '.join(hints)}" if hints else ""
-    raise UsageError(f"no pretrained weights named {name!r} in vitkit's catalog{also}. `vitkit catalog` lists every "
-                     f"entry (in Python: vitkit.checkpoints.catalog.CATALOG); vitkit.load(path) reads a file")

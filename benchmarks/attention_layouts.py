@@ -2,7 +2,7 @@
 
     python benchmarks/attention_layouts.py layouts   # forward + backward of qkv -> attention -> proj, B 256, T 49, D 128
     python benchmarks/attention_layouts.py kernels   # fused SDPA vs MATH backend vs explicit, fp32/bf16, train/infer
-    python benchmarks/attention_layouts.py models    # whole ViT-S/16 and B/16 inference, batch 8: Attention.impl
+    python benchmarks/attention_layouts.py models    # whole ViT-S/16 and B/16 inference, batch 8: the attention impl
                                                      # sdpa vs explicit interleaved in one process (--dtype, --profile);
                                                      # --ab residual: Block's residual adds new vs in place;
                                                      # --ab pack: fp32 Linear layers plain vs MKL-packed weights;
@@ -88,13 +88,12 @@ def once(fn) -> float:
 
 def _variants(ab: str):
     """The two setups of a whole-model A/B: (name, install) pairs; install(model) patches the model or its code in place."""
-    from vitkit.models.layers.attention import Attention
     from vitkit.models.layers.linear import Linear
     from vitkit.models.vit import Block
 
     if ab == "attention":
         def impl(name: str):
-            return lambda model: setattr(Attention, "impl", name)
+            return lambda model: model.set_attention_impl(name)
 
         return [("sdpa", impl("sdpa")), ("explicit", impl("explicit"))], impl("auto")
     if ab == "pack":
@@ -126,7 +125,7 @@ def _variants(ab: str):
 def models(dtype: str, rounds: int, profile: bool, ab: str) -> None:
     """Single-kernel timings on a small VM move with the allocator's state (NOTES.md, section 12): decide on whole models.
 
-    ab: "attention" (Attention.impl sdpa vs explicit), "residual" (Block.forward's residual adds new vs in place) or
+    ab: "attention" (model.set_attention_impl sdpa vs explicit), "residual" (Block.forward's residual adds new vs in place) or
     "pack" (fp32 Linear layers from their plain weights vs MKL-packed copies, `vitkit.models.layers.linear`) or
     "cls" (the last block on every token vs on the class token alone, `model.last_block_cls_only`)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -176,7 +175,7 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=5, help="models: interleaved rounds per path")
     ap.add_argument("--profile", action="store_true", help="models: a torch.profiler table of the default path instead")
     ap.add_argument("--ab", choices=["attention", "residual", "pack", "cls"], default="attention",
-                    help="models: A/B of Attention.impl (sdpa vs explicit), of Block's residual adds (new vs in place), "
+                    help="models: A/B of the attention impl (sdpa vs explicit), of Block's residual adds (new vs in place), "
                          "of fp32 Linear layers plain vs MKL-packed, or of the last block on all tokens vs the class token")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -163,16 +163,14 @@ def test_fused_and_explicit_attention_agree(pos_embed):
 
 
 def _loss_and_grads(m, x, impl, bf16):
-    from vitkit.models.layers.attention import Attention
-
     m.zero_grad(set_to_none=True)
-    old, Attention.impl = Attention.impl, impl
+    m.set_attention_impl(impl)  # this model's attention layers only
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = m(x).float().logsumexp(-1).mean()
         loss.backward()
     finally:
-        Attention.impl = old
+        m.set_attention_impl("auto")
     return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
@@ -201,7 +199,6 @@ def test_training_attention_paths_give_the_same_gradients(pos_embed):
 def test_last_block_runs_on_the_class_token_alone(pos_embed, impl):
     # the head reads the class token only, so forward() runs the last block's queries, projection and MLP
     # on it alone: the same logits and gradients as the full block, and (B, 1, D) into that MLP
-    from vitkit.models.layers.attention import Attention
     from vitkit.models.stats import count_flops
 
     torch.manual_seed(0)
@@ -215,7 +212,7 @@ def test_last_block_runs_on_the_class_token_alone(pos_embed, impl):
     seen = []
     fc1 = m.blocks[-1].mlp.fc1  # wrapped, not hooked: a hook turns the class-token path off (next test)
     fc1.forward = lambda inp, _f=fc1.forward: (seen.append(tuple(inp.shape)), _f(inp))[1]
-    old, Attention.impl = Attention.impl, impl
+    m.set_attention_impl(impl)
     try:
         m.eval()
         with torch.no_grad():
@@ -237,7 +234,7 @@ def test_last_block_runs_on_the_class_token_alone(pos_embed, impl):
         for n, g in grads[1].items():  # to fp32 rounding, relative to each gradient's largest entry
             assert (grads[0][n] - g).abs().max() <= 1e-5 * g.abs().max().clamp_min(1e-3), n
     finally:
-        Attention.impl = old
+        m.set_attention_impl("auto")
     # the FLOP count is the model's, every token through every block, whichever way forward runs
     full_copy = copy.deepcopy(m)
     m.last_block_cls_only = True
@@ -469,7 +466,7 @@ def test_a_distilled_models_eval_logits_are_the_mean_of_its_two_heads():
 
 
 def test_masked_patch_prediction_targets_and_corruption_rates():
-    from vitkit.models.vit import mpp_corruption, mpp_random_patches, mpp_targets
+    from vitkit.models.mpp import mpp_corruption, mpp_random_patches, mpp_targets
 
     # a constant-colour image: every patch's target is that colour's 3-bit code (r, g, b) -> r * 64 + g * 8 + b
     rgb = torch.tensor([0.30, 0.99, 0.05])  # 3-bit: 2, 7, 0

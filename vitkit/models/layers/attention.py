@@ -89,8 +89,23 @@ class RelativePositionBias(nn.Module):
         return table[index.flatten()].view(t, t, -1).permute(2, 0, 1)  # (T, T, H) -> (H, T, T)
 
 
+# how an Attention computes softmax(q k^T) v: "auto" picks per call (`Attention._explicit_is_faster`); "sdpa" (the
+# fused kernel) and "explicit" (matmul + softmax) force a path (tests, benchmarks). Per instance: the constructor's
+# `impl`, or for a whole model `VisionTransformer.set_attention_impl`.
+ATTENTION_IMPLS = ("auto", "sdpa", "explicit")
+
+
+def check_impl(impl: str) -> str:
+    if impl not in ATTENTION_IMPLS:
+        raise UsageError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    return impl
+
+
 class Attention(nn.Module):
-    """Self-attention over tokens with a fused qkv projection: rows of `qkv.weight` are q, k, v, each head-major."""
+    """Self-attention over tokens with a fused qkv projection: rows of `qkv.weight` are q, k, v, each head-major.
+
+    `impl` ("auto", "sdpa", "explicit", `ATTENTION_IMPLS`): how this layer computes the attention; an attribute of
+    the instance, so that one model's choice is not another's."""
 
     def __init__(
         self,
@@ -106,6 +121,7 @@ class Attention(nn.Module):
         norm_eps: float = 1e-6,
         rope_prefix: int = 0,
         k_bias: bool = True,
+        impl: str = "auto",
     ) -> None:
         super().__init__()
         if dim % num_heads:
@@ -126,6 +142,7 @@ class Attention(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else None
         self.norm = LayerNorm(dim, eps=norm_eps) if inner_norm else None
         self.rope_prefix = rope_prefix  # tokens in front of the patch grid: not rotated
+        self.impl = check_impl(impl)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -138,9 +155,6 @@ class Attention(nn.Module):
                 self.qkv.bias.zero_()
         nn.init.xavier_uniform_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
-
-    # "auto" picks per call; "sdpa" / "explicit" force a path (tests, benchmarks)
-    impl: str = "auto"
 
     def _explicit_is_faster(self, q: torch.Tensor, tokens: int) -> bool:
         """On CPU in bf16 with native bf16 matmuls, plain matmul + softmax beats the fused kernel up to ~600 tokens

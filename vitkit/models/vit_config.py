@@ -1,0 +1,218 @@
+"""`ViTConfig`: every field that defines a Vision Transformer (`vit.py`), checked when it is made and serialised into
+every vitkit checkpoint."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .layers import LearnedPosEmbed1d, LearnedPosEmbed2d, NoPosEmbed, SinCosPosEmbed2d
+from .layers.mlp import ACTIVATIONS
+from .layers.patch_embed import to_2tuple
+from .layers.pos_embed import RESAMPLE_METHODS
+from .resnet import backbone_stride
+from ..errors import UsageError
+from ..safety import check_sizes, check_types
+
+CLASSIFIERS = ("token", "gap", "map")
+MLP_LAYERS = ("mlp", "swiglu")
+ROPES = (None, "eva")
+POS_EMBEDS = {
+    "learned_1d": LearnedPosEmbed1d,
+    "learned_2d": LearnedPosEmbed2d,
+    "sincos_2d": SinCosPosEmbed2d,
+    "none": NoPosEmbed,
+    "relative": NoPosEmbed,  # the relative bias lives in every attention layer instead
+}
+
+
+@dataclass
+class ViTConfig:
+    """Everything that defines a ViT. Serialised into every vitkit checkpoint.
+
+    Args:
+        img_size: input resolution, an int or (height, width); must be divisible by patch_size.
+        patch_size: P; for hybrids the total stride (backbone stride x the embedding kernel).
+        in_chans: input channels (1 for grayscale).
+        num_classes: classes of the head; 0 makes `model(x)` return the pooled features.
+        embed_dim, depth, num_heads, mlp_dim: D, L, heads and the MLP width (4D in the paper).
+        classifier: "token" (the class token), "gap" (global average pooling of the patch tokens) or "map"
+            (multihead attention pooling: a learned query attends over the patch tokens, then a residual MLP;
+            SigLIP's head).
+        class_token: prepend a class token; None means "only when classifier == 'token'".
+        fc_norm: with "gap", normalise after pooling (timm's 'avg') instead of every token before it.
+        pos_embed: "learned_1d" | "learned_2d" | "sincos_2d" | "none" | "relative".
+        representation_size: width of the pre-logits Linear + tanh (pre-training head); None: no layer.
+        drop_rate, attn_drop_rate, drop_path_rate: dropout, attention dropout, stochastic depth
+            (the latter linear over depth from 0 to the given rate).
+        qkv_bias: bias on the query/key/value projections. k_bias: False: none on the keys (EVA-02).
+        act: "gelu" (exact), "gelu_tanh" (the official JAX code's and SigLIP's approximation) or "quick_gelu"
+            (OpenAI CLIP's x * sigmoid(1.702 x)).
+        norm_eps: LayerNorm epsilon (1e-6 official and timm, 1e-12 HF).
+        hybrid_layers: blocks per ResNet stage for a hybrid (e.g. (3, 4, 9)); () the ResNet stem alone
+            (AugReg's R+Ti/16); None: a plain ViT.
+        hybrid_width: the ResNet width factor; hybrid_ws_eps/_mode, hybrid_gn_eps: its numerics.
+        mean, std, interpolation, crop_pct: the preprocessing the weights expect.
+        class_names: names of the head's classes, if known.
+        dynamic_img_size: accept any H x W divisible by the patch size, the position embedding resampled to each
+            input's grid on the fly (bilinear, as `vitkit.load(..., img_size=...)` does; cached per grid).
+        distilled: DeiT's distillation token: a second prefix token with its own head, trained against a teacher's
+            predictions; at inference the two heads' logits are averaged.
+        mpp: the masked-patch-prediction head of Sec. 4.6 (a learnable mask embedding and a Linear to the 8^C
+            colour codes of a patch's 3-bit mean colour), for self-supervised pre-training.
+        init_values: LayerScale (CaiT, DeiT-III, DINOv2): a learned per-channel scale on both residual branches,
+            initialised to this value; None: none.
+        reg_tokens: register tokens (Darcet et al. 2023, "Vision Transformers Need Registers"): learned tokens after
+            the class token that the model may use as scratch space; no head reads them.
+        no_embed_class: the position embedding covers the patches only (DeiT-III, DINOv2 with registers, big_vision);
+            False: it covers the prefix tokens too, as in the paper.
+        pre_norm: a LayerNorm on the tokens before the first block (CLIP's `ln_pre`).
+        patch_bias: a bias on the patch embedding (CLIP has none).
+        qk_norm: a LayerNorm on every head's queries and keys.
+        attn_norm: a LayerNorm on the attention heads' output before the projection (EVA-02 CLIP's sub-LN).
+        mlp_layer: "mlp" (the paper's) or "swiglu" (fc2(SiLU(W_g x) * W_x x): EVA-02, DINOv2-g); with "swiglu",
+            mlp_dim is the width of the gated hidden layer.
+        mlp_norm: a LayerNorm on the SwiGLU's hidden units (EVA-02's `scale_mlp`).
+        rope: "eva": 2-D rotary embeddings of the patch tokens' queries and keys, as EVA-02 (`layers/rope.py`);
+            None: none. rope_ref_grid: the grid whose coordinates the rotation uses at every resolution (EVA-02:
+            (16, 16)); None: the grid itself. rope_temperature: the base of the frequencies.
+        pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
+            learned position grid to each image's: "bilinear" (the official method), "bicubic" (timm's NaFlexVit),
+            "bilinear_aa" (SigLIP 2), "bicubic_noaa" (transformers' DINOv2). pos_resample_square: resample to the
+            square of the image's longer side and read the top-left part (timm's `pos_embed_ar_preserving`).
+        naflex: the weights came from (or go to) a NaFlex model, timm's `NaFlexVit` or SigLIP 2's tower: a timm
+            export writes a NaFlexVit (`embeds.*` names, a Linear patch embedding over (ph, pw, C) patches).
+    """
+
+    img_size: tuple[int, int] = (224, 224)
+    patch_size: tuple[int, int] = (16, 16)
+    in_chans: int = 3
+    num_classes: int = 1000
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_dim: int = 3072
+    classifier: str = "token"
+    class_token: bool | None = None
+    fc_norm: bool = False
+    pos_embed: str = "learned_1d"
+    representation_size: int | None = None
+    drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    qkv_bias: bool = True
+    k_bias: bool = True
+    act: str = "gelu"
+    norm_eps: float = 1e-6
+    hybrid_layers: tuple[int, ...] | None = None
+    hybrid_width: float = 1.0
+    hybrid_ws_eps: float = 1e-5
+    hybrid_ws_eps_mode: str = "std"
+    hybrid_gn_eps: float = 1e-6
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    interpolation: str = "bilinear"
+    crop_pct: float = 0.875
+    class_names: list[str] | None = field(default=None, repr=False)
+    dynamic_img_size: bool = False
+    distilled: bool = False
+    mpp: bool = False
+    init_values: float | None = None
+    reg_tokens: int = 0
+    no_embed_class: bool = False
+    pre_norm: bool = False
+    patch_bias: bool = True
+    qk_norm: bool = False
+    attn_norm: bool = False
+    mlp_layer: str = "mlp"
+    mlp_norm: bool = False
+    rope: str | None = None
+    rope_ref_grid: tuple[int, int] | None = None
+    rope_temperature: float = 10000.0
+    pos_resample: str = "bilinear"
+    pos_resample_square: bool = False
+    naflex: bool = False
+    arch: str = "vit"
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        self.mean, self.std = tuple(self.mean), tuple(self.std)
+        self.img_size, self.patch_size = to_2tuple(self.img_size), to_2tuple(self.patch_size)
+        if self.rope_ref_grid is not None:
+            self.rope_ref_grid = to_2tuple(self.rope_ref_grid)
+        check_sizes(self)
+        if self.classifier not in CLASSIFIERS:
+            raise UsageError(f"classifier must be one of {CLASSIFIERS}, got {self.classifier!r}")
+        if self.pos_embed not in POS_EMBEDS:
+            raise UsageError(f"pos_embed must be one of {tuple(POS_EMBEDS)}, got {self.pos_embed!r}")
+        if self.class_token is None:
+            self.class_token = self.classifier == "token"
+        if self.classifier == "token" and not self.class_token:
+            raise UsageError("classifier='token' needs class_token=True")
+        if self.distilled and (self.classifier != "token" or self.representation_size):
+            raise UsageError("distilled=True (DeiT) needs classifier='token' and no pre-logits layer")
+        if self.mpp and self.hybrid_layers is not None:
+            raise UsageError("mpp (masked patch prediction) predicts the colour of pixel patches: a plain ViT only")
+        if self.fc_norm and self.classifier != "gap":
+            raise UsageError("fc_norm applies to classifier='gap' only")
+        if self.act not in ACTIVATIONS:
+            raise UsageError(f"act must be one of {ACTIVATIONS}, got {self.act!r}")
+        if self.mlp_layer not in MLP_LAYERS:
+            raise UsageError(f"mlp_layer must be one of {MLP_LAYERS}, got {self.mlp_layer!r}")
+        if self.mlp_norm and self.mlp_layer != "swiglu":
+            raise UsageError("mlp_norm (a LayerNorm inside the MLP) is implemented for mlp_layer='swiglu' only")
+        if self.pos_resample not in RESAMPLE_METHODS:
+            raise UsageError(f"pos_resample must be one of {RESAMPLE_METHODS}, got {self.pos_resample!r}")
+        if self.rope not in ROPES:
+            raise UsageError(f"rope must be one of {ROPES}, got {self.rope!r}")
+        if self.rope and (self.embed_dim // self.num_heads) % 4:
+            raise UsageError(f"rope needs a head width divisible by 4, got {self.embed_dim // self.num_heads}")
+        if self.reg_tokens < 0:
+            raise UsageError(f"reg_tokens must be >= 0, got {self.reg_tokens}")
+        if self.reg_tokens and self.distilled:
+            raise UsageError("register tokens beside DeiT's distillation token: no published model has both")
+        if self.embed_dim % self.num_heads:
+            raise UsageError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if self.hybrid_layers is not None:
+            self.hybrid_layers = tuple(self.hybrid_layers)
+            if any(n < 1 for n in self.hybrid_layers):
+                raise UsageError(f"hybrid_layers {self.hybrid_layers}: every stage needs at least one block "
+                                 f"(() is the ResNet stem alone)")
+            if (64 * self.hybrid_width) % 32:  # the ResNet's GroupNorms have 32 groups; its narrowest is 64 * width
+                raise UsageError(f"hybrid_width {self.hybrid_width}: must be a multiple of 0.5 (GroupNorm's 32 groups)")
+            stride = backbone_stride(self.hybrid_layers)
+            if any(p % stride for p in self.patch_size):
+                raise UsageError(f"patch_size {self.patch_size} (the hybrid's total stride) is not a multiple of its "
+                                 f"ResNet's stride {stride} ({len(self.hybrid_layers)} stage(s))")
+        for s, p in zip(self.img_size, self.patch_size):
+            if s % p:
+                raise UsageError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")
+        if self.class_names is not None and self.num_classes and len(self.class_names) != self.num_classes:
+            raise UsageError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        return (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens in front of the patch grid: the class token, DeiT's distillation token, the registers."""
+        return int(bool(self.class_token)) + int(self.distilled) + self.reg_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def options(self) -> list[str]:
+        """The later-ViT options this config turns on, in words (for a run's one-line model description)."""
+        on = [f"LayerScale {self.init_values:g}" if self.init_values is not None else "",
+              f"{self.reg_tokens} registers" if self.reg_tokens else "",
+              "position embedding over the patches only" if self.no_embed_class else "",
+              "pre-norm" if self.pre_norm else "", "qk-norm" if self.qk_norm else "",
+              "attention sub-norm" if self.attn_norm else "",
+              ("SwiGLU with a norm" if self.mlp_norm else "SwiGLU") if self.mlp_layer == "swiglu" else "",
+              "2-D RoPE" if self.rope else "", "no key bias" if not self.k_bias else "",
+              "MAP head" if self.classifier == "map" else "", "quick GELU" if self.act == "quick_gelu" else "",
+              "distillation token" if self.distilled else ""]
+        return [o for o in on if o]

@@ -183,7 +183,7 @@ def test_random_resized_crops_of_files_are_cut_at_full_resolution(tmp_path):
     from vitkit.data.datasets import image_folder
     from vitkit.data.image import random_resized_crop_box
     from vitkit.training.distributed import Dist
-    from vitkit.training.trainer import _prepare
+    from vitkit.training.setup import prepare_run
 
     rng = random.Random(0)
     boxes = [random_resized_crop_box(375, 500, (0.1, 0.3), (3 / 4, 4 / 3), rng) for _ in range(2000)]
@@ -209,9 +209,9 @@ def test_random_resized_crops_of_files_are_cut_at_full_resolution(tmp_path):
 
     cfg = tiny_cfg(tmp_path / "run", **{"data.dataset": str(root), "data.batch_size": 4, "data.num_workers": 0,
                                         "aug.crop": "rrc", "model.overrides": {"img_size": 16, "in_chans": 3}})
-    run = _prepare(cfg, Dist())
-    assert run.spec.train.train_crop[:3] == (tuple(cfg.aug.scale), tuple(cfg.aug.ratio), cfg.run.seed)
-    assert run.aug.cfg.crop == "none" and run.spec.test.train_crop is None  # evaluation keeps its geometry
+    run = prepare_run(cfg, Dist())
+    assert run.data.train.train_crop[:3] == (tuple(cfg.aug.scale), tuple(cfg.aug.ratio), cfg.run.seed)
+    assert run.data.augment.cfg.crop == "none" and run.data.test.train_crop is None  # evaluation keeps its geometry
 
 
 def test_finetune_a_fixture_checkpoint_at_a_new_resolution(tmp_path):
@@ -402,7 +402,7 @@ def test_resume_refuses_a_changed_config_and_logs_every_step_once(tmp_path):
 
 
 def test_a_non_finite_gradient_stops_the_run_with_or_without_clipping(tmp_path):
-    from vitkit.training.trainer import check_gradients
+    from vitkit.training.loop import check_gradients
 
     m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, depth=1, num_classes=3)
     for p in m.parameters():

@@ -8,8 +8,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..data.datasets import IMAGE_EXTS, iterate_batches, load_dataset
 from ..data.image import EvalTransform, ImageDecodeError, decode_for
-from ..data.datasets import IMAGE_EXTS
+from ..data.splits import prepare
 from . import plots
 from .attention import (attention_rollout, grad_cam, grad_rollout, layer_head_maps, mean_attention_distance, register_attention,
                         require_vit, swin_window_maps)
@@ -125,14 +126,10 @@ def _batches_from(model: nn.Module, data: str, num_images: int, data_dir: str | 
         for i in range(0, len(good), batch_size):
             yield torch.cat(good[i : i + batch_size])
         return
-    from ..data.datasets import load_dataset
-
-    spec = load_dataset(data, data_dir)
-    replicate = 3 if spec.in_chans == 1 and c.in_chans == 3 else None
-    tf = EvalTransform.for_model(c, replicate_to=replicate)
-    imgs = spec.test.subset(num_images).images
-    for i in range(0, len(imgs), batch_size):
-        yield tf(imgs[i : i + batch_size])
+    split = prepare(c, test=load_dataset(data, data_dir).test.select(n=num_images))
+    tf = split.transform(split.test)
+    for x, _, _ in iterate_batches(split.test, batch_size, shuffle=False, drop_last=False):
+        yield tf(x)
 
 
 def inspect_model(model: nn.Module, out: str | Path, *, data: str | None = None, data_dir: str | None = None,

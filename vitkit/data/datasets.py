@@ -3,6 +3,12 @@
 Small datasets are held in memory as uint8 (N, C, H, W) and batched by index; folder datasets are
 decoded in DataLoader workers. Every source yields uint8 batches; augmentation runs on the batch,
 on the training device (see `augment.py`).
+
+Every kind of dataset answers the same questions itself, so that no caller asks which kind it holds:
+`decodes` (files decoded at a model's size, or images held at their native size and resized on the batch),
+`for_model(config, max_patches)` (the split as that model reads it), `select(classes, n, device)` (a run's choice
+of classes and smoke-run cut), `take(indices)` (a held-out part), `in_chans` (for the grey-to-RGB rule,
+`image.replicate_channels`). `vitkit.data.splits` is the one entrance that uses them.
 """
 from __future__ import annotations
 
@@ -14,23 +20,27 @@ import io
 import math
 import os
 import pickle
+import random
 import struct
 import sys
 import tarfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..models.layers.patch_embed import to_2tuple
-from .image import _PIL_INTERP, BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
 from ..cache import cache_dir
+from ..download import CheckpointError, download as fetch
 from ..errors import UsageError, VitkitError
+from ..models.layers.packing import resize_to_patches
+from ..models.layers.patch_embed import to_2tuple
 from ..safety import MAX_TENSOR_BYTES, open_regular
+from .image import (_PIL_INTERP, BadSample, DecodedFiles, ImageDecodeError, load_image, replicate_channels, resize_float,
+                    sample_geometry, to_uint8_tensor)
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 # Zalando's own repository, over https; the MD5s are the ones the dataset publishes (its README, torchvision).
@@ -62,8 +72,29 @@ class InMemoryDataset:
     classes: list[str]
     name: str = ""
 
+    decodes: ClassVar[bool] = False  # held at their native size: batches are resized to a model's on the device
+
     def __len__(self) -> int:
         return len(self.labels)
+
+    def for_model(self, config, max_patches: int | None = None) -> "InMemoryDataset":
+        """As a model reads it: unchanged (the batch transform resizes)."""
+        return self
+
+    def select(self, classes: list[int] | None = None, n: int | None = None, device=None) -> "InMemoryDataset":
+        """These classes only (relabelled), the first n of a fixed shuffle, on `device` (None: where it is)."""
+        ds = self.with_classes(classes).subset(n)
+        return ds.to(device) if device is not None else ds
+
+    def take(self, idx: torch.Tensor, name: str | None = None) -> "InMemoryDataset":
+        """The samples at `idx` (a held-out part)."""
+        idx = idx.to(self.labels.device)
+        return InMemoryDataset(self.images[idx], self.labels[idx], self.classes, self.name if name is None else name)
+
+    def batch(self, idx: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The uint8 images and labels at `idx`, on `device`."""
+        idx = idx.to(self.images.device)
+        return self.images[idx].to(device, non_blocking=True), self.labels[idx].to(device, non_blocking=True)
 
     @property
     def in_chans(self) -> int:
@@ -96,6 +127,82 @@ class InMemoryDataset:
 
     def to(self, device: torch.device | str) -> "InMemoryDataset":
         return InMemoryDataset(self.images.to(device), self.labels.to(device), self.classes, self.name)
+
+
+@dataclass
+class VarSizeDataset:
+    """uint8 images of any sizes, each (C, H, W), with int64 labels (N,) and class names (native aspect ratios:
+    `vitkit.data.naflex`)."""
+
+    images: list[torch.Tensor]
+    labels: torch.Tensor
+    classes: list[str]
+    name: str = ""
+
+    decodes: ClassVar[bool] = False  # held at their own sizes: resized (and packed) on the batch
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    @property
+    def in_chans(self) -> int:
+        return self.images[0].shape[0]
+
+    @property
+    def img_size(self) -> tuple[int, int]:
+        """The largest height and width (no one size: a reference for a model's grid)."""
+        return max(im.shape[1] for im in self.images), max(im.shape[2] for im in self.images)
+
+    def subset(self, n: int | None) -> "VarSizeDataset":
+        return self if n is None or n >= len(self) else VarSizeDataset(self.images[:n], self.labels[:n], self.classes, self.name)
+
+    def with_classes(self, keep: list[int] | None) -> "VarSizeDataset":
+        if keep is None:
+            return self
+        idx = [i for i, y in enumerate(self.labels.tolist()) if y in keep]
+        remap = {c: j for j, c in enumerate(keep)}
+        return VarSizeDataset([self.images[i] for i in idx], torch.tensor([remap[int(self.labels[i])] for i in idx]),
+                              [self.classes[c] for c in keep], self.name)
+
+    def to(self, device) -> "VarSizeDataset":
+        return self  # images stay on the host; packed batches move
+
+    def select(self, classes: list[int] | None = None, n: int | None = None, device=None) -> "VarSizeDataset":
+        """These classes only (relabelled), the first n (the images stay on the host)."""
+        return self.with_classes(classes).subset(n)
+
+    def take(self, idx: torch.Tensor, name: str | None = None) -> "VarSizeDataset":
+        return VarSizeDataset([self.images[i] for i in idx.tolist()], self.labels[idx], self.classes,
+                              self.name if name is None else name)
+
+    def batch(self, idx: torch.Tensor, device) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """A list of images (of different sizes: packed by the transform) and the labels on `device`."""
+        return [self.images[i] for i in idx.tolist()], self.labels[idx].to(device, non_blocking=True)
+
+    def for_model(self, config, max_patches: int | None = None):
+        """Packed at their own aspect ratios with `max_patches`; without, every image resized to the model's
+        square size (`squared`), as a fixed-size pipeline reads them."""
+        return self if max_patches else self.squared(config.img_size)
+
+    def squared(self, size: Sequence[int]) -> InMemoryDataset:
+        """Every image resized to one square size (its aspect ratio lost): what a fixed-size pipeline does."""
+        x = torch.stack([(resize_float(im.float() / 255, tuple(size)) * 255).round().to(torch.uint8) for im in self.images])
+        return InMemoryDataset(x, self.labels, self.classes, self.name + f" (resized to {size[0]}x{size[1]})")
+
+
+def aspect_crops(images: torch.Tensor, labels: torch.Tensor, classes: list[str], seed: int,
+                 ratio: tuple[float, float] = (1 / 3, 3.0), name: str = "") -> VarSizeDataset:
+    """Every image (N, C, H, W) cut to the largest box of a random aspect ratio (width / height, log-uniform in
+    `ratio`) at a random position: a dataset whose aspect ratios vary, the same for a seed."""
+    rng = random.Random(seed)
+    _, _, h, w = images.shape
+    out = []
+    for im in images:
+        a = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+        ch, cw = (h, max(1, round(h * a))) if a * h <= w else (max(1, round(w / a)), w)
+        top, left = rng.randint(0, h - ch), rng.randint(0, w - cw)
+        out.append(im[:, top:top + ch, left:left + cw].clone())
+    return VarSizeDataset(out, labels.clone(), list(classes), name)
 
 
 def data_roots(data_dir: str | Path | None, name: str) -> list[Path]:
@@ -147,8 +254,6 @@ def load_fashion_mnist(split: str = "train", data_dir: str | Path | None = None,
         if path is None:
             if not download:
                 raise DatasetError(f"Fashion-MNIST file {stem}(.gz) not found in {[str(r) for r in roots]}")
-            from ..download import CheckpointError, download as fetch
-
             dest = roots[-1] / f"{stem}.gz"
             try:
                 path = fetch(f"{FASHION_MNIST_URL}/{stem}.gz", dest, md5=FASHION_MNIST_MD5[f"{stem}.gz"])
@@ -187,8 +292,6 @@ def load_cifar(name: str = "cifar10", split: str = "train", data_dir: str | Path
     if archive is None:
         if not download:
             raise DatasetError(f"{fname} not found in {[str(r) for r in roots]}")
-        from ..download import CheckpointError, download as fetch
-
         try:
             archive = fetch(CIFAR_URLS[name], roots[-1] / fname, md5=CIFAR_MD5[name])
         except CheckpointError as e:
@@ -214,7 +317,7 @@ def load_cifar(name: str = "cifar10", split: str = "train", data_dir: str | Path
 # ---- files on disk: ImageFolder trees and CSV lists --------------------------------------------------
 
 @dataclass
-class FileDataset(TrainCrops, Dataset):
+class FileDataset(DecodedFiles, Dataset):
     """(path, label) pairs decoded in DataLoader workers to uint8 (C, H, W) at the model's size, with the model's
     evaluation geometry (`vitkit.data.image.resize_crop`: shorter side to img_size / crop_pct, centre crop), or
     for training with `with_train_crop` random-resized crops of the full-resolution image (`sample_geometry`).
@@ -247,8 +350,6 @@ class FileDataset(TrainCrops, Dataset):
                 raise ImageDecodeError(f"{path}: {e}") from e
             return BadSample(str(path), str(e))
         if self.max_patches:  # its own aspect ratio at the patch budget (training crops: on the batch, PackAugment)
-            from ..models.layers.packing import resize_to_patches
-
             h, w = resize_to_patches(img.height, img.width, self.patch_size, self.max_patches)
             return to_uint8_tensor(img.resize((w, h), _PIL_INTERP.get(self.interpolation, _PIL_INTERP["bilinear"]))), label
         return to_uint8_tensor(sample_geometry(img, self, i)), label
@@ -257,10 +358,13 @@ class FileDataset(TrainCrops, Dataset):
         """Decoded at each image's own aspect ratio, resized to at most `max_patches` patches (None: the model's size)."""
         return dataclasses.replace(self, max_patches=max_patches, patch_size=tuple(patch_size))
 
-    def configured(self, config) -> "FileDataset":
-        """This list of files, decoded as `config` (a model's) asks: its img_size, crop_pct and interpolation."""
-        return dataclasses.replace(self, img_size=tuple(config.img_size), crop_pct=getattr(config, "crop_pct", 1.0),
-                                   interpolation=getattr(config, "interpolation", "bilinear"))
+    def for_model(self, config, max_patches: int | None = None) -> "FileDataset":
+        """Decoded as `config`'s model reads it (`configured`), with `max_patches` at each image's own aspect ratio."""
+        ds = self.configured(config)
+        return ds.packed(max_patches, config.patch_size) if max_patches else ds
+
+    def take(self, idx: torch.Tensor, name: str | None = None) -> "FileDataset":
+        return dataclasses.replace(self, samples=[self.samples[i] for i in idx.tolist()], name=self.name if name is None else name)
 
     @property
     def labels(self) -> torch.Tensor:
@@ -293,8 +397,9 @@ def _report_bad(bad: list[BadSample]) -> int:
 
 def decodes_files(ds) -> bool:
     """Whether a dataset decodes image files itself at a model's size (`FileDataset`, `ShardDataset`), so that its
-    batches need no resizing, only normalisation; in-memory datasets hold their native size instead."""
-    return hasattr(ds, "configured")
+    batches need no resizing, only normalisation; in-memory datasets hold their native size instead (each kind's
+    `decodes`; `vitkit.data.splits` answers it for callers)."""
+    return getattr(ds, "decodes", False)
 
 
 def image_folder(root: str | Path, classes: list[str] | None = None, **kw) -> FileDataset:
@@ -375,19 +480,7 @@ def split_holdout(ds: InMemoryDataset | FileDataset, fraction: float, seed: int 
     mask = torch.zeros(len(labels), dtype=torch.bool)
     mask[torch.cat(held)] = True
     keep, out = torch.nonzero(~mask).flatten(), torch.nonzero(mask).flatten()
-    from .naflex import VarSizeDataset
-
-    if isinstance(ds, VarSizeDataset):
-        return (VarSizeDataset([ds.images[i] for i in keep.tolist()], ds.labels[keep], ds.classes, ds.name),
-                VarSizeDataset([ds.images[i] for i in out.tolist()], ds.labels[out], ds.classes, ds.name + " (held out)"))
-    if isinstance(ds, InMemoryDataset):
-        k, o = keep.to(ds.labels.device), out.to(ds.labels.device)
-        return (InMemoryDataset(ds.images[k], ds.labels[k], ds.classes, ds.name),
-                InMemoryDataset(ds.images[o], ds.labels[o], ds.classes, ds.name + " (held out)"))
-    if hasattr(ds, "subset"):  # shards
-        return ds.subset(keep.numpy()), ds.subset(out.numpy(), ds.name + " (held out)")
-    return (dataclasses.replace(ds, samples=[ds.samples[i] for i in keep.tolist()]),
-            dataclasses.replace(ds, samples=[ds.samples[i] for i in out.tolist()], name=ds.name + " (held out)"))
+    return ds.take(keep), ds.take(out, ds.name + " (held out)")
 
 
 # ---- batching ------------------------------------------------------------------------------------------
@@ -444,17 +537,11 @@ def eval_index_batches(n: int, batch_size: int, rank: int = 0, world: int = 1, l
 
 
 def _load_batches(data, batches: list[torch.Tensor], num_workers: int, device) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-    """Index batches -> (uint8 images, labels, samples skipped) on `device`."""
-    from .naflex import VarSizeDataset
-
-    if isinstance(data, VarSizeDataset):  # images of different sizes: a list per batch, packed by the transform
+    """Index batches -> (uint8 images, labels, samples skipped) on `device`: an in-memory kind indexes itself
+    (`batch`), files are decoded in DataLoader workers."""
+    if not getattr(data, "decodes", True):
         for idx in batches:
-            yield [data.images[i] for i in idx.tolist()], data.labels[idx].to(device, non_blocking=True), 0
-        return
-    if isinstance(data, InMemoryDataset):
-        for idx in batches:
-            idx = idx.to(data.images.device)
-            yield data.images[idx].to(device, non_blocking=True), data.labels[idx].to(device, non_blocking=True), 0
+            yield *data.batch(idx, device), 0
         return
     loader = DataLoader(data, batch_sampler=[b.tolist() for b in batches], num_workers=num_workers,
                         collate_fn=collate_skip_bad, persistent_workers=False, pin_memory=torch.device(device).type == "cuda")
@@ -475,6 +562,7 @@ class DataSpec:
     mean: tuple[float, ...] = (0.5,)
     std: tuple[float, ...] = (0.5,)
     extra: dict = field(default_factory=dict)
+    val: object = None  # a part of the training set held out for the periodic evaluations (`splits.training_data`)
 
 
 def _mean_std(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -488,7 +576,7 @@ DIGITS_CLASSES = [str(i) for i in range(10)]
 def load_digits(split: str = "train", n_train: int = 1500) -> InMemoryDataset:
     """scikit-learn's 8x8 handwritten digits (1797 images): the first 1500 (fixed shuffle) train, the rest test."""
     try:
-        from sklearn.datasets import load_digits as sk_digits
+        from sklearn.datasets import load_digits as sk_digits  # optional: scikit-learn, for this dataset only
     except ImportError as e:
         raise DatasetError("the 'digits' dataset needs scikit-learn (pip install scikit-learn)") from e
     d = sk_digits()
@@ -508,7 +596,7 @@ def is_shards(location: str) -> bool:
 
 def is_shards_split(location: str, split: str) -> bool:
     if location.startswith(("http://", "https://")):
-        from .shards import _fetch
+        from .shards import _fetch  # a cycle: shards.pack reads datasets through this module
 
         try:
             _fetch(location.rstrip("/") + f"/{split}/index.json")
@@ -540,8 +628,6 @@ def load_dataset(
     if name in ("fashion-mnist", "fashion_mnist", "fmnist"):
         train, test = load_fashion_mnist("train", data_dir), load_fashion_mnist("test", data_dir)
     elif name == "fashion-mnist-crops":  # every image cut to a random aspect ratio in [1/3, 3] (a fixed draw per split)
-        from .naflex import aspect_crops
-
         train, test = load_fashion_mnist("train", data_dir), load_fashion_mnist("test", data_dir)
         mean, std = _mean_std(train.images)
         train = aspect_crops(train.images, train.labels, train.classes, seed=1, name=name)
@@ -557,7 +643,7 @@ def load_dataset(
         size = to_2tuple(img_size) if img_size else (224, 224)
         kw = dict(img_size=size, in_chans=in_chans or 3, strict=strict_images)
         if is_shards(name):
-            from .shards import ShardDataset
+            from .shards import ShardDataset  # a cycle: shards.pack reads datasets through this module
 
             if in_chans is None:
                 del kw["in_chans"]  # the shards' own
@@ -591,9 +677,9 @@ def load_dataset(
     mean, std = _mean_std(train.images)
     spec = DataSpec(train, test, train.classes, train.in_chans, train.img_size, mean, std)
     if in_chans and in_chans != spec.in_chans:
-        if spec.in_chans == 1 and in_chans == 3:
-            spec.extra["replicate_channels"] = 3
-            spec.in_chans, spec.mean, spec.std = 3, mean * 3, std * 3
+        if replicate_channels(spec.in_chans, in_chans):
+            spec.extra["replicate_channels"] = replicate_channels(spec.in_chans, in_chans)
+            spec.in_chans, spec.mean, spec.std = in_chans, mean * in_chans, std * in_chans
         else:
             raise DatasetError(f"{name} has {spec.in_chans} channels; cannot make {in_chans}")
     if len(test) == 0:

@@ -16,7 +16,7 @@ import os
 import random
 import warnings
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import ClassVar, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -151,6 +151,31 @@ class TrainCrops:
         return self if self.train_crop is None else dataclasses.replace(self, train_crop=(*self.train_crop[:3], epoch))
 
 
+class DecodedFiles(TrainCrops):
+    """What the datasets that decode image files themselves share (`FileDataset`, `ShardDataset`: dataclasses with
+    img_size, crop_pct, interpolation and `train_crop`): they decode at a model's size with its evaluation geometry,
+    so their batches need normalising only, and their training crops are cut from the full-resolution image."""
+
+    decodes: ClassVar[bool] = True  # batches arrive at the model's size (in-memory kinds: False, resized on the batch)
+
+    def configured(self, config):
+        """These files, decoded as `config` (a model's) asks: its img_size, crop_pct and interpolation."""
+        return dataclasses.replace(self, img_size=tuple(config.img_size), crop_pct=getattr(config, "crop_pct", 1.0),
+                                   interpolation=getattr(config, "interpolation", "bilinear"))
+
+    def for_model(self, config, max_patches: int | None = None):
+        """This split as `config`'s model reads it (`configured`); a kind that can decode at native aspect ratios
+        overrides this for `max_patches`."""
+        return self.configured(config)
+
+    def select(self, classes: list[int] | None = None, n: int | None = None, device=None):
+        """Files are read whole, where they are: `n` (a smoke run's cut of an in-memory set) does not apply, and
+        choosing classes is for in-memory datasets."""
+        if classes is not None:
+            raise UsageError("data.classes selects classes of an in-memory dataset (fashion-mnist, cifar, digits)")
+        return self
+
+
 def sample_geometry(img: Image.Image, ds, index: int) -> Image.Image:
     """A file dataset's sample at its model's size: the evaluation geometry, or, for a training set given a
     `train_crop` (scale, ratio, seed, epoch), a random-resized crop of the full-resolution image, drawn from
@@ -168,6 +193,13 @@ def to_uint8_tensor(img: Image.Image) -> torch.Tensor:
     """PIL image -> uint8 (C, H, W)."""
     t = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())
     return t[None] if t.ndim == 2 else t.permute(2, 0, 1)  # (H, W, C) -> (C, H, W)
+
+
+def resize_float(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """float (C, H, W) in [0, 1] -> (C, *size), antialiased bilinear (as the square path's `EvalTransform`)."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x[None], size=size, mode="bilinear", align_corners=False, antialias=True)[0].clamp(0, 1)
 
 
 def normalize(x: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
@@ -223,3 +255,10 @@ class EvalTransform:
         elif tuple(x.shape[-2:]) != self.img_size:
             raise UsageError(f"images of size {tuple(x.shape[-2:])} were expected at the model's size {self.img_size}")
         return normalize(x, self.mean, self.std)
+
+
+def replicate_channels(data_chans: int, model_chans: int) -> int | None:
+    """The one grey-to-RGB rule: a 1-channel dataset fed to a 3-channel model has its grey channel repeated 3 times
+    (the `replicate_to` of the batch transforms); None where nothing is repeated (the channels agree, or no rule
+    makes one into the other: the caller that needs them to agree says so)."""
+    return 3 if data_chans == 1 and model_chans == 3 else None

@@ -1,9 +1,9 @@
 """Data at native aspect ratio (NaFlex): every image resized, keeping its aspect ratio, to a budget of patches
 (`data.max_patches`), then packed with the others of its batch into one `PackedBatch` (`vitkit.models.layers.packing`).
 
-- `VarSizeDataset`: uint8 images of any sizes in memory (a list), with labels; `aspect_crops` makes one from a
-  fixed-size dataset by cutting every image to a random aspect ratio (the test set whose aspect ratios vary:
-  "fashion-mnist-crops").
+- `VarSizeDataset` (defined in `datasets.py` with the other kinds): uint8 images of any sizes in memory (a list),
+  with labels; `aspect_crops` makes one from a fixed-size dataset by cutting every image to a random aspect ratio
+  (the test set whose aspect ratios vary: "fashion-mnist-crops").
 - `PackTransform`: a batch of uint8 images (a list, or a (B, C, H, W) tensor) -> a PackedBatch at the patch budget,
   normalised: evaluation, `predict`, serving.
 - `PackAugment`: the same for training, after augmentations that keep the aspect ratio (a random crop of the image's
@@ -18,84 +18,16 @@ compiled model sees one shape. The padding costs a few per cent (`benchmarks/naf
 from __future__ import annotations
 
 import math
-import random
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import UsageError
 from ..models.layers.packing import PackedBatch, pack, resize_to_patches
-from .image import normalize
+from .datasets import VarSizeDataset, aspect_crops  # the dataset kind lives with the others; named here as before
+from .image import normalize, resize_float as _resize
 
-if TYPE_CHECKING:
-    from .datasets import InMemoryDataset
-
-
-@dataclass
-class VarSizeDataset:
-    """uint8 images of any sizes, each (C, H, W), with int64 labels (N,) and class names."""
-
-    images: list[torch.Tensor]
-    labels: torch.Tensor
-    classes: list[str]
-    name: str = ""
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    @property
-    def in_chans(self) -> int:
-        return self.images[0].shape[0]
-
-    @property
-    def img_size(self) -> tuple[int, int]:
-        """The largest height and width (no one size: a reference for a model's grid)."""
-        return max(im.shape[1] for im in self.images), max(im.shape[2] for im in self.images)
-
-    def subset(self, n: int | None) -> "VarSizeDataset":
-        return self if n is None or n >= len(self) else VarSizeDataset(self.images[:n], self.labels[:n], self.classes, self.name)
-
-    def with_classes(self, keep: list[int] | None) -> "VarSizeDataset":
-        if keep is None:
-            return self
-        idx = [i for i, y in enumerate(self.labels.tolist()) if y in keep]
-        remap = {c: j for j, c in enumerate(keep)}
-        return VarSizeDataset([self.images[i] for i in idx], torch.tensor([remap[int(self.labels[i])] for i in idx]),
-                              [self.classes[c] for c in keep], self.name)
-
-    def to(self, device) -> "VarSizeDataset":
-        return self  # images stay on the host; packed batches move
-
-    def squared(self, size: Sequence[int]) -> "InMemoryDataset":
-        """Every image resized to one square size (its aspect ratio lost): what a fixed-size pipeline does."""
-        from .datasets import InMemoryDataset
-
-        x = torch.stack([(_resize(im.float() / 255, tuple(size)) * 255).round().to(torch.uint8) for im in self.images])
-        return InMemoryDataset(x, self.labels, self.classes, self.name + f" (resized to {size[0]}x{size[1]})")
-
-
-def aspect_crops(images: torch.Tensor, labels: torch.Tensor, classes: list[str], seed: int,
-                 ratio: tuple[float, float] = (1 / 3, 3.0), name: str = "") -> VarSizeDataset:
-    """Every image (N, C, H, W) cut to the largest box of a random aspect ratio (width / height, log-uniform in
-    `ratio`) at a random position: a dataset whose aspect ratios vary, the same for a seed."""
-    rng = random.Random(seed)
-    _, _, h, w = images.shape
-    out = []
-    for im in images:
-        a = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
-        ch, cw = (h, max(1, round(h * a))) if a * h <= w else (max(1, round(w / a)), w)
-        top, left = rng.randint(0, h - ch), rng.randint(0, w - cw)
-        out.append(im[:, top:top + ch, left:left + cw].clone())
-    return VarSizeDataset(out, labels.clone(), list(classes), name)
-
-
-def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """float (C, H, W) in [0, 1] -> (C, *size), antialiased bilinear (as the square path's EvalTransform)."""
-    if tuple(x.shape[-2:]) == tuple(size):
-        return x
-    return F.interpolate(x[None], size=size, mode="bilinear", align_corners=False, antialias=True)[0].clamp(0, 1)
+__all__ = ["VarSizeDataset", "aspect_crops", "PackTransform", "PackAugment", "hflip_packed"]
 
 
 class PackTransform:

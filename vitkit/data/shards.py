@@ -37,7 +37,7 @@ from PIL import Image
 from ..errors import UsageError, VitkitError
 from ..safety import (MAX_SAMPLE_BYTES, MAX_TEXT_BYTES, Deadline, http_connection, open_regular, open_url, parse_json,
                       read_bytes, untrusted)
-from .image import BadSample, ImageDecodeError, TrainCrops, load_image, sample_geometry, to_uint8_tensor
+from .image import BadSample, DecodedFiles, ImageDecodeError, load_image, sample_geometry, to_uint8_tensor
 
 FORMAT = "vitkit-shards"
 IMAGE_EXT = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
@@ -95,13 +95,11 @@ def pack(src: str, out: str | Path, shard_size: int = 1000, data_dir: str | None
     """Write a dataset as shards: `src` is a built-in dataset (fashion-mnist, cifar10, digits, ...: its images as
     PNG), an ImageFolder root (train/ and val/ or test/: the files' own bytes) or a CSV of path,label. Returns
     {split: index}."""
-    from .datasets import FileDataset, InMemoryDataset, load_dataset
+    from .datasets import FileDataset, InMemoryDataset, csv_list, load_dataset  # a cycle: datasets.load_dataset opens shards
 
     out = Path(out)
     root = Path(src)
     if root.suffix.lower() == ".csv":
-        from .datasets import csv_list
-
         splits = {"train": csv_list(root)}
     else:
         spec = load_dataset(src, data_dir, test_dir=None)
@@ -238,7 +236,7 @@ def _join(base: str, name: str) -> str:
 
 
 @dataclass
-class ShardDataset(TrainCrops, torch.utils.data.Dataset):
+class ShardDataset(DecodedFiles, torch.utils.data.Dataset):
     """One split of a shard set, by sample index. Decodes like `FileDataset`: at the model's size with its
     evaluation geometry (`configured`), a corrupt or oversized image is None (skipped and counted) unless strict."""
 
@@ -323,9 +321,11 @@ class ShardDataset(TrainCrops, torch.utils.data.Dataset):
             return BadSample(f"{self.name} sample {i}", str(e))
         return to_uint8_tensor(sample_geometry(img, self, i)), label
 
-    def configured(self, config) -> "ShardDataset":
-        return dataclasses.replace(self, img_size=tuple(config.img_size), crop_pct=getattr(config, "crop_pct", 1.0),
-                                   interpolation=getattr(config, "interpolation", "bilinear"))
+    # for_model: `configured` (DecodedFiles); shards have no native-aspect decoding, a packed model's transform resizes
+
+    def take(self, idx: torch.Tensor, name: str | None = None) -> "ShardDataset":
+        """The samples at `idx` of this split (a held-out part)."""
+        return self.subset(idx.numpy(), name)
 
     def subset(self, keep: np.ndarray, name: str | None = None) -> "ShardDataset":
         base = self.indices if self.indices is not None else np.arange(len(self))

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..data.splits import prepare
 from ..errors import UsageError
 
 BIAS_CONSTANT = 100.0
@@ -137,13 +138,11 @@ def fewshot(model: nn.Module, train_data, test_data, *, shots=(1, 5, 10, 25), dr
 def split_features(model: nn.Module, train_data, test_data, replicate_to: int | None = None, device="cpu",
                    batch_size: int = 500, precision: str = "fp32") -> tuple[torch.Tensor, ...]:
     """(train features, train labels, test features, test labels), each split with the model's own evaluation
-    preprocessing (files decoded at the model's size, in-memory arrays resized on the device)."""
-    from ..data.datasets import decodes_files
-    from ..data.image import EvalTransform
-
-    c = model.config
-    tfs = [EvalTransform.for_model(c, replicate_to=replicate_to, geometry=not decodes_files(d)) for d in (train_data, test_data)]
-    train_data, test_data = (d.configured(c) if decodes_files(d) else d for d in (train_data, test_data))
-    tx, ty = features(model, train_data, tfs[0], batch_size, device, precision)
-    vx, vy = features(model, test_data, tfs[1], batch_size, device, precision)
+    preprocessing (files decoded at the model's size, in-memory arrays resized on the device: `vitkit.data.prepare`).
+    replicate_to: None applies the grey-to-RGB rule (`vitkit.data.replicate_channels`); a number overrides it."""
+    data = prepare(model.config, train=train_data, test=test_data)
+    if replicate_to is not None:
+        data.replicate_to = replicate_to
+    tx, ty = features(model, data.train, data.transform(data.train), batch_size, device, precision)
+    vx, vy = features(model, data.test, data.transform(data.test), batch_size, device, precision)
     return tx, ty, vx, vy

@@ -40,7 +40,9 @@ demo: $(STAMP) data
 
 # pytest-xdist: a worker per core (at most 4), each with its share of the cores (tests/conftest.py). A worker that
 # crashes is reported with its test's name and replaced; faulthandler prints the stack of a crash or a hang.
+# lint-imports: the package's layers and no import cycles, as pyproject.toml declares them (docs/architecture.md)
 test: $(STAMP) data browser
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest tests -n auto --maxprocesses 4 --dist loadgroup --durations=15
 
 # A fuzzing campaign (fuzz/README.md): every door under atheris for FUZZ_SECONDS each, then schemathesis against

@@ -36,7 +36,7 @@ def unit_of(module: str) -> str:
 
 
 def imports(path: Path):
-    """(target module, line, function-local?, under TYPE_CHECKING?) for each vitkit import in `path`."""
+    """(target module, line, function-local?, under TYPE_CHECKING?, names) for each import in `path`."""
     tree = ast.parse(path.read_text())
     mod = module_name(path)
     is_pkg = path.name == "__init__.py"
@@ -47,7 +47,7 @@ def imports(path: Path):
             loc = local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             tc = typing_only or (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test))
             if isinstance(child, ast.Import):
-                out.extend((a.name, child.lineno, loc, tc) for a in child.names)
+                out.extend((a.name, child.lineno, loc, tc, ()) for a in child.names)
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = mod.split(".") if is_pkg else mod.split(".")[:-1]
@@ -60,9 +60,9 @@ def imports(path: Path):
                         sub = f"{target}.{a.name}"
                         is_mod = (ROOT / Path(*sub.split("."))).with_suffix(".py").exists() or \
                             (ROOT / Path(*sub.split("."))).is_dir()
-                        out.append((sub if is_mod else target, child.lineno, loc, tc))
+                        out.append((sub if is_mod else target, child.lineno, loc, tc, () if is_mod else (a.name,)))
                 else:
-                    out.append((target, child.lineno, loc, tc))
+                    out.append((target, child.lineno, loc, tc, tuple(a.name for a in child.names)))
             visit(child, loc, tc)
 
     visit(tree, False, False)
@@ -73,7 +73,9 @@ def layers() -> list[list[str]]:
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text()).get("tool", {}).get("importlinter", {})
     for c in cfg.get("contracts", []):
         if c.get("type") == "layers":
-            return [[u.strip() for u in layer.replace("(", "").replace(")", "").split("|")] for layer in c["layers"]]
+            prefix = f"{c['containers'][0]}." if c.get("containers") else ""
+            return [[prefix + u.strip() for u in layer.replace("(", "").replace(")", "").replace(":", "|").split("|")]
+                    for layer in c["layers"]]
     return []
 
 
@@ -113,14 +115,18 @@ def measure() -> dict:
     files = sorted(PKG.rglob("*.py"))
     unit_edges: dict[tuple[str, str], list[str]] = defaultdict(list)
     module_graph: dict[str, set[str]] = defaultdict(set)
-    local_all = local_vitkit = 0
+    local_all, local_vitkit, private = set(), set(), []
     for f in files:
         src = module_name(f)
-        for target, line, local, typing_only in imports(f):
-            local_all += local
+        for target, line, local, typing_only, names in imports(f):
+            if local:
+                local_all.add((f, line))
             if not target.startswith("vitkit"):
                 continue
-            local_vitkit += local
+            if local:
+                local_vitkit.add((f, line))
+            if unit_of(src) != unit_of(target) and any(n.startswith("_") and not n.startswith("__") for n in names):
+                private.append(f"{f.relative_to(ROOT)}:{line} {target}.{','.join(names)}")
             if typing_only:
                 continue
             module_graph[src].add(target)
@@ -132,9 +138,10 @@ def measure() -> dict:
         unit_graph[a].add(b)
     order = layers()
     rank = {u: i for i, layer in enumerate(order) for u in layer}
+    # layers are listed highest first: an import climbs when its target is listed before (above) its source
     climbing = [(a, b, where) for (a, b), where in unit_edges.items()
-                if a in rank and b in rank and rank[b] > rank[a]]
-    unranked = sorted({u for e in unit_edges for u in e} - set(rank)) if order else []
+                if a in rank and b in rank and rank[b] < rank[a]]
+    unranked = sorted({u for e in unit_edges for u in e} - set(rank) - {"vitkit"}) if order else []
     sizes = sorted(((len(f.read_text().splitlines()), str(f.relative_to(ROOT))) for f in files), reverse=True)
     vit = (PKG / "models" / "vit.py").read_text()
     loops = sum(1 for n in ast.walk(ast.parse(vit)) if isinstance(n, (ast.For, ast.comprehension))
@@ -144,7 +151,8 @@ def measure() -> dict:
         unit_cycles=sccs(unit_graph), module_cycles=sccs(module_graph),
         climbing_imports=sum(len(w) for _, _, w in climbing), climbing=[(a, b, w) for a, b, w in climbing],
         unranked_units=unranked,
-        function_local_imports=local_all, function_local_vitkit_imports=local_vitkit,
+        function_local_imports=len(local_all), function_local_vitkit_imports=len(local_vitkit),
+        private_across_units=private,
         biggest=sizes[:5], vit_block_loops=loops, vit_lines=len(vit.splitlines()),
         edges={f"{a} -> {b}": w for (a, b), w in sorted(unit_edges.items())},
     )
@@ -170,6 +178,8 @@ if __name__ == "__main__":
         print(f"  {a} -> {b}: {', '.join(w)}")
     if m["unranked_units"]:
         print(f"units no layer names: {m['unranked_units']}")
-    print(f"function-local imports: {m['function_local_imports']} (of vitkit modules: {m['function_local_vitkit_imports']})")
+    print(f"function-local import statements: {m['function_local_imports']} (of vitkit modules: "
+          f"{m['function_local_vitkit_imports']})")
+    print(f"private names imported across units: {len(m['private_across_units'])} {m['private_across_units']}")
     print("biggest files: " + ", ".join(f"{p} {n}" for n, p in m["biggest"]))
     print(f"models/vit.py: {m['vit_lines']} lines, {m['vit_block_loops']} loops over the blocks")

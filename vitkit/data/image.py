@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 from ..errors import UsageError, VitkitError
+from ..safety import open_regular
 
 _PIL_INTERP = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": Image.NEAREST}
 
@@ -60,8 +61,6 @@ def load_image(source: str | Path | np.ndarray | Image.Image, in_chans: int = 3,
             with warnings.catch_warnings(), contextlib.ExitStack() as stack:
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 if isinstance(source, (str, os.PathLike)):  # a regular file only: a FIFO would wait for a writer
-                    from ..safety import open_regular
-
                     fp = stack.enter_context(open_regular(source, error=ImageDecodeError))
                 else:
                     fp = source

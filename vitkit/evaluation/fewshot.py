@@ -16,7 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..data.datasets import _load_batches, eval_index_batches
 from ..data.splits import prepare
+from ..machine.precision import autocast
 from ..errors import UsageError
 
 BIAS_CONSTANT = 100.0
@@ -103,9 +105,6 @@ def features(model: nn.Module, data, transform, batch_size: int = 500, device="c
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pooled representation (the head's input: `forward_head(..., pre_logits=True)`) of every image of a
     dataset, and the labels; computed in `precision` (fp32 | bf16 | fp16 autocast), returned in float32."""
-    from ..data.datasets import _load_batches, eval_index_batches
-    from ..machine.precision import autocast
-
     was = model.training
     model.eval()
     xs, ys = [], []

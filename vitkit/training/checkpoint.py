@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .config import _flatten
 from .distributed import Dist
 from ..errors import CheckpointError, VitkitError
 from ..safety import open_regular, parse_json, read_bytes, untrusted
@@ -41,8 +43,6 @@ RUN_FILES = (CKPT_DIR, "last.ckpt", "best.safetensors", "final.safetensors", "me
 
 def config_differences(before: dict, now: dict) -> list[str]:
     """'key: before -> now' for every setting that differs and changes what a step means (not RESUME_SAFE)."""
-    from .config import _flatten
-
     def flat(d: dict) -> dict:
         f = _flatten(json.loads(json.dumps(d)))  # tuples and lists alike
         f.update({f"model.overrides.{k}": v for k, v in (f.pop("model.overrides", None) or {}).items()})
@@ -148,8 +148,6 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj

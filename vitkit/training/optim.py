@@ -8,14 +8,14 @@ import re
 import torch
 from torch import nn
 
-from .config import OptimConfig, ScheduleConfig
 from ..errors import UsageError
+from ..models import layer_groups
+from ..models.timm_api import NO_WEIGHT_DECAY
+from .config import OptimConfig, ScheduleConfig
 
 
 def _no_decay(name: str, p: torch.Tensor) -> bool:
     """Norms, biases, and the learned tokens and embeddings (`model.no_weight_decay()`, as timm's): no weight decay."""
-    from ..models.timm_api import NO_WEIGHT_DECAY
-
     return p.ndim <= 1 or name.endswith(".bias") or any(t in name for t in NO_WEIGHT_DECAY)
 
 
@@ -23,8 +23,6 @@ def layer_ids(model: nn.Module) -> dict[str, int]:
     """{parameter name: layer}, as timm's layer-wise LR decay numbers them (`model.group_matcher()`: the embeddings
     0, each block (Swin: each block of each stage; BiT: the stem, then each stage) its own layer, the final norm with
     the last block, the head last)."""
-    from ..models import layer_groups
-
     return {name: gid for gid, names in layer_groups(model).items() for name in names}
 
 

@@ -6,6 +6,7 @@ from typing import Callable
 from ..data.augment import AugConfig
 from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig
 from ..errors import UsageError
+from ..models import get_entry
 
 PRESETS: dict[str, Callable[[], TrainConfig]] = {}
 
@@ -161,8 +162,6 @@ def shrink_for_smoke(cfg: TrainConfig, replace: bool = False) -> None:
     """A smoke run's tiny transformer (SMOKE_MODEL) over the preset's sizes (`replace`), or only where the model
     overrides do not size it already (after the user's own); a model trained from a checkpoint keeps its own."""
     if not cfg.model.checkpoint:
-        from ..models import get_entry
-
         smoke = SMOKE_SWIN if get_entry(cfg.model.name).arch == "swin" else SMOKE_MODEL
         for k, v in smoke.items():
             cfg.model.overrides[k] = v if replace else cfg.model.overrides.get(k, v)

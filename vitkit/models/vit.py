@@ -58,7 +58,7 @@ from .mpp import MaskedPatchPrediction, mpp_layers
 from .packed import PackedForward
 from .resnet import ResNetBackbone
 from .timm_api import VIT_POOL_NAMES, TimmModelApi, check_class_names, check_num_classes, vit_classifier
-from .vit_config import CLASSIFIERS, MLP_LAYERS, POS_EMBEDS, ROPES, ViTConfig  # noqa: F401 (vitkit.models.vit's names)
+from .vit_config import POS_EMBEDS, ViTConfig
 from ..errors import UsageError
 
 
@@ -124,7 +124,6 @@ class PreLogits(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.fc(x))
-
 
 
 class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.Module):
@@ -235,10 +234,10 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         return self.rope(self.patch_embed.grid_for(x), device=x.device)
 
     def _run(self, blk: Block, x: torch.Tensor, **kw) -> torch.Tensor:
+        """One block; with `set_grad_checkpointing` in training, its activations recomputed in the backward."""
         if self.grad_checkpointing and self.training and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False, **kw)
         return blk(x, **kw)
-
 
     def _encode(self, h: torch.Tensor, *, grid: tuple[int, int] | None = None, rope: tuple | None = None,
                 mask: torch.Tensor | None = None, keep: set[int] = frozenset(), attention: bool = False,
@@ -421,7 +420,6 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         dataclasses.replace(c, classifier=new)  # the config's own checks, before anything changes
         c.classifier = new
         self.attn_pool = None
-
 
     def set_img_size(self, img_size: int | tuple[int, int], method: str | None = None) -> None:
         """Change the input resolution, keeping the patch size; the position embedding is resampled in 2-D.

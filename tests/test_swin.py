@@ -144,21 +144,16 @@ def test_training_onnx_and_explain_on_a_swin(tmp_path):
 def test_explicit_and_fused_window_attention_agree():
     """The two paths of the window attention (the explicit one is taken in bf16 training on CPUs with native bf16):
     the same outputs and gradients, shifted windows included."""
-    from vitkit.models.swin import WindowAttention
-
     torch.manual_seed(0)
     m = vitkit.create_model("swin_t", img_size=32, patch_size=2, embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4),
                             window_size=4, num_classes=3, drop_path_rate=0.0)  # deterministic, gradients on
     x = torch.randn(2, 3, 32, 32)
     outs = []
     for impl in ("sdpa", "explicit"):
-        WindowAttention.impl = impl
-        try:
-            m.zero_grad()
-            y = m(x)
-            y.square().sum().backward()
-            outs.append((y.detach(), m.layers[0].blocks[1].attn.relative_position_bias_table.grad.clone()))
-        finally:
-            WindowAttention.impl = "auto"
+        m.set_attention_impl(impl)
+        m.zero_grad()
+        y = m(x)
+        y.square().sum().backward()
+        outs.append((y.detach(), m.layers[0].blocks[1].attn.relative_position_bias_table.grad.clone()))
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-4)

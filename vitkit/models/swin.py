@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .layers import DropPath, LayerNorm, Linear, Mlp
-from .layers.attention import _CPU_BF16_NATIVE
+from .layers.attention import _CPU_BF16_NATIVE, check_impl
 from .layers.patch_embed import to_2tuple
 from .layers.tracing import is_fx_tracing
 from .timm_api import TimmModelApi, check_avg_pool, check_class_names, check_num_classes
@@ -181,8 +181,7 @@ class WindowAttention(nn.Module):
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * win[0] - 1) * (2 * win[1] - 1), num_heads))
         nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.register_buffer("relative_position_index", relative_position_index(self.win), persistent=False)
-
-    impl: str = "auto"  # "sdpa" / "explicit" force a path (tests, benchmarks)
+        self.impl = "auto"  # "sdpa" / "explicit" force a path: `SwinTransformer.set_attention_impl` (tests, benchmarks)
 
     def _explicit_is_faster(self, q: torch.Tensor) -> bool:
         """As the ViT's attention (`layers/attention.py`): on a CPU with native bf16, in bf16 with gradients, plain
@@ -319,6 +318,13 @@ class SwinTransformer(TimmModelApi, nn.Module):
         self.head = self._new_head(c.num_classes)
         self.grad_checkpointing = False
         self.lowp_stream = False  # the ViT's switch; Swin's stream stays as autocast leaves it
+
+    def set_attention_impl(self, impl: str = "auto") -> None:
+        """How every window attention of this model computes softmax(q k^T + bias) v: "auto" (picked per call),
+        "sdpa" (the fused kernel) or "explicit" (matmul + softmax) (`layers.attention.ATTENTION_IMPLS`)."""
+        impl = check_impl(impl)
+        for attn in (m for m in self.modules() if isinstance(m, WindowAttention)):
+            attn.impl = impl
 
     def _new_head(self, num_classes: int) -> nn.Module:
         if not num_classes:

@@ -177,7 +177,8 @@ def bench_readers(args) -> dict:
     from torch.utils.data import DataLoader
 
     from vitkit.data.datasets import iterate_batches
-    from vitkit.data.shards import ShardDataset, pack
+    from vitkit.data.pack import pack
+    from vitkit.data.shards import ShardDataset
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp())

@@ -206,7 +206,7 @@ def test_a_dripping_shard_server_is_cut_off_at_the_deadline(drip, tmp_path, caps
 
 def test_a_dripping_sample_a_dripping_download_and_dripping_headers_are_cut_off(drip, tmp_path):
     from vitkit.download import download
-    from vitkit.data.shards import _Bytes, _fetch
+    from vitkit.data.shards import _Bytes, fetch_small
 
     how, e, _ = returns(lambda: _Bytes().read(f"{drip}/shard-000000.tar", 0, 4000))  # one sample's Range request
     assert how == "raised" and isinstance(e, TimeoutError) and str(e).startswith(f"{drip}/shard-000000.tar: {DEADLINE}")
@@ -214,7 +214,7 @@ def test_a_dripping_sample_a_dripping_download_and_dripping_headers_are_cut_off(
     assert how == "raised" and isinstance(e, CheckpointError), e
     assert str(e).startswith(f"could not download {drip}/w.safetensors: {DEADLINE}") and "resumed next time" in str(e)
     assert not (tmp_path / "w.safetensors").exists()
-    how, e, _ = returns(lambda: _fetch(f"{drip}/headers/index.json"))  # the status line itself, one byte at a time
+    how, e, _ = returns(lambda: fetch_small(f"{drip}/headers/index.json"))  # the status line itself, one byte at a time
     assert how == "raised" and isinstance(e, UsageError) and "deadline of 1.5 s (VITKIT_FETCH_DEADLINE_S=1.5)" in str(e)
 
 

@@ -88,7 +88,7 @@ def test_folders_csv_lists_and_files_mixed_give_the_records_of_the_files_alone(c
 
 
 def test_a_shard_set_is_an_input_and_gives_the_files_numbers(ckpt, tree, tmp_path, capsys):
-    from vitkit.data.shards import pack
+    from vitkit.data.pack import pack
 
     pack(str(tree / "list" / "pred.csv"), tmp_path / "shards", shard_size=1)  # two shards of one image each
     assert main(["predict", str(tmp_path / "shards"), str(tree / "list" / "pred.csv"), "--checkpoint", str(ckpt),

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from vitkit.data.datasets import load_dataset
-from vitkit.data.shards import ShardDataset, pack
+from vitkit.data.pack import pack
+from vitkit.data.shards import ShardDataset
 
 REPO = Path(__file__).resolve().parents[1]
 

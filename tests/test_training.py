@@ -14,6 +14,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import vitkit
+from vitkit.checkpoints.run import load_model_weights
 from vitkit.data.datasets import DatasetError, load_digits
 from vitkit.training import TrainingError, apply_overrides, checkpoint, get_preset, train
 
@@ -126,7 +127,7 @@ def _checkpoint_weights(run_dir: Path, key: str = "model") -> dict:
 
     ck = checkpoint.latest(run_dir)
     model = build_model(ViTConfig(**{k: v for k, v in checkpoint.read_meta(ck)["model_config"].items() if k != "arch"}))
-    checkpoint.load_model_weights(ck, model, key)
+    load_model_weights(ck, model, key)
     return model.state_dict()
 
 

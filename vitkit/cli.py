@@ -139,7 +139,7 @@ def data(action: Literal["pack"], src: str, out: str, shard_size: int = 1000, da
         shard_size: samples per shard.
         data_dir: where the built-in datasets are.
     """
-    from .data.shards import pack
+    from .data.pack import pack
 
     return pack(src, out, shard_size=shard_size, data_dir=data_dir, progress=print)
 
@@ -293,7 +293,7 @@ def train(
             without training.
     """
     from .training import apply_overrides, get_preset, load_config_file, train as _train
-    from .training.config import _flatten
+    from .training.config import flatten_config
     import yaml
 
     from .training.presets import preset_for, shrink_for_smoke
@@ -323,7 +323,7 @@ def train(
         preset = preset_for(None if dataset is None else str(dataset), file_cfg.get("preset"))
     cfg = get_preset(preset, smoke=smoke)
     if file_cfg:
-        apply_overrides(cfg, _flatten(file_cfg))
+        apply_overrides(cfg, flatten_config(file_cfg))
     preset_model = cfg.model.name
     apply_overrides(cfg, pairs)
     if smoke and cfg.model.name != preset_model:  # another model than the preset's: the smoke run shrinks it too
@@ -386,8 +386,7 @@ def evaluate(
             many patches, each batch packed into one forward (eager torch); default: the checkpoint's square size.
     """
     from .checkpoints import load
-    from .data.datasets import csv_list, decodes_files, folder_test_split, image_folder, is_shards, load_dataset
-    from .data.image import EvalTransform
+    from .data.splits import test_split
     from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
     from .inference.backends import inference_engine
     from .machine.device import resolve_device
@@ -398,34 +397,9 @@ def evaluate(
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch); an ONNX export with "
                          "packed inputs: vitkit export CHECKPOINT OUT.onnx --packed")
     runner, prec, reason = inference_engine(model, dev, precision, backend, batch_size)
-    c = model.config
-    names = c.class_names
-    replicate = None
-    src = test_dir or data
-    if src.endswith(".csv"):
-        test = csv_list(src, classes=names, in_chans=c.in_chans)
-    elif test_dir or (Path(data).is_dir() and not is_shards(data)):
-        # an ImageFolder root: its evaluation split, as the trainer chose it (val/, else test/); or the folder itself
-        split = None if test_dir else folder_test_split(data)
-        test = image_folder(split or src, classes=names, in_chans=c.in_chans)
-    else:
-        spec = load_dataset(data, data_dir)
-        test = spec.test
-        replicate = 3 if spec.in_chans == 1 and c.in_chans == 3 else None
-        if names and list(names) != list(test.classes):
-            raise UsageError(f"the checkpoint's classes {names} differ from {data}'s {test.classes}")
-    if c.num_classes != len(test.classes):
-        raise UsageError(f"the checkpoint has {c.num_classes} classes, the data {len(test.classes)}")
-    if decodes_files(test):
-        test = test.configured(c)  # decoded with the checkpoint's own size, crop and interpolation
-    if max_patches:
-        from .data.naflex import PackTransform
-
-        if decodes_files(test):
-            test = test.packed(max_patches, c.patch_size)
-        transform = PackTransform.for_model(c, max_patches, replicate_to=replicate, sized=decodes_files(test))
-    else:
-        transform = EvalTransform.for_model(c, replicate_to=replicate, geometry=not decodes_files(test))
+    # the test split (a CSV, an ImageFolder's val/ or test/, a named dataset or shards), decoded as the checkpoint asks
+    split = test_split(model.config, data, data_dir=data_dir, test_dir=test_dir, max_patches=max_patches)
+    test, transform = split.test, split.transform(split.test)
     res = _evaluate(runner, test, transform, batch_size=batch_size, num_workers=num_workers, tta=tta,
                     device=dev, precision=prec)
     out_dir = Path(out) if out else Path(checkpoint).parent
@@ -486,17 +460,15 @@ def _frozen_backbone(checkpoint: str, data: str, data_dir: str | None, train_sub
     """What `fewshot` and `knn` share: the model on its device, the precision for its features, the dataset's splits
     (the training split cut to `train_subset` images), and the channel replication grey data needs for an RGB model."""
     from .checkpoints import load
-    from .data.datasets import InMemoryDataset, load_dataset
+    from .data.splits import feature_splits
     from .machine.device import resolve_device
     from .machine.precision import for_inference
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
     choice = for_inference(model, dev, precision, 500)
-    spec = load_dataset(data, data_dir, in_chans=None)
-    train_set = spec.train.subset(train_subset) if train_subset and isinstance(spec.train, InMemoryDataset) else spec.train
-    replicate = 3 if spec.in_chans == 1 and model.config.in_chans == 3 else None
-    return model, dev, choice.precision, train_set, spec.test, replicate
+    splits = feature_splits(model.config, data, data_dir=data_dir, train_subset=train_subset)
+    return model, dev, choice.precision, splits.train, splits.test, splits.replicate_to
 
 
 def knn(

@@ -17,6 +17,7 @@ from .infer import infer_resnetv2_config, infer_vit_config
 from .swin import infer_swin_config
 from .io import CheckpointError, read_hf_dir, read_npz, read_safetensors, read_torch, sniff
 from ..cache import atomic_write
+from .run import load_model_weights, read_meta
 from ..errors import UsageError
 from ..safety import parse_json, read_bytes, untrusted
 
@@ -214,18 +215,16 @@ def _json_file(path: Path) -> dict:
 
 
 def _read_run_checkpoint(path: Path, hints: dict) -> Checkpoint:
-    """A training run's sharded checkpoint (torch.distributed.checkpoint, `vitkit.training.checkpoint`): the
+    """A training run's sharded checkpoint (torch.distributed.checkpoint, `vitkit.checkpoints.run`): the
     weights it would be used with for inference, the EMA's if the run kept one, gathered into one state dict."""
-    from ..training import checkpoint as run_checkpoint
-
-    meta = run_checkpoint.read_meta(path)
+    meta = read_meta(path)
     config = _config_from_dict(meta["model_config"])
     if hints:
         config = config_with(config, **{k: v for k, v in hints.items() if k != "img_size"})
     with torch.device("cpu"):
         model = build_model(config)
     key = "ema" if (meta.get("config", {}).get("run", {}).get("ema")) else "model"
-    run_checkpoint.load_model_weights(path, model, key)
+    load_model_weights(path, model, key)
     return Checkpoint(path, "vitkit-run-checkpoint", config, model.state_dict(), [])
 
 

@@ -34,13 +34,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ..cache import cache_dir
-from ..download import CheckpointError, download as fetch
-from ..errors import UsageError, VitkitError
+from ..download import download as fetch
+from ..errors import CheckpointError, UsageError, VitkitError
 from ..models.layers.packing import resize_to_patches
 from ..models.layers.patch_embed import to_2tuple
 from ..safety import MAX_TENSOR_BYTES, open_regular
 from .image import (_PIL_INTERP, BadSample, DecodedFiles, ImageDecodeError, load_image, replicate_channels, resize_float,
                     sample_geometry, to_uint8_tensor)
+from .shards import ShardDataset, fetch_small
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 # Zalando's own repository, over https; the MD5s are the ones the dataset publishes (its README, torchvision).
@@ -395,13 +396,6 @@ def _report_bad(bad: list[BadSample]) -> int:
     return len(bad)
 
 
-def decodes_files(ds) -> bool:
-    """Whether a dataset decodes image files itself at a model's size (`FileDataset`, `ShardDataset`), so that its
-    batches need no resizing, only normalisation; in-memory datasets hold their native size instead (each kind's
-    `decodes`; `vitkit.data.splits` answers it for callers)."""
-    return getattr(ds, "decodes", False)
-
-
 def image_folder(root: str | Path, classes: list[str] | None = None, **kw) -> FileDataset:
     """root/<class>/<image>: one folder per class, sorted names give the label order."""
     root = Path(root)
@@ -519,7 +513,7 @@ def iterate_batches(
     batches = [order[i : i + batch_size][rank * per_rank : (rank + 1) * per_rank] for i in range(0, len(order), batch_size)]
     if hasattr(data, "for_epoch"):  # files cropped at full resolution: this epoch's crops
         data = data.for_epoch(epoch)
-    yield from _load_batches(data, batches, num_workers, device)
+    yield from load_batches(data, batches, num_workers, device)
 
 
 def eval_index_batches(n: int, batch_size: int, rank: int = 0, world: int = 1, lockstep: bool = False
@@ -536,7 +530,7 @@ def eval_index_batches(n: int, batch_size: int, rank: int = 0, world: int = 1, l
     return batches
 
 
-def _load_batches(data, batches: list[torch.Tensor], num_workers: int, device) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+def load_batches(data, batches: list[torch.Tensor], num_workers: int, device) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
     """Index batches -> (uint8 images, labels, samples skipped) on `device`: an in-memory kind indexes itself
     (`batch`), files are decoded in DataLoader workers."""
     if not getattr(data, "decodes", True):
@@ -596,10 +590,9 @@ def is_shards(location: str) -> bool:
 
 def is_shards_split(location: str, split: str) -> bool:
     if location.startswith(("http://", "https://")):
-        from .shards import _fetch  # a cycle: shards.pack reads datasets through this module
 
         try:
-            _fetch(location.rstrip("/") + f"/{split}/index.json")
+            fetch_small(location.rstrip("/") + f"/{split}/index.json")
             return True
         except OSError:
             return False
@@ -643,7 +636,6 @@ def load_dataset(
         size = to_2tuple(img_size) if img_size else (224, 224)
         kw = dict(img_size=size, in_chans=in_chans or 3, strict=strict_images)
         if is_shards(name):
-            from .shards import ShardDataset  # a cycle: shards.pack reads datasets through this module
 
             if in_chans is None:
                 del kw["in_chans"]  # the shards' own

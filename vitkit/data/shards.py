@@ -18,21 +18,16 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import io
-import json
 import os
 import re
-import tarfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from PIL import Image
 
 from ..errors import UsageError, VitkitError
 from ..safety import (MAX_SAMPLE_BYTES, MAX_TEXT_BYTES, Deadline, http_connection, open_regular, open_url, parse_json,
@@ -41,87 +36,6 @@ from .image import BadSample, DecodedFiles, ImageDecodeError, load_image, sample
 
 FORMAT = "vitkit-shards"
 IMAGE_EXT = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff", "gif")
-
-
-# ---- writing ----------------------------------------------------------------------------------------------
-
-def _tar_member(tar: tarfile.TarFile, name: str, data: bytes) -> int:
-    """Add one member; returns the offset of its data in the tar."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o644
-    tar.addfile(info, io.BytesIO(data))
-    return tar.offset - ((len(data) + 511) // 512) * 512  # data starts where its 512-byte blocks start
-
-
-def write_split(samples: Iterator[tuple[bytes, str, int]], out: Path, classes: list[str], in_chans: int,
-                shard_size: int = 1000, name: str = "") -> dict:
-    """Write (image bytes, extension, class) samples as tar shards of `shard_size` samples, their .idx files and
-    index.json; returns the index."""
-    out.mkdir(parents=True, exist_ok=True)
-    shards, rows, tar, n = [], [], None, 0
-
-    def close() -> None:
-        tar.close()
-        np.save(out / f"{shards[-1]['name'][:-4]}.idx.npy", np.asarray(rows, dtype=np.int64).reshape(-1, 3), allow_pickle=False)
-        shards[-1]["nsamples"] = len(rows)
-
-    for data, ext, label in samples:
-        if n % shard_size == 0:
-            if tar is not None:
-                close()
-            shards.append({"name": f"shard-{len(shards):06d}.tar"})
-            tar, rows = tarfile.open(out / shards[-1]["name"], "w", format=tarfile.USTAR_FORMAT), []
-        key = f"{n:09d}"
-        offset = _tar_member(tar, f"{key}.{ext}", data)
-        _tar_member(tar, f"{key}.cls", str(label).encode())
-        rows.append((offset, len(data), label))
-        n += 1
-    if tar is not None:
-        close()
-    index = {"format": FORMAT, "version": 1, "name": name, "classes": list(classes), "in_chans": in_chans,
-             "num_samples": n, "shards": shards}
-    (out / "index.json").write_text(json.dumps(index, indent=1))
-    return index
-
-
-def _png(arr: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def pack(src: str, out: str | Path, shard_size: int = 1000, data_dir: str | None = None,
-         progress: Callable[[str], None] | None = None) -> dict:
-    """Write a dataset as shards: `src` is a built-in dataset (fashion-mnist, cifar10, digits, ...: its images as
-    PNG), an ImageFolder root (train/ and val/ or test/: the files' own bytes) or a CSV of path,label. Returns
-    {split: index}."""
-    from .datasets import FileDataset, InMemoryDataset, csv_list, load_dataset  # a cycle: datasets.load_dataset opens shards
-
-    out = Path(out)
-    root = Path(src)
-    if root.suffix.lower() == ".csv":
-        splits = {"train": csv_list(root)}
-    else:
-        spec = load_dataset(src, data_dir, test_dir=None)
-        splits = {"train": spec.train, "test": spec.test}
-    written = {}
-    for split, ds in splits.items():
-        if isinstance(ds, InMemoryDataset):
-            imgs = ds.images.cpu().numpy()
-            labels = ds.labels.cpu().tolist()
-            samples = ((_png(imgs[i, 0] if imgs.shape[1] == 1 else imgs[i].transpose(1, 2, 0)), "png", labels[i])
-                       for i in range(len(labels)))
-            chans = ds.in_chans
-        elif isinstance(ds, FileDataset):
-            samples = ((read_bytes(p, limit=MAX_SAMPLE_BYTES, knob="VITKIT_MAX_SAMPLE_BYTES"),
-                        Path(p).suffix.lower().lstrip(".") or "jpg", lab) for p, lab in ds.samples)
-            chans = ds.in_chans
-        else:
-            raise UsageError(f"cannot pack {type(ds).__name__}")
-        written[split] = write_split(samples, out / split, ds.classes, chans, shard_size, name=f"{src}:{split}")
-        if progress:
-            progress(f"{split}: {written[split]['num_samples']} samples in {len(written[split]['shards'])} shards -> {out / split}")
-    return written
 
 
 # ---- reading ----------------------------------------------------------------------------------------------
@@ -180,7 +94,7 @@ class _Bytes:
 READ_TIMEOUT_S = 60  # for each read of a shard server; each fetch as a whole has its deadline (safety.Deadline)
 
 
-def _fetch(url: str, limit: int = MAX_TEXT_BYTES) -> bytes:
+def fetch_small(url: str, limit: int = MAX_TEXT_BYTES) -> bytes:
     """A small file (index.json, a .idx.npy) from a folder or URL, refused over `limit` bytes without reading more;
     over HTTP within its deadline (`safety.Deadline`), a folder's a regular file only (`safety.open_regular`)."""
     if url.startswith(("http://", "https://")):
@@ -261,7 +175,7 @@ class ShardDataset(DecodedFiles, torch.utils.data.Dataset):
 
     @classmethod
     def open(cls, location: str, **kw) -> "ShardDataset":
-        index = parse_json(_fetch(_join(location, "index.json")), f"{location}/index.json")
+        index = parse_json(fetch_small(_join(location, "index.json")), f"{location}/index.json")
         _check_index(index, location)
         names = [s["name"] for s in index["shards"]]
         counts = [s["nsamples"] for s in index["shards"]]
@@ -277,7 +191,7 @@ class ShardDataset(DecodedFiles, torch.utils.data.Dataset):
         url = _join(location, shard[:-4] + ".idx.npy")
         limit = 4096 + 24 * nsamples if nsamples is not None else MAX_TEXT_BYTES
         with untrusted(url, UsageError):
-            rows = np.load(io.BytesIO(_fetch(url, limit)), allow_pickle=False)
+            rows = np.load(io.BytesIO(fetch_small(url, limit)), allow_pickle=False)
         if rows.dtype.kind not in "iu" or rows.ndim != 2 or rows.shape[1] != 3 or (
                 nsamples is not None and rows.shape[0] != nsamples):
             raise UsageError(f"{url}: expected {nsamples if nsamples is not None else 'n'} rows of 3 integers "

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..data.datasets import _load_batches, eval_index_batches
+from ..data.datasets import load_batches, eval_index_batches
 from ..data.splits import prepare
 from ..machine.precision import autocast
 from ..errors import UsageError
@@ -109,7 +109,7 @@ def features(model: nn.Module, data, transform, batch_size: int = 500, device="c
     model.eval()
     xs, ys = [], []
     plan = [b for b, _ in eval_index_batches(len(data), batch_size)]
-    for x, y, _ in _load_batches(data, plan, 0, torch.device(device)):
+    for x, y, _ in load_batches(data, plan, 0, torch.device(device)):
         if len(y):
             with autocast(precision, device):
                 xs.append(model.forward_head(model.forward_features(transform(x)), pre_logits=True).float().cpu())

@@ -85,7 +85,7 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
         every sample counts exactly once; every rank gets the whole result. lockstep: every rank runs the same
         number of forward passes (a model sharded with FSDP2).
     """
-    from ..data.datasets import _load_batches, eval_index_batches
+    from ..data.datasets import load_batches, eval_index_batches
 
     check_tta(tta)  # before any work
     was_training = model.training
@@ -96,7 +96,7 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
     dev = torch.device(device)
     rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
     plan = eval_index_batches(len(data), batch_size, rank, world, lockstep)
-    for (x, y, s), (_, counts) in zip(_load_batches(data, [b for b, _ in plan], num_workers, dev), plan):
+    for (x, y, s), (_, counts) in zip(load_batches(data, [b for b, _ in plan], num_workers, dev), plan):
         if len(y) == 0:
             skipped += s if counts else 0
             continue

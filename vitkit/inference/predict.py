@@ -107,10 +107,10 @@ def _shard_splits(location: str) -> list[str] | None:
 
     remote = location.startswith(("http://", "https://", "file://"))
     if remote:
-        from ..data.shards import _fetch
+        from ..data.shards import fetch_small
 
         try:
-            _fetch(location.rstrip("/") + "/index.json")
+            fetch_small(location.rstrip("/") + "/index.json")
             return [location.rstrip("/")]
         except (OSError, VitkitError):  # no index.json there: a set's root, perhaps
             pass

@@ -203,16 +203,16 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         cfg = cls()
-        apply_overrides(cfg, _flatten(d))
+        apply_overrides(cfg, flatten_config(d))
         return cfg
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_config(d: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and key != "model.overrides":
-            out.update(_flatten(v, key + "."))
+            out.update(flatten_config(v, key + "."))
         else:
             out[key] = v
     return out

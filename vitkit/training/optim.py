@@ -3,7 +3,6 @@ and tokens, layer-wise LR decay, linear warmup then cosine or linear decay (App.
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 from torch import nn

@@ -133,7 +133,7 @@ def shards_absurd_row(root: Path, size: int = 10**12) -> Path:
     the second sample."""
     from PIL import Image
 
-    from vitkit.data.shards import write_split
+    from vitkit.data.pack import write_split
 
     def samples():
         for i in range(3):

@@ -134,7 +134,7 @@ def _shard_set(root: Path) -> Path:
     import numpy as np
     from PIL import Image
 
-    from vitkit.data.shards import write_split
+    from vitkit.data.pack import write_split
 
     def samples():
         for i in range(3):

@@ -16,6 +16,17 @@ from .machine.cpu import cpu_model
 from .machine.fast_linear import pack_linears
 from .machine.gemm import gemm_rates
 from .errors import UsageError
+from . import create_model, load
+from .inference.backends import choose, open_engine
+from .machine import gemm
+from .machine.device import resolve_device
+from .machine.engine import calibration_batch, check_backend
+from .machine.fast_linear import FastGemm
+from .machine.precision import resolve
+from .models.stats import count_flops
+from pathlib import Path
+import json
+import torch._inductor.config as inductor_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -113,7 +124,6 @@ def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compil
     device = x.device
     amp = dtype != "fp32"
     if compile_ and freezing and not train:
-        import torch._inductor.config as inductor_config
 
         inductor_config.freezing = True
     fwd = torch.compile(model, fullgraph=fullgraph, mode=compile_mode) if compile_ else model
@@ -148,7 +158,6 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
                 compile_: bool = False, compile_mode: str = "default", device: str | torch.device = "cpu", warmup: int = 2, iters: int = 5,
                 min_seconds: float = 3.0, latency: bool = True, peak: float | None = None, pack: bool = True,
                 freezing: bool = False) -> BenchResult:
-    from .models.stats import count_flops
 
     device = torch.device(device)
     model = model.to(device)
@@ -165,8 +174,6 @@ def bench_model(model: nn.Module, name: str = "model", *, batch_size: int = 8, d
         one = make_step(model, x[:1], dtype, False, compile_, compile_mode, pack=pack, freezing=freezing)
         lat = statistics.median(time_fn(one, device, 2, 10, 1.0)) * 1e3
     work = flops * (3 if train else 1)  # backward ~ 2x forward
-    from .machine import gemm
-    from .machine.fast_linear import FastGemm
 
     rates = {"given": peak} if peak else gemm_rates(dtype, device)
     peak_path = max(rates, key=rates.get)
@@ -224,11 +231,6 @@ def bench(
             the one `--backend auto` picks (the measurement also refreshes its cache).
         json_out: print JSON.
     """
-    import json
-    from pathlib import Path
-
-    from . import create_model, load
-    from .machine.device import resolve_device
 
     dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}
@@ -239,7 +241,6 @@ def bench(
         return _bench_engines(net.to(dev), model, dev, batch_size, dtype, backend, backends, train, compile, min_seconds,
                               json_out)
     if dtype == "auto":
-        from .machine.precision import resolve
 
         choice = resolve("auto", net.to(dev), dev, batch=batch_size, training=train, lowp_stream=lowp_stream,
                          fast_gemm=not no_pack and not compile)
@@ -283,10 +284,6 @@ def _bench_engines(net: nn.Module, name: str, dev: torch.device, batch: int, dty
                    train: bool, compile_: bool, min_seconds: float, json_out: bool) -> dict:
     """`vitkit bench --backends` (every engine's rate and difference from fp32 eager, the pick) and
     `vitkit bench --backend auto|onnx|openvino` (the rate and batch-1 latency of one engine)."""
-    import json
-
-    from .inference.backends import choose, open_engine
-    from .machine.engine import calibration_batch, check_backend
 
     check_backend(backend)
     if dev.type != "cpu" or train or compile_:

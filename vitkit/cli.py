@@ -16,10 +16,41 @@ from .bench import bench
 from .demo import demo
 from .errors import UsageError, VitkitError
 from . import __version__
+from .analysis.commands import explain_images
+from .analysis.commands import inspect_model
+from .cache import atomic_write
+from .checkpoints import CATALOG, inspect_checkpoint, resolve
+from .checkpoints import convert as _convert
+from .checkpoints import load
+from .data.pack import pack
+from .data.splits import feature_splits
+from .data.splits import test_split
+from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
+from .evaluation import fewshot as _fewshot
+from .evaluation.knn import knn as _knn
+from .inference.backends import inference_engine
+from .inference.export import export_model
+from .inference.features import extract_features
+from .inference.predict import predict_images
+from .machine.device import resolve_device
+from .machine.fast_linear import pack_linears
+from .machine.precision import for_inference
+from .models import ViTConfig
+from .models import get_entry, list_models
+from .models.stats import model_stats
+from .models.vit import resolve_layers
+from .reproduce import replot as _replot, reproduce as _reproduce
+from .training import apply_overrides, get_preset, load_config_file, train as _train
+from .training.config import flatten_config
+from .training.presets import PRESETS
+from .training.presets import preset_for, shrink_for_smoke
+from importlib.metadata import PackageNotFoundError, version
+from safetensors.torch import save_file
+import fnmatch
+import yaml
 
 
 def _torch_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("torch")
@@ -38,8 +69,6 @@ def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool =
         num_classes: classes of the head used for the parameter count (Table 1 uses 1000 here).
         json_out: print JSON instead of a table.
     """
-    from .models import get_entry, list_models
-    from .models.stats import model_stats
 
     rows = [model_stats(get_entry(n), num_classes) for n in list_models(pattern)]
     if json_out:
@@ -63,7 +92,6 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
         num_heads: for formats that do not store it (timm, torchvision) and a non-standard width.
         json_out: print JSON.
     """
-    from .checkpoints import CATALOG, inspect_checkpoint, resolve
 
     hints = {"num_heads": num_heads} if num_heads else {}
     r = inspect_checkpoint(resolve(checkpoint), **hints)
@@ -85,7 +113,6 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
     for k in keys:
         print(f"  {k}: {c[k]}")
     if c["arch"] == "vit":  # the later ViTs' options that are on (LayerScale, registers, RoPE, ...)
-        from .models import ViTConfig
 
         defaults = ViTConfig().to_dict()
         modern = ["init_values", "reg_tokens", "no_embed_class", "pre_norm", "patch_bias", "qk_norm", "attn_norm",
@@ -110,9 +137,6 @@ def catalog(pattern: str | None = None, json_out: bool = False) -> list[dict]:
         pattern: only names matching this glob, e.g. "augreg-*".
         json_out: print JSON.
     """
-    import fnmatch
-
-    from .checkpoints import CATALOG
 
     rows = [{"name": e.name, "format": e.format, "verification": e.verification, "description": e.description,
              "files": e.files} for e in CATALOG.values() if not pattern or fnmatch.fnmatch(e.name, pattern)]
@@ -139,7 +163,6 @@ def data(action: Literal["pack"], src: str, out: str, shard_size: int = 1000, da
         shard_size: samples per shard.
         data_dir: where the built-in datasets are.
     """
-    from .data.pack import pack
 
     return pack(src, out, shard_size=shard_size, data_dir=data_dir, progress=print)
 
@@ -172,8 +195,6 @@ def export(
         packed: ONNX whose inputs are packed batches of mixed sizes and aspect ratios (NaFlex; a plain ViT):
             patches (B, L, P*P*C), coords (B, L, 2) int64, valid (B, L) bool; B and L dynamic.
     """
-    from .checkpoints import load
-    from .inference.export import export_model
 
     report = export_model(load(checkpoint), out, format, dynamic_batch=dynamic_batch, dynamic_size=dynamic_size,
                           opset=opset, quantize=None if quantize == "none" else quantize, packed=packed)
@@ -231,7 +252,7 @@ def serve(
         max_batch_patches: the most patch tokens one packed forward computes, padding included (default:
             max_batch x max_patches).
     """
-    from .serve import Limits, serve as _serve
+    from .serve import Limits, serve as _serve  # fastapi and uvicorn: the optional [serve] extra
 
     _serve(checkpoint, host, port, backend, Limits(max_upload_mb=max_upload_mb, max_pixels=max_pixels, timeout_s=timeout_s,
                                                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
@@ -250,7 +271,6 @@ def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None
         to: vitkit | timm | hf | npz.
         num_heads: for source formats that do not store it.
     """
-    from .checkpoints import convert as _convert
 
     hints = {"num_heads": num_heads} if num_heads else {}
     out = _convert(src, dst, to, **hints)
@@ -292,11 +312,6 @@ def train(
         print_config: print the resolved config as YAML (preset, config file and overrides applied) and exit
             without training.
     """
-    from .training import apply_overrides, get_preset, load_config_file, train as _train
-    from .training.config import flatten_config
-    import yaml
-
-    from .training.presets import preset_for, shrink_for_smoke
 
     overrides = list(overrides)
     if overrides and "=" not in overrides[0]:
@@ -342,7 +357,6 @@ def train(
 
 def _list_presets(fn):
     """Write the registered presets into a command's help (its docstring's {presets})."""
-    from .training.presets import PRESETS
 
     fn.__doc__ = fn.__doc__.replace("{presets}", " | ".join(PRESETS))
     return fn
@@ -385,11 +399,6 @@ def evaluate(
         max_patches: native aspect ratios (NaFlex): every image resized, keeping its aspect ratio, to at most this
             many patches, each batch packed into one forward (eager torch); default: the checkpoint's square size.
     """
-    from .checkpoints import load
-    from .data.splits import test_split
-    from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
-    from .inference.backends import inference_engine
-    from .machine.device import resolve_device
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
@@ -442,7 +451,6 @@ def fewshot(
         device: auto | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
-    from .evaluation import fewshot as _fewshot
 
     model, dev, prec, train_set, test_set, replicate = _frozen_backbone(checkpoint, data, data_dir, train_subset, device,
                                                                         precision)
@@ -459,10 +467,6 @@ def _frozen_backbone(checkpoint: str, data: str, data_dir: str | None, train_sub
                      precision: str):
     """What `fewshot` and `knn` share: the model on its device, the precision for its features, the dataset's splits
     (the training split cut to `train_subset` images), and the channel replication grey data needs for an RGB model."""
-    from .checkpoints import load
-    from .data.splits import feature_splits
-    from .machine.device import resolve_device
-    from .machine.precision import for_inference
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
@@ -497,7 +501,6 @@ def knn(
         device: auto | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
-    from .evaluation.knn import knn as _knn
 
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
@@ -536,14 +539,6 @@ def features(
         device: auto | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
-    from safetensors.torch import save_file
-
-    from .checkpoints import load
-    from .cache import atomic_write
-    from .machine.device import resolve_device
-    from .inference.features import extract_features
-    from .models.vit import resolve_layers
-    from .machine.precision import for_inference
 
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
@@ -577,7 +572,6 @@ def reproduce(name: str, seeds: int = 3, smoke: bool = False, out: str = "docs/r
         out: the folder for the table, plot and raw results.
         replot: write the table and the plot again from OUT/NAME.json, without training.
     """
-    from .reproduce import replot as _replot, reproduce as _reproduce
 
     res = _replot(name, out, smoke) if replot else _reproduce(name, seeds=seeds, smoke=smoke, out=out)
     print(Path(out, name + ("-smoke" if smoke else "") + ".md").read_text())
@@ -635,7 +629,6 @@ def predict(
             patches, the images packed into one forward of mixed sizes (eager torch); default: the checkpoint's
             square size.
     """
-    from .inference.predict import predict_images
 
     res = predict_images(images, checkpoint, top_k=top_k, out=out, format=format, resume=resume,
                          batch_size=batch_size, num_workers=num_workers, progress=progress, tta=tta, device=device,
@@ -689,9 +682,6 @@ def explain(
         head_fusion: how the heads are combined: mean (the paper), max or min.
         class_index: the class for gradient-weighted rollout (default: the predicted class).
     """
-    from .analysis.commands import explain_images
-    from .checkpoints import load
-    from .machine.fast_linear import pack_linears
 
     model = load(checkpoint)
     pack_linears(model)  # float32 on CPU: the fastest GEMM measured here
@@ -730,8 +720,6 @@ def inspect(
         components: how many principal components to show.
         data_dir: where the named datasets are.
     """
-    from .analysis.commands import inspect_model
-    from .checkpoints import load
 
     res = inspect_model(load(checkpoint), out, data=data, data_dir=data_dir, num_images=num_images,
                         components=components, name=_run_name(checkpoint))

@@ -85,7 +85,7 @@ def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 3
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        import fcntl
+        import fcntl  # fcntl: POSIX only
     except ImportError:  # not POSIX: no lock
         return _download(url, dest, sha256, timeout, md5)
     folder = os.open(dest.parent, os.O_RDONLY)

@@ -28,6 +28,13 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import UsageError
+from .checkpoints import load
+from .data.datasets import load_dataset
+from .evaluation.fewshot import fewshot
+from .machine.fast_linear import pack_linears
+from .training import apply_overrides, get_preset
+from .training import train
+import torch
 
 OUT = Path("docs/reproductions")
 
@@ -54,7 +61,6 @@ def _vit(**extra) -> dict:
 
 
 def _config(out: Path, seed: int, scale: Scale, *, name: str = "vit_ti16", overrides: dict | None = None, **settings):
-    from .training import apply_overrides, get_preset
 
     cfg = get_preset("fashion-mnist")
     cfg.model.overrides = {}
@@ -70,9 +76,6 @@ def _config(out: Path, seed: int, scale: Scale, *, name: str = "vit_ti16", overr
 
 def _fewshot(checkpoint: Path, data: str, scale: Scale, classes: list[int] | None = None, seed: int = 0) -> float:
     """5-shot linear accuracy of a trained model's frozen features on `data` (its `classes` only)."""
-    from .checkpoints import load
-    from .data.datasets import load_dataset
-    from .evaluation.fewshot import fewshot
 
     model = load(checkpoint)
     spec = load_dataset(data)
@@ -99,7 +102,6 @@ class Study:
 
 
 def _train(cfg) -> dict:
-    from .training import train
 
     return train(cfg, resume=False)
 
@@ -161,7 +163,6 @@ def _distill(variant: str, seed: int, scale: Scale, work: Path) -> dict:
         _train(_config(teacher, seed, scale, name="bit_r50x1", overrides=BIT))
     settings = {} if variant == "no teacher" else {"distill.teacher": str(teacher / "final.safetensors"), "distill.kind": variant.split()[0]}
     res = _train(_config(work, seed, scale, overrides=_vit(distilled=variant != "no teacher"), **settings))
-    from .checkpoints import load
 
     return {"student": res["acc1"], "teacher": json.loads((teacher / "result.json").read_text())["acc1"],
             "params (M)": sum(p.numel() for p in load(work / "final.safetensors").parameters()) / 1e6}
@@ -178,10 +179,6 @@ SWIN_MODELS = {"ViT": ("vit_ti16", _vit()), "hybrid": ("r26_vit_s32", _vit(hybri
 
 def _infer_speed(checkpoint: Path, batch: int = 128, rounds: int = 5) -> float:
     """Inference img/s of a trained model, fp32, on this machine's fast GEMM: the median of `rounds` timed batches."""
-    import torch
-
-    from .checkpoints import load
-    from .machine.fast_linear import pack_linears
 
     model = load(checkpoint).eval()
     pack_linears(model)
@@ -306,10 +303,10 @@ def _markdown(study: Study, result: dict, stem: str) -> str:
 
 
 def _plot(study: Study, agg: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # matplotlib: its import costs start-up time, and only figures need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: its import costs start-up time, and only figures need it
 
     metrics = [m for m in study.metrics if not m.startswith("params")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.4), squeeze=False)

@@ -9,10 +9,10 @@ import torch
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # matplotlib: its import costs start-up time, and only figures need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib: its import costs start-up time, and only figures need it
 
     return plt
 

@@ -20,6 +20,8 @@ from ..cache import atomic_write
 from .run import load_model_weights, read_meta
 from ..errors import UsageError
 from ..safety import parse_json, read_bytes, untrusted
+from .catalog import resolve
+from safetensors.torch import save_file
 
 FORMATS = ("vitkit", "timm", "hf", "npz")
 NATIVE_FORMAT = "vitkit"
@@ -280,7 +282,6 @@ def load(
             (any change of the patch grid's shape) resamples the position embedding; num_classes different from
             the checkpoint's gives a new zero-initialised head.
     """
-    from .catalog import resolve
 
     path = resolve(path_or_name)
     img_size = overrides.pop("img_size", None)
@@ -332,7 +333,6 @@ def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = N
 
     Args:
         state_dict: the tensors to write instead of `model.state_dict()` (a sharded model's, gathered)."""
-    from safetensors.torch import save_file
 
     path = Path(path)
     meta = {"format": NATIVE_FORMAT, "version": NATIVE_VERSION, "config": json.dumps(model.config.to_dict())}
@@ -387,7 +387,6 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
             suffix, else a bare state dict (.safetensors or .pth) that timm's defaults must describe; "hf" (a
             folder: config.json + model.safetensors); "npz" (the official format).
     """
-    from safetensors.torch import save_file
 
     path, c, sd = Path(path), model.config, _tensors(model)
     if to not in FORMATS:

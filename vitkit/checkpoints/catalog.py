@@ -182,6 +182,7 @@ def hub_download(repo: str, files: list[str], revision: str = "main") -> list[Pa
     mode) and check each weight file's SHA-256 against the hub's id for it. A CheckpointError says what to do when
     the hub cannot be reached."""
     try:
+        # huggingface_hub: its import costs start-up time, and only hub downloads need it
         from huggingface_hub import hf_hub_download
     except ImportError as e:
         raise CheckpointError(f"{repo} is on the Hugging Face hub: pip install huggingface_hub") from e

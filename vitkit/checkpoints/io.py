@@ -12,6 +12,7 @@ import torch
 from ..errors import CheckpointError
 from ..safety import (MAX_SAFETENSORS_HEADER, MAX_TENSOR_BYTES, check_alloc, check_regular, check_tensor,
                       check_zip_entry, gib, open_regular, parse_json, read_bytes, untrusted)
+from safetensors import safe_open
 
 __all__ = ["CheckpointError", "sniff", "read_npz", "read_safetensors", "read_torch", "read_hf_dir", "rename"]
 
@@ -114,7 +115,6 @@ _ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
 
 
 def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import safe_open
 
     with untrusted(f"{path}"):
         safetensors_header(path)

@@ -31,6 +31,7 @@ import torch
 
 from ..models.resnet import backbone_stride
 from .io import CheckpointError
+import difflib
 
 # timm's hybrid ResNet (StdConv2dSame, GroupNormAct): weight standardisation eps 1e-8 on the variance, GN eps 1e-5.
 TIMM_HYBRID_NUMERICS = dict(hybrid_ws_eps=1e-8, hybrid_ws_eps_mode="var", hybrid_gn_eps=1e-5)
@@ -565,7 +566,6 @@ def architecture_facts(arch: str) -> dict:
     `timm.create_model(arch, pretrained_cfg_overlay=dict(file=...))` builds it): its constructor arguments; the
     resolution comes from the tensors (a square grid) or the caller."""
     if arch not in registered_archs():
-        import difflib
 
         near = difflib.get_close_matches(arch, registered_archs(), n=3)
         raise CheckpointError(f"architecture {arch!r} is not one timm {json.loads(ARCHS_FILE.read_text())['timm_version']} "

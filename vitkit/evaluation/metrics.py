@@ -13,6 +13,9 @@ from torch import nn
 
 from ..errors import UsageError
 from ..machine.precision import autocast
+from ..data.datasets import load_batches, eval_index_batches
+from ..data.naflex import hflip_packed
+from ..models.layers.packing import PackedBatch
 
 
 @dataclass
@@ -61,12 +64,10 @@ def tta_views(x: torch.Tensor, mode: str = "none") -> list[torch.Tensor]:
 
 def tta_log_probs(model: nn.Module, x: torch.Tensor, mode: str = "none") -> torch.Tensor:
     """log of the class probabilities (B, K) averaged over the views of `tta_views`, in float32."""
-    from ..models.layers.packing import PackedBatch
 
     if isinstance(x, PackedBatch):  # images at their own sizes: the identity and, for "flip", the mirror images
         if mode not in ("none", "flip"):
             raise UsageError(f"test-time augmentation {mode!r} of packed batches: 'none' or 'flip' only")
-        from ..data.naflex import hflip_packed
 
         views = [x] if mode == "none" else [x, hflip_packed(x, model.config.patch_size)]
     else:
@@ -85,7 +86,6 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
         every sample counts exactly once; every rank gets the whole result. lockstep: every rank runs the same
         number of forward passes (a model sharded with FSDP2).
     """
-    from ..data.datasets import load_batches, eval_index_batches
 
     check_tta(tta)  # before any work
     was_training = model.training
@@ -126,8 +126,9 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
 def save_confusion_png(result: EvalResult, path: str | Path, title: str = "") -> Path:
     """The confusion matrix, row-normalised, with counts, as a PNG (at most 40 x 40 inches: class names shown up to
     100 classes). Drawn on its own Agg canvas: pyplot's backend, a notebook's included, is left as it is."""
+    # matplotlib: its import costs start-up time, and only figures need it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib: its import costs start-up time, and only figures need it
 
     k = len(result.classes)
     norm = result.confusion / np.maximum(result.confusion.sum(1, keepdims=True), 1)

@@ -126,8 +126,8 @@ def _export_packed(model: nn.Module, out: Path, format: str, opset: int, toleran
     if getattr(model.config, "arch", "") != "vit" or model.config.hybrid_layers is not None:
         raise UsageError("--packed (batches of mixed sizes) exports a plain ViT")
     try:
-        import onnx
-        import onnxruntime as ort
+        import onnx  # optional: the [deploy] extra
+        import onnxruntime as ort  # optional: the [deploy] extra
     except ImportError as e:
         raise UsageError("ONNX export needs onnx, onnxscript and onnxruntime: pip install 'vitkit[deploy]'") from e
     m = PackedInputs(_prepare(model, False))
@@ -253,8 +253,8 @@ class _quiet_exporter:
 
 def _export_onnx(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset: int, quantize: str | None):
     try:
-        import onnx
-        import onnxruntime as ort
+        import onnx  # optional: the [deploy] extra
+        import onnxruntime as ort  # optional: the [deploy] extra
     except ImportError as e:
         raise UsageError("ONNX export needs onnx, onnxscript and onnxruntime: pip install 'vitkit[deploy]'") from e
     fp32 = out if not quantize else out.with_name(out.stem + ".fp32.onnx")
@@ -265,7 +265,7 @@ def _export_onnx(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset: int
     meta.key, meta.value = "vitkit_config", json.dumps(m.config.to_dict())
     _save_onnx(onnx, proto, fp32)
     if quantize:
-        from onnxruntime.quantization import QuantType, quantize_dynamic
+        from onnxruntime.quantization import QuantType, quantize_dynamic  # optional: the [deploy] extra
 
         quantize_dynamic(str(fp32), str(out), weight_type=QuantType.QInt8)
         proto = onnx.load(str(out))
@@ -284,7 +284,7 @@ def _export_openvino(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset:
     """The ONNX export (dynamic batch and size as asked) converted to an OpenVINO IR with fp32 weights, the config
     in its rt_info; returns a runner compiled for f32 on the CPU."""
     try:
-        import openvino as ov
+        import openvino as ov  # optional: the [openvino] extra
     except ImportError as e:
         raise UsageError("OpenVINO export needs openvino: pip install 'vitkit[openvino]'") from e
     if out.suffix != ".xml":
@@ -339,7 +339,7 @@ def _save_onnx(onnx, proto, path: Path) -> None:
 
 def onnx_config(path: str | Path) -> dict:
     """The vitkit config an ONNX export carries in its metadata."""
-    import onnx
+    import onnx  # optional: the [deploy] extra
 
 
     check_regular(path)  # a FIFO would keep onnx (and then onnxruntime) waiting for a writer

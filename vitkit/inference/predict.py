@@ -40,6 +40,15 @@ from ..evaluation.metrics import check_tta, tta_log_probs
 from ..machine.device import resolve_device
 from ..machine.precision import autocast
 from .backends import inference_engine
+from ..data.datasets import IMAGE_EXTS, csv_paths
+from ..data.datasets import is_shards, is_shards_split
+from ..data.naflex import PackTransform
+from ..data.shards import FORMAT
+from ..data.shards import ShardDataset
+from ..data.shards import fetch_small
+from ..models.layers.packing import pack
+from ..safety import open_regular
+from ..safety import parse_json, read_bytes
 
 FORMATS = ("table", "json", "jsonl", "csv")
 RESUMABLE = ("jsonl", "csv")
@@ -88,8 +97,6 @@ class Inputs:
 
 def _vitkit_index(path: Path) -> bool:
     """Whether `path` is a shard index `vitkit data pack` wrote (a web page's index.json is not)."""
-    from ..data.shards import FORMAT
-    from ..safety import parse_json, read_bytes
 
     if not path.is_file():
         return False
@@ -103,11 +110,9 @@ def _vitkit_index(path: Path) -> bool:
 def _shard_splits(location: str) -> list[str] | None:
     """The shard split(s) `location` names: itself (a folder or URL holding index.json), or the train/, val/ and
     test/ splits of a shard set (`vitkit data pack`); None when it is no shard location."""
-    from ..data.datasets import is_shards, is_shards_split
 
     remote = location.startswith(("http://", "https://", "file://"))
     if remote:
-        from ..data.shards import fetch_small
 
         try:
             fetch_small(location.rstrip("/") + "/index.json")
@@ -130,14 +135,12 @@ def gather_inputs(items: Iterable[str | Path], warn: Callable[[str], None] | Non
     folder) and shard locations (a
     split folder or URL with index.json, or a shard set root: its train/, val/ and test/), in the order given. A
     path that does not exist stays a file: its record says so. `warn` hears of a folder without images."""
-    from ..data.datasets import IMAGE_EXTS, csv_paths
 
     out = Inputs()
     for item in items:
         s = os.fspath(item)
         splits = _shard_splits(s) if s.startswith(("http://", "https://", "file://")) or Path(s).is_dir() else None
         if splits is not None:
-            from ..data.shards import ShardDataset
 
             for loc in splits:
                 ds = ShardDataset.open(loc)
@@ -274,7 +277,6 @@ class _Decoder:
         self.locks = [threading.Lock() for _ in inputs.shards]  # a shard set's reader (files, HTTP) is not shared
         self.packer = None
         if max_patches:
-            from ..data.naflex import PackTransform
 
             self.packer = PackTransform.for_model(config, max_patches)
 
@@ -333,7 +335,6 @@ def predict_batches(model: nn.Module, inputs: Inputs, *, top_k: int = 5, batch_s
             tops: dict[int, list[dict]] = {}
             if good:
                 if max_patches:
-                    from ..models.layers.packing import pack
 
                     x = pack([t for _, t in good], tuple(c.patch_size), length=max_patches).to(device)
                 else:
@@ -452,7 +453,6 @@ def read_done(path: str | Path, fmt: str, names: Sequence[str], k: int) -> Done:
     input j's, with `k` classes or an error. A last line cut short (a kill while writing), and with it a record
     whose rows are not all there, is left out. Anything else that is not such a record is a UsageError: the file is
     then not this command's output, and nothing is written to it."""
-    from ..safety import open_regular
 
     with open_regular(path) as f:  # the results file is ours, but a FIFO there must not block
         lines = _lines(f.read())

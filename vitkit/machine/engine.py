@@ -123,14 +123,14 @@ def installed(backend: str) -> str | None:
     try:
         if backend == "onnx":
             import onnx  # noqa: F401
-            import onnxruntime
+            import onnxruntime  # optional: the [deploy] extra
             import onnxscript  # noqa: F401
 
             return onnxruntime.__version__
         if backend == "openvino":
             import onnx  # noqa: F401
             import onnxscript  # noqa: F401
-            import openvino
+            import openvino  # optional: the [openvino] extra
 
             return openvino.get_version()
     except ImportError:

@@ -39,7 +39,7 @@ def openvino_core():
     global _OV_CORE
     with _OV_CORE_LOCK:
         if _OV_CORE is None:
-            import openvino as ov
+            import openvino as ov  # optional: the [openvino] extra
 
             _OV_CORE = ov.Core()
         return _OV_CORE
@@ -63,7 +63,7 @@ def compile_engine(backend: str, precision: str, path: str | Path, threads: int 
                    ) -> Callable[[np.ndarray], np.ndarray]:
     """onnxruntime (fp32) or OpenVINO (fp32 or bf16) running the model file: (B, C, H, W) float32 -> logits."""
     if backend == "onnx":
-        import onnxruntime as ort
+        import onnxruntime as ort  # optional: the [deploy] extra
 
         if precision != "fp32":
             raise EngineError(f"the onnx backend computes in fp32, not {precision}")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..cache import cache_dir, read_json_cache, write_json_cache
 from . import cpu
+from torch.utils._python_dispatch import _disable_current_modes
 
 PATHS = ("mkl", "mkl-packed", "onednn-packed")
 WGRAD_PATHS = ("mkl", "onednn")  # the weight gradient dW = dY^T X: both operands activations, nothing to prepack
@@ -126,7 +127,6 @@ def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3, k
     per path, so that a neighbour's burst of load does not decide the choice. A round lasts seconds / rounds, or
     MAX_CALLS calls where those take less (a 10-us problem is timed over 500 calls, not 5,000).
     kind "linear": y = x W^T + b with x (rows, k), W (n, k); "wgrad": dW = dY^T X with dY (rows, n), X (rows, k)."""
-    from torch.utils._python_dispatch import _disable_current_modes
 
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)

@@ -21,6 +21,7 @@ from .layers.tracing import is_fx_tracing
 from .timm_api import TimmModelApi, check_avg_pool, check_class_names, check_num_classes
 from ..errors import UsageError
 from ..safety import check_sizes, check_types
+from .layers.patch_embed import to_2tuple
 
 torch.fx.wrap("pad_same")  # one node in a torch.fx trace (its padding depends on the input's size)
 
@@ -191,7 +192,6 @@ class ResNetV2Config:
     def __post_init__(self) -> None:
         check_types(self)
         self.mean, self.std = tuple(self.mean), tuple(self.std)
-        from .layers.patch_embed import to_2tuple
 
         self.img_size = to_2tuple(self.img_size)
         self.layers = tuple(self.layers)

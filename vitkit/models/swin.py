@@ -37,6 +37,8 @@ from .layers.tracing import is_fx_tracing
 from .timm_api import TimmModelApi, check_avg_pool, check_class_names, check_num_classes
 from ..errors import UsageError
 from ..safety import check_sizes, check_types
+from .layers.pos_embed import resample_pos_embed_grid
+from dataclasses import replace
 
 
 @dataclass
@@ -441,7 +443,6 @@ class SwinTransformer(TimmModelApi, nn.Module):
         """Lay the windows out for another resolution (and window size: 7 -> 12 for 384 px, as the paper fine-tunes).
         A stage whose window changes gets its relative-position tables resampled (plain bicubic, as the paper's code
         does for 384; `method` as for `resample_pos_embed_grid`)."""
-        from dataclasses import replace
 
         new = replace(self.config, img_size=to_2tuple(img_size),  # checks that every stage divides into windows
                       window_size=window_size or self.config.window_size)
@@ -456,7 +457,6 @@ class SwinTransformer(TimmModelApi, nn.Module):
 def resample_swin_tables(sd: dict[str, torch.Tensor], model: SwinTransformer, method: str = "bicubic_noaa"
                          ) -> dict[str, torch.Tensor]:
     """`sd` with each relative-position table resampled to `model`'s window where the sizes differ."""
-    from .layers.pos_embed import resample_pos_embed_grid
 
     own = model.state_dict()
     out = dict(sd)

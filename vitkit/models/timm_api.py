@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import UsageError
+from .layers.patch_embed import to_2tuple
 
 # timm's ViT `global_pool` -> vitkit's `classifier`; the others timm knows ('', 'max', 'avgmax', 'prr') are refused
 VIT_POOLS = {"token": "token", "avg": "gap", "map": "map"}
@@ -119,7 +120,6 @@ class TimmModelApi:
         return {n for n, _ in self.named_parameters() if any(t in n for t in NO_WEIGHT_DECAY)}
 
     def _check_patch_size(self, patch_size) -> None:
-        from .layers.patch_embed import to_2tuple
 
         if patch_size is not None and to_2tuple(patch_size) != tuple(self.config.patch_size):
             raise UsageError(f"patch_size {to_2tuple(patch_size)}: vitkit keeps a model's patch size "

@@ -6,6 +6,11 @@ except ImportError as e:  # fastapi, uvicorn, python-multipart, prometheus-clien
 
     raise UsageError(f"vitkit serve needs its web stack: pip install 'vitkit[serve]' ({e})") from e
 from .engine import MicroBatcher, OnnxPredictor, TorchPredictor, load_predictor
+from ..errors import UsageError
+from pathlib import Path
+import ipaddress
+import socket
+import sys
 
 __all__ = ["Limits", "create_app", "MicroBatcher", "OnnxPredictor", "TorchPredictor", "load_predictor", "serve"]
 
@@ -15,14 +20,8 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: s
     """Run the service until interrupted: the checkpoint loaded and the port bound first (a taken port or a bad
     checkpoint is a UsageError/CheckpointError before anything is announced), then "serving ..." on stderr. Bound
     to an address other than loopback without an `api_key`, it warns that anyone who reaches the port can use it."""
-    import ipaddress
-    import socket
-    import sys
-    from pathlib import Path
 
-    import uvicorn
-
-    from ..errors import UsageError
+    import uvicorn  # optional: the [serve] extra
 
     limits = limits or Limits()
     app = create_app(load_predictor(checkpoint, backend, threads, precision, limits.max_batch), limits,

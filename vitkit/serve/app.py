@@ -33,6 +33,8 @@ from ..data.image import ImageDecodeError
 from ..errors import UsageError
 from ..safety import parse_json
 from .engine import MicroBatcher, Predictor, QueueFull, explanations, overlay_png, softmax_top
+from PIL import Image
+import io
 
 STATIC = Path(__file__).parent / "static"
 
@@ -324,9 +326,6 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
 
 
 def _plain_png(shown: np.ndarray) -> bytes:
-    import io
-
-    from PIL import Image
 
     buf = io.BytesIO()
     Image.fromarray(shown).save(buf, format="PNG")

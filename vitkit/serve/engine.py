@@ -18,6 +18,21 @@ import torch
 from ..data.image import EvalTransform, load_image, resize_crop, to_uint8_tensor
 from ..errors import UsageError
 from ..inference.predict import top_classes
+from ..analysis.attention import rollout, token_map
+from ..analysis.plots import overlay, upsample
+from ..checkpoints import load
+from ..data.naflex import PackTransform
+from ..errors import CheckpointError
+from ..inference.backends import open_engine
+from ..inference.export import onnx_config
+from ..inference.export import openvino_compile, openvino_config
+from ..machine.engine import check_backend
+from ..machine.precision import autocast
+from ..machine.precision import for_inference
+from ..models.layers.packing import pack
+from ..models.layers.packing import resize_to_patches
+from ..safety import untrusted
+from PIL import Image
 
 
 class Predictor:
@@ -40,8 +55,6 @@ class Predictor:
         c = self.config
         img = load_image(io.BytesIO(data), c.in_chans, max_pixels=max_pixels)
         if self.max_patches:  # its own aspect ratio at the patch budget: no crop, no square (as `vitkit predict`)
-            from ..data.naflex import PackTransform
-            from ..models.layers.packing import resize_to_patches
 
             packer = PackTransform.for_model(c, self.max_patches)
             h, w = resize_to_patches(img.height, img.width, tuple(c.patch_size), self.max_patches)
@@ -62,7 +75,6 @@ class TorchPredictor(Predictor):
 
     def __init__(self, model: torch.nn.Module, precision: str = "fp32", batch: int = 8) -> None:
         """precision: auto | fp32 | bf16, resolved for a forward of `batch` images (`vitkit.machine.precision`)."""
-        from ..machine.precision import for_inference
 
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -71,10 +83,8 @@ class TorchPredictor(Predictor):
         self.explains = hasattr(model, "embed")  # a ViT or hybrid: attention rollout (not BiT, not Swin's windows)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        from ..machine.precision import autocast
 
         if isinstance(x, list):  # images of different sizes: one packed forward
-            from ..models.layers.packing import pack
 
             # every row padded to the budget: one shape per batch size (the packed GEMMs keep their packing)
             batch = pack([torch.from_numpy(im) for im in x], tuple(self.config.patch_size), length=self.max_patches).to(self.device)
@@ -88,9 +98,7 @@ class OnnxPredictor(Predictor):
     backend = "onnx"
 
     def __init__(self, path: str | Path, threads: int | None = None) -> None:
-        import onnxruntime as ort
-
-        from ..inference.export import onnx_config
+        import onnxruntime as ort  # optional: the [deploy] extra
 
         d = onnx_config(path)
         d.pop("arch", None)
@@ -117,7 +125,6 @@ class OpenVinoPredictor(Predictor):
     backend = "openvino"
 
     def __init__(self, path: str | Path, threads: int | None = None, precision: str = "fp32") -> None:
-        from ..inference.export import openvino_compile, openvino_config
 
         d = openvino_config(path)
         d.pop("arch", None)
@@ -134,7 +141,6 @@ class EnginePredictor(Predictor):
     openvino given a checkpoint): predictions there, explanations from the eager fp32 model."""
 
     def __init__(self, model: torch.nn.Module, backend: str, precision: str, batch: int, threads: int | None) -> None:
-        from ..inference.backends import open_engine
 
         self.engine = open_engine(model, backend, precision, batch, threads)
         choice = self.choice = self.engine.choice
@@ -150,16 +156,12 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
                    max_batch: int = 8) -> Predictor:
     exported = str(checkpoint).endswith((".onnx", ".xml"))
     if backend == "auto" or (backend in ("onnx", "openvino") and not exported):  # a checkpoint: measured or exported
-        from ..checkpoints import load
-        from ..machine.engine import check_backend
 
         check_backend(backend)
         if threads:
             torch.set_num_threads(threads)
         return EnginePredictor(load(checkpoint), backend, precision, max_batch, threads)
     if backend == "openvino":
-        from ..errors import CheckpointError
-        from ..safety import untrusted
 
         if not str(checkpoint).endswith(".xml"):
             raise UsageError("--backend openvino serves an OpenVINO IR (.xml + .bin) made by `vitkit export "
@@ -177,8 +179,6 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
     if backend == "onnx":
         if not str(checkpoint).endswith(".onnx"):
             raise UsageError("--backend onnx serves a .onnx file made by `vitkit export`")
-        from ..errors import CheckpointError
-        from ..safety import untrusted
 
         if not Path(checkpoint).is_file():
             raise FileNotFoundError(f"no ONNX file at {checkpoint}")
@@ -186,7 +186,6 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
             return OnnxPredictor(checkpoint, threads)
     if backend != "torch":
         raise UsageError(f"backend must be auto, torch, onnx or openvino, got {backend!r}")
-    from ..checkpoints import load
 
     if threads:
         torch.set_num_threads(threads)
@@ -322,7 +321,6 @@ def explanations(model: torch.nn.Module, x: np.ndarray) -> dict:
     """Everything the web page draws for one image: per layer, the attention rollout up to that layer, the
     gradient-weighted rollout up to that layer (for the predicted class) and each head's attention from the class
     token (or the mean patch, without one); all as (gh, gw) maps with a maximum of 1."""
-    from ..analysis.attention import rollout, token_map
 
     c = model.config
     xt = torch.from_numpy(x)[None]
@@ -356,9 +354,6 @@ def explanations(model: torch.nn.Module, x: np.ndarray) -> dict:
 
 def overlay_png(shown: np.ndarray, heat: list | np.ndarray) -> bytes:
     """The image with a heat map over it, as PNG bytes."""
-    from PIL import Image
-
-    from ..analysis.plots import overlay, upsample
 
     h = upsample(torch.tensor(np.asarray(heat, dtype=np.float32)), shown.shape[:2])
     rgb = (overlay(shown, h) * 255).round().astype(np.uint8)

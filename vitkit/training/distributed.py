@@ -19,6 +19,8 @@ import torch.distributed as tdist
 from torch import nn
 
 from ..errors import UsageError
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 STRATEGIES = ("auto", "none", "ddp", "fsdp")
 
@@ -145,7 +147,6 @@ def wrap_model(model: nn.Module, dist: Dist, strategy: str, precision: str) -> n
     if strategy == "ddp":
         ids = [dist.device.index] if dist.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
@@ -177,7 +178,6 @@ def gradient_sync(module: nn.Module, enabled: bool):
 
 def full_state_dict(model: nn.Module, dist: Dist) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict on rank 0 (gathered from the shards under FSDP2), None on the others."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return sd if dist.main else None

@@ -19,6 +19,8 @@ from .norm import LayerNorm
 from .rope import apply_rope
 from .tracing import is_fx_tracing
 from ...errors import UsageError
+from .pos_embed import _GridCache, _same_grid
+from .pos_embed import resample_pos_embed_grid
 
 
 # oneDNN's native bf16 (AVX-512 BF16, AMX) makes the explicit path's bf16 matmuls fast; AMX tiles make the fused
@@ -60,7 +62,6 @@ class RelativePositionBias(nn.Module):
 
     def _table_for(self, grid: tuple[int, int], method: str = "bilinear") -> torch.Tensor:
         """The table of relative offsets resampled for another grid; the prefix entries kept."""
-        from .pos_embed import resample_pos_embed_grid
 
         gh, gw = self.grid_size
         nh, nw = grid
@@ -77,7 +78,6 @@ class RelativePositionBias(nn.Module):
 
     def forward(self, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """(H, T, T): the bias between every pair of tokens, for the model's grid or another (dynamic_img_size)."""
-        from .pos_embed import _GridCache, _same_grid
 
         if _same_grid(grid, self.grid_size):
             table, index = self.table, self.index

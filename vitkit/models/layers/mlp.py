@@ -12,6 +12,7 @@ from torch import nn
 
 from .linear import Linear
 from ...errors import UsageError
+from .norm import LayerNorm
 
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
@@ -62,7 +63,6 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden: int, *, norm: bool = False, norm_eps: float = 1e-6, drop: float = 0.0) -> None:
         super().__init__()
-        from .norm import LayerNorm
 
         self.fc1_g = Linear(dim, hidden)
         self.fc1_x = Linear(dim, hidden)

@@ -40,10 +40,7 @@ from .models import get_entry, list_models
 from .models.stats import model_stats
 from .models.vit import resolve_layers
 from .reproduce import replot as _replot, reproduce as _reproduce
-from .training import apply_overrides, get_preset, load_config_file, train as _train
-from .training.config import flatten_config
-from .training.presets import PRESETS
-from .training.presets import preset_for, shrink_for_smoke
+from .training import PRESETS, run_config, train as _train
 from importlib.metadata import PackageNotFoundError, version
 from safetensors.torch import save_file
 import fnmatch
@@ -331,18 +328,7 @@ def train(
             raise UsageError(f"override {item!r} is not key=value")
         k, v = item.split("=", 1)
         pairs[k] = v
-    file_cfg = load_config_file(config) if config else {}
-    if preset is None:
-        data = file_cfg.get("data")
-        dataset = pairs.get("data.dataset", data.get("dataset") if isinstance(data, dict) else None)
-        preset = preset_for(None if dataset is None else str(dataset), file_cfg.get("preset"))
-    cfg = get_preset(preset, smoke=smoke)
-    if file_cfg:
-        apply_overrides(cfg, flatten_config(file_cfg))
-    preset_model = cfg.model.name
-    apply_overrides(cfg, pairs)
-    if smoke and cfg.model.name != preset_model:  # another model than the preset's: the smoke run shrinks it too
-        shrink_for_smoke(cfg)
+    cfg, preset = run_config(preset, config, pairs, smoke)
     if print_config:
         print(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False), end="")
         return 0

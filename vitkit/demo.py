@@ -10,7 +10,7 @@ from PIL import Image
 
 from .data.datasets import load_fashion_mnist
 from .inference.predict import predict_images
-from .training import apply_overrides, get_preset, train
+from .training import run_config, train
 
 # The preset's model for 1.2 epochs: 60% of the images of the two epochs the demo trained before, at the same top-1
 # on held-out training images (benchmarks/NOTES.md section 32). This short, flips and random erasing cost more than
@@ -36,8 +36,8 @@ def demo(epochs: float | None = None, out: str = "runs/demo", images: int = 4) -
         images: how many test images to write out and classify.
     """
     t0 = time.perf_counter()
-    cfg = get_preset("fashion-mnist")
-    apply_overrides(cfg, {**DEMO_RECIPE, **({"schedule.epochs": epochs} if epochs is not None else {})})
+    recipe = {**DEMO_RECIPE, **({"schedule.epochs": epochs} if epochs is not None else {})}
+    cfg, _ = run_config("fashion-mnist", overrides=recipe)
     cfg.schedule.warmup_epochs = min(cfg.schedule.warmup_epochs, cfg.schedule.epochs / 4)
     cfg.run.out_dir = out
     print(f"== training the fashion-mnist preset's model for {cfg.schedule.epochs:g} epochs (batch "

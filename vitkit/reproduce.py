@@ -32,7 +32,7 @@ from .checkpoints import load
 from .data.datasets import load_dataset
 from .evaluation.fewshot import fewshot
 from .machine.fast_linear import pack_linears
-from .training import apply_overrides, get_preset
+from .training import run_config
 from .training import train
 import torch
 
@@ -61,17 +61,13 @@ def _vit(**extra) -> dict:
 
 
 def _config(out: Path, seed: int, scale: Scale, *, name: str = "vit_ti16", overrides: dict | None = None, **settings):
-
-    cfg = get_preset("fashion-mnist")
-    cfg.model.overrides = {}
     base = {"model.name": name, "model.overrides": overrides if overrides is not None else _vit(),
             "data.subset": scale.subset, "data.test_subset": scale.test_subset, "aug.random_erasing": 0.0,
             "schedule.epochs": scale.epochs, "schedule.warmup_epochs": min(0.3, scale.epochs / 4),
             "run.out_dir": str(out), "run.seed": seed, "run.progress": False, "run.log_every": 50, "run.eval_every": 1000,
             "run.tta": "none", "run.ckpt_every": 10**9, "optim.lr": 1e-3}
     base.update(settings)
-    apply_overrides(cfg, base)
-    return cfg
+    return run_config("fashion-mnist", overrides=base)[0]
 
 
 def _fewshot(checkpoint: Path, data: str, scale: Scale, classes: list[int] | None = None, seed: int = 0) -> float:

@@ -6,9 +6,9 @@ resumable state.
 """
 from . import checkpoint
 from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig, apply_overrides, load_config_file
-from .presets import PRESETS, get_preset
+from .presets import PRESETS, get_preset, run_config
 from .setup import TrainingError
 from .trainer import train
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "RunConfig", "ScheduleConfig", "TrainConfig", "apply_overrides",
-           "load_config_file", "PRESETS", "get_preset", "TrainingError", "train", "checkpoint"]
+           "load_config_file", "PRESETS", "get_preset", "run_config", "TrainingError", "train", "checkpoint"]

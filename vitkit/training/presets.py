@@ -1,10 +1,11 @@
 """Training recipes as code. Each preset is a function returning a TrainConfig; `smoke=True` shrinks it to seconds."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from ..data.augment import AugConfig
-from .config import DataConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig
+from .config import (DataConfig, ModelConfig, OptimConfig, RunConfig, ScheduleConfig, TrainConfig, apply_overrides,
+                     flatten_config, load_config_file)
 from ..errors import UsageError
 from ..models import get_entry
 
@@ -165,3 +166,25 @@ def shrink_for_smoke(cfg: TrainConfig, replace: bool = False) -> None:
         smoke = SMOKE_SWIN if get_entry(cfg.model.name).arch == "swin" else SMOKE_MODEL
         for k, v in smoke.items():
             cfg.model.overrides[k] = v if replace else cfg.model.overrides.get(k, v)
+
+
+def run_config(preset: str | None = None, config: str | None = None, overrides: Mapping[str, Any] | None = None,
+               smoke: bool = False) -> tuple[TrainConfig, str | None]:
+    """The config a run trains with, as `vitkit train` resolves it: the preset (None: the config file's own, else
+    `preset_for` the dataset named), its smoke version, the YAML/JSON file `config` over it, then `overrides` by
+    dotted key ({"optim.lr": "1e-3"}); a smoke run whose overrides name another model shrinks that one too.
+    Returns (the config, the preset it started from)."""
+    pairs = dict(overrides or {})
+    file_cfg = load_config_file(config) if config else {}
+    if preset is None:
+        data = file_cfg.get("data")
+        dataset = pairs.get("data.dataset", data.get("dataset") if isinstance(data, dict) else None)
+        preset = preset_for(None if dataset is None else str(dataset), file_cfg.get("preset"))
+    cfg = get_preset(preset, smoke=smoke)
+    if file_cfg:
+        apply_overrides(cfg, flatten_config(file_cfg))
+    preset_model = cfg.model.name
+    apply_overrides(cfg, pairs)
+    if smoke and cfg.model.name != preset_model:  # another model than the preset's: the smoke run shrinks it too
+        shrink_for_smoke(cfg)
+    return cfg, preset

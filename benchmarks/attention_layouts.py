@@ -89,7 +89,7 @@ def once(fn) -> float:
 def _variants(ab: str):
     """The two setups of a whole-model A/B: (name, install) pairs; install(model) patches the model or its code in place."""
     from vitkit.models.layers.linear import Linear
-    from vitkit.models.vit import Block
+    from vitkit.models.layers.block import Block
 
     if ab == "attention":
         def impl(name: str):

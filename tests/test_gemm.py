@@ -1,4 +1,4 @@
-"""The fast float32 CPU GEMM (`vitkit.machine.gemm`, `linear.py`): chosen by measurement, packed weights
+"""The fast float32 CPU GEMM (`vitkit.machine.gemm`, `vitkit.machine.fast_linear`): chosen by measurement, packed weights
 for inference and training, the same logits and gradients as the plain path, clean fallbacks."""
 import copy
 import json

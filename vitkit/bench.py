@@ -2,38 +2,32 @@
 matmul peak, for inference or a training step. Performance is measured here, never asserted in tests."""
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .machine.cpu import cpu_model
-from .machine.fast_linear import pack_linears
-from .machine.gemm import gemm_rates
+from .checkpoints import create_model, load
 from .errors import UsageError
-from . import create_model, load
 from .inference.backends import choose, open_engine
 from .machine import gemm
-from .machine.device import resolve_device
+from .machine.cpu import cpu_model
+from .machine.device import resolve_device, sync
 from .machine.engine import calibration_batch, check_backend
-from .machine.fast_linear import FastGemm
+from .machine.fast_linear import FastGemm, pack_linears
+from .machine.gemm import gemm_rates
 from .machine.precision import resolve
 from .models.stats import count_flops
-from pathlib import Path
-import json
-import torch._inductor.config as inductor_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class PeakMemory:
@@ -102,13 +96,13 @@ def time_fn(fn, device: torch.device, warmup: int, iters: int, min_seconds: floa
     """Wall times of `iters` calls after `warmup` calls (at least `min_seconds` in all)."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     times: list[float] = []
     t_all = time.perf_counter()
     while len(times) < iters or time.perf_counter() - t_all < min_seconds:
         t = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t)
     return times
 
@@ -124,6 +118,7 @@ def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compil
     device = x.device
     amp = dtype != "fp32"
     if compile_ and freezing and not train:
+        import torch._inductor.config as inductor_config  # start-up time: Inductor and dynamo cost ~0.5 s
 
         inductor_config.freezing = True
     fwd = torch.compile(model, fullgraph=fullgraph, mode=compile_mode) if compile_ else model
@@ -231,7 +226,6 @@ def bench(
             the one `--backend auto` picks (the measurement also refreshes its cache).
         json_out: print JSON.
     """
-
     dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}
     net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
@@ -284,7 +278,6 @@ def _bench_engines(net: nn.Module, name: str, dev: torch.device, batch: int, dty
                    train: bool, compile_: bool, min_seconds: float, json_out: bool) -> dict:
     """`vitkit bench --backends` (every engine's rate and difference from fp32 eager, the pick) and
     `vitkit bench --backend auto|onnx|openvino` (the rate and batch-1 latency of one engine)."""
-
     check_backend(backend)
     if dev.type != "cpu" or train or compile_:
         raise UsageError("--backend and --backends measure CPU inference engines: no --train, --compile or GPU")

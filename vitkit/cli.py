@@ -2,31 +2,34 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import signal
 import subprocess
 import sys
 import traceback
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Literal
 
+import safetensors.torch
+import yaml
+
+from . import __version__
 from ._cli_util import add_function
+from .analysis.commands import explain_images, inspect_model
 from .bench import bench
+from .cache import atomic_write
+from .checkpoints import CATALOG, inspect_checkpoint, load, resolve
+from .checkpoints import convert as _convert
+from .data.pack import pack
+from .data.splits import feature_splits, test_split
 from .demo import demo
 from .errors import UsageError, VitkitError
-from . import __version__
-from .analysis.commands import explain_images
-from .analysis.commands import inspect_model
-from .cache import atomic_write
-from .checkpoints import CATALOG, inspect_checkpoint, resolve
-from .checkpoints import convert as _convert
-from .checkpoints import load
-from .data.pack import pack
-from .data.splits import feature_splits
-from .data.splits import test_split
-from .evaluation import evaluate as _evaluate, save_confusion_png, write_report
+from .evaluation import evaluate as _evaluate
 from .evaluation import fewshot as _fewshot
+from .evaluation import save_confusion_png, write_report
 from .evaluation.knn import knn as _knn
 from .inference.backends import inference_engine
 from .inference.export import export_model
@@ -35,16 +38,13 @@ from .inference.predict import predict_images
 from .machine.device import resolve_device
 from .machine.fast_linear import pack_linears
 from .machine.precision import for_inference
-from .models import ViTConfig
-from .models import get_entry, list_models
+from .models import ViTConfig, get_entry, list_models
 from .models.stats import model_stats
 from .models.vit import resolve_layers
-from .reproduce import replot as _replot, reproduce as _reproduce
-from .training import PRESETS, run_config, train as _train
-from importlib.metadata import PackageNotFoundError, version
-from safetensors.torch import save_file
-import fnmatch
-import yaml
+from .reproduce import replot as _replot
+from .reproduce import reproduce as _reproduce
+from .training import PRESETS, run_config
+from .training import train as _train
 
 
 def _torch_version() -> str:
@@ -66,7 +66,6 @@ def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool =
         num_classes: classes of the head used for the parameter count (Table 1 uses 1000 here).
         json_out: print JSON instead of a table.
     """
-
     rows = [model_stats(get_entry(n), num_classes) for n in list_models(pattern)]
     if json_out:
         print(json.dumps(rows, indent=1))
@@ -89,7 +88,6 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
         num_heads: for formats that do not store it (timm, torchvision) and a non-standard width.
         json_out: print JSON.
     """
-
     hints = {"num_heads": num_heads} if num_heads else {}
     r = inspect_checkpoint(resolve(checkpoint), **hints)
     if checkpoint in CATALOG:
@@ -134,7 +132,6 @@ def catalog(pattern: str | None = None, json_out: bool = False) -> list[dict]:
         pattern: only names matching this glob, e.g. "augreg-*".
         json_out: print JSON.
     """
-
     rows = [{"name": e.name, "format": e.format, "verification": e.verification, "description": e.description,
              "files": e.files} for e in CATALOG.values() if not pattern or fnmatch.fnmatch(e.name, pattern)]
     if json_out:
@@ -160,7 +157,6 @@ def data(action: Literal["pack"], src: str, out: str, shard_size: int = 1000, da
         shard_size: samples per shard.
         data_dir: where the built-in datasets are.
     """
-
     return pack(src, out, shard_size=shard_size, data_dir=data_dir, progress=print)
 
 
@@ -192,7 +188,6 @@ def export(
         packed: ONNX whose inputs are packed batches of mixed sizes and aspect ratios (NaFlex; a plain ViT):
             patches (B, L, P*P*C), coords (B, L, 2) int64, valid (B, L) bool; B and L dynamic.
     """
-
     report = export_model(load(checkpoint), out, format, dynamic_batch=dynamic_batch, dynamic_size=dynamic_size,
                           opset=opset, quantize=None if quantize == "none" else quantize, packed=packed)
     for chk in report.checks:
@@ -249,7 +244,8 @@ def serve(
         max_batch_patches: the most patch tokens one packed forward computes, padding included (default:
             max_batch x max_patches).
     """
-    from .serve import Limits, serve as _serve  # fastapi and uvicorn: the optional [serve] extra
+    from .serve import Limits  # fastapi and uvicorn: the optional [serve] extra
+    from .serve import serve as _serve
 
     _serve(checkpoint, host, port, backend, Limits(max_upload_mb=max_upload_mb, max_pixels=max_pixels, timeout_s=timeout_s,
                                                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
@@ -268,7 +264,6 @@ def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None
         to: vitkit | timm | hf | npz.
         num_heads: for source formats that do not store it.
     """
-
     hints = {"num_heads": num_heads} if num_heads else {}
     out = _convert(src, dst, to, **hints)
     print(f"wrote {out} ({to})")
@@ -309,7 +304,6 @@ def train(
         print_config: print the resolved config as YAML (preset, config file and overrides applied) and exit
             without training.
     """
-
     overrides = list(overrides)
     if overrides and "=" not in overrides[0]:
         preset = overrides.pop(0)
@@ -343,7 +337,6 @@ def train(
 
 def _list_presets(fn):
     """Write the registered presets into a command's help (its docstring's {presets})."""
-
     fn.__doc__ = fn.__doc__.replace("{presets}", " | ".join(PRESETS))
     return fn
 
@@ -385,7 +378,6 @@ def evaluate(
         max_patches: native aspect ratios (NaFlex): every image resized, keeping its aspect ratio, to at most this
             many patches, each batch packed into one forward (eager torch); default: the checkpoint's square size.
     """
-
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
     if max_patches and backend != "torch":
@@ -437,7 +429,6 @@ def fewshot(
         device: auto | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
-
     model, dev, prec, train_set, test_set, replicate = _frozen_backbone(checkpoint, data, data_dir, train_subset, device,
                                                                         precision)
     res = _fewshot(model, train_set, test_set, shots=tuple(shots), draws=draws, seed=seed, replicate_to=replicate, device=dev,
@@ -453,7 +444,6 @@ def _frozen_backbone(checkpoint: str, data: str, data_dir: str | None, train_sub
                      precision: str):
     """What `fewshot` and `knn` share: the model on its device, the precision for its features, the dataset's splits
     (the training split cut to `train_subset` images), and the channel replication grey data needs for an RGB model."""
-
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
     choice = for_inference(model, dev, precision, 500)
@@ -487,7 +477,6 @@ def knn(
         device: auto | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
-
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
     model, dev, prec, train_set, test_set, replicate = _frozen_backbone(checkpoint, data, data_dir, train_subset, device,
@@ -525,7 +514,6 @@ def features(
         device: auto | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
-
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
     if getattr(model.config, "arch", "vit") != "vit":
@@ -539,7 +527,7 @@ def features(
             print(f"{r['image']}: ERROR {r['error']}")
     if tensors:
         meta = {"images": json.dumps([r["image"] for r in records if "row" in r]), "checkpoint": str(checkpoint)}
-        atomic_write(Path(out), lambda p: save_file({k: v.contiguous() for k, v in tensors.items()}, str(p), metadata=meta))
+        atomic_write(Path(out), lambda p: safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(p), metadata=meta))
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in tensors.items())
         print(f"wrote {out}: {shapes}")
     return _exit_status(records)
@@ -558,7 +546,6 @@ def reproduce(name: str, seeds: int = 3, smoke: bool = False, out: str = "docs/r
         out: the folder for the table, plot and raw results.
         replot: write the table and the plot again from OUT/NAME.json, without training.
     """
-
     res = _replot(name, out, smoke) if replot else _reproduce(name, seeds=seeds, smoke=smoke, out=out)
     print(Path(out, name + ("-smoke" if smoke else "") + ".md").read_text())
     return res
@@ -615,13 +602,10 @@ def predict(
             patches, the images packed into one forward of mixed sizes (eager torch); default: the checkpoint's
             square size.
     """
-
     res = predict_images(images, checkpoint, top_k=top_k, out=out, format=format, resume=resume,
                          batch_size=batch_size, num_workers=num_workers, progress=progress, tta=tta, device=device,
                          precision=precision, backend=backend, max_patches=max_patches)
-    rate = res.done_now / max(res.seconds, 1e-9)
     where = f"; records in {out}" if out else ""
-    resumed = f" ({res.resumed:,} done earlier)" if res.resumed else ""
     if res.stopped is not None and res.stopped != getattr(signal, "SIGPIPE", 13):
         name = signal.Signals(res.stopped).name
         print(f"vitkit: predict: stopped by {name} after {res.resumed + res.done_now:,} of {res.total:,} images"
@@ -629,8 +613,7 @@ def predict(
         _unreadable(res.failed, res.resumed + res.done_now)
         return 128 + res.stopped
     if progress:
-        print(f"vitkit: predict: {res.done_now:,} images in {res.seconds:.1f} s ({rate:,.0f} img/s){resumed}{where}",
-              file=sys.stderr, flush=True)
+        print(res.done_line(out), file=sys.stderr, flush=True)
     return _unreadable(res.failed, res.total)
 
 
@@ -668,7 +651,6 @@ def explain(
         head_fusion: how the heads are combined: mean (the paper), max or min.
         class_index: the class for gradient-weighted rollout (default: the predicted class).
     """
-
     model = load(checkpoint)
     pack_linears(model)  # float32 on CPU: the fastest GEMM measured here
     recs = explain_images(model, images, out, discard_ratio=discard_ratio, head_fusion=head_fusion, class_index=class_index)
@@ -706,7 +688,6 @@ def inspect(
         components: how many principal components to show.
         data_dir: where the named datasets are.
     """
-
     res = inspect_model(load(checkpoint), out, data=data, data_dir=data_dir, num_images=num_images,
                         components=components, name=_run_name(checkpoint))
     for k, v in res.items():

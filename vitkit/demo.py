@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def demo(epochs: float | None = None, out: str = "runs/demo", images: int = 4) -
         Image.fromarray(test.images[i, 0].numpy()).save(f)
         files.append(str(f))
     print(f"\n== predicting {images} test images (the file names carry the true class)")
-    predict_images(files, str(Path(out) / "final.safetensors"), top_k=3, tta=cfg.run.tta)
+    done = predict_images(files, str(Path(out) / "final.safetensors"), top_k=3, tta=cfg.run.tta)
+    print(done.done_line(), file=sys.stderr, flush=True)
     total = time.perf_counter() - t0
     print(f"\n== demo done in {total:.0f} s: training and the test evaluation {t_train:.0f} s "
           f"({result['time_s']:.0f} s of steps and evaluation), prediction {total - t_train:.0f} s")

@@ -32,7 +32,7 @@ from .checkpoints import load
 from .data.datasets import load_dataset
 from .evaluation.fewshot import fewshot
 from .machine.fast_linear import pack_linears
-from .training import run_config
+from .training import apply_overrides, run_config
 from .training import train
 import torch
 
@@ -67,12 +67,13 @@ def _config(out: Path, seed: int, scale: Scale, *, name: str = "vit_ti16", overr
             "run.out_dir": str(out), "run.seed": seed, "run.progress": False, "run.log_every": 50, "run.eval_every": 1000,
             "run.tta": "none", "run.ckpt_every": 10**9, "optim.lr": 1e-3}
     base.update(settings)
-    return run_config("fashion-mnist", overrides=base)[0]
+    cfg, _ = run_config("fashion-mnist")
+    cfg.model.overrides = {}  # the studies' model replaces the preset's, without the notice a user's change gets
+    return apply_overrides(cfg, base)
 
 
 def _fewshot(checkpoint: Path, data: str, scale: Scale, classes: list[int] | None = None, seed: int = 0) -> float:
     """5-shot linear accuracy of a trained model's frozen features on `data` (its `classes` only)."""
-
     model = load(checkpoint)
     spec = load_dataset(data)
     train, test = spec.train.with_classes(classes), spec.test.with_classes(classes)
@@ -175,7 +176,6 @@ SWIN_MODELS = {"ViT": ("vit_ti16", _vit()), "hybrid": ("r26_vit_s32", _vit(hybri
 
 def _infer_speed(checkpoint: Path, batch: int = 128, rounds: int = 5) -> float:
     """Inference img/s of a trained model, fp32, on this machine's fast GEMM: the median of `rounds` timed batches."""
-
     model = load(checkpoint).eval()
     pack_linears(model)
     x = torch.randn(batch, model.config.in_chans, *model.config.img_size, generator=torch.Generator().manual_seed(0))

@@ -383,7 +383,6 @@ def parse_json(data: str | bytes, what: str, error: type[VitkitError] = UsageErr
 
 def parse_yaml(text: str, what: str, error: type[VitkitError] = UsageError) -> Any:
     """YAML with the safe loader (no Python tags): size, nesting and values bounded."""
-
     if len(text) > MAX_TEXT_BYTES:
         raise error(f"{what}: {gib(len(text))} of YAML, over the limit of {gib(MAX_TEXT_BYTES)} "
                     f"(VITKIT_MAX_TEXT_BYTES)")
@@ -459,7 +458,6 @@ def check_types(config: Any) -> None:
     """Every field of a model config dataclass holds a value of its declared type (ints, finite floats, booleans,
     strings, tuples of them; None only where the field allows it): a UsageError names the field otherwise. Run
     before any conversion, so that a file's or an override's wrong value is refused by name."""
-
     for f in dataclasses.fields(config):
         ann = f.type if isinstance(f.type, str) else str(f.type)
         value, optional = getattr(config, f.name), "None" in ann

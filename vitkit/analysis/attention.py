@@ -204,7 +204,6 @@ def swin_window_maps(model: nn.Module, x: torch.Tensor) -> dict[int, torch.Tenso
     """A Swin's attention, window by window: {block: (B, h, w)}, how much attention each token receives from the
     queries of its own window (mean over heads and queries), laid back on the block's map (the shift undone),
     normalised to a maximum of 1 per image. Windows show as tiles; a shifted block's tiles straddle the others'."""
-
     with torch.no_grad():
         attn = model.forward_intermediates(x, attention=True)["attention"]
     maps = {}

@@ -15,13 +15,12 @@ from ..models.registry import config_with
 from . import bit, hf, hf_vision, official, swin, timm, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
 from .swin import infer_swin_config
-from .io import CheckpointError, read_hf_dir, read_npz, read_safetensors, read_torch, sniff
+from .io import CheckpointError, read_hf_dir, read_meta, read_npz, read_safetensors, read_torch, sniff
 from ..cache import atomic_write
-from .run import load_model_weights, read_meta
 from ..errors import UsageError
 from ..safety import parse_json, read_bytes, untrusted
 from .catalog import resolve
-from safetensors.torch import save_file
+import safetensors.torch
 
 FORMATS = ("vitkit", "timm", "hf", "npz")
 NATIVE_FORMAT = "vitkit"
@@ -219,6 +218,8 @@ def _json_file(path: Path) -> dict:
 def _read_run_checkpoint(path: Path, hints: dict) -> Checkpoint:
     """A training run's sharded checkpoint (torch.distributed.checkpoint, `vitkit.checkpoints.run`): the
     weights it would be used with for inference, the EMA's if the run kept one, gathered into one state dict."""
+    from .run import load_model_weights  # start-up time: torch.distributed.checkpoint imports DTensor (~0.6 s)
+
     meta = read_meta(path)
     config = _config_from_dict(meta["model_config"])
     if hints:
@@ -282,7 +283,6 @@ def load(
             (any change of the patch grid's shape) resamples the position embedding; num_classes different from
             the checkpoint's gives a new zero-initialised head.
     """
-
     path = resolve(path_or_name)
     img_size = overrides.pop("img_size", None)
     window_size = overrides.pop("window_size", None)  # a Swin's windows, laid out anew after loading
@@ -333,14 +333,13 @@ def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = N
 
     Args:
         state_dict: the tensors to write instead of `model.state_dict()` (a sharded model's, gathered)."""
-
     path = Path(path)
     meta = {"format": NATIVE_FORMAT, "version": NATIVE_VERSION, "config": json.dumps(model.config.to_dict())}
     meta.update(metadata or {})
     sd = model.state_dict() if state_dict is None else state_dict
     tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous().clone()
                for k, v in sd.items()}
-    atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
+    atomic_write(path, lambda p: safetensors.torch.save_file(tensors, str(p), metadata=meta))
     return path
 
 
@@ -387,7 +386,6 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
             suffix, else a bare state dict (.safetensors or .pth) that timm's defaults must describe; "hf" (a
             folder: config.json + model.safetensors); "npz" (the official format).
     """
-
     path, c, sd = Path(path), model.config, _tensors(model)
     if to not in FORMATS:
         raise UsageError(f"unknown export format {to!r}; choose one of {FORMATS}")
@@ -410,14 +408,14 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
             _check_reads_back(c, back, facts, f"{kind} state dict",
                               "\nA timm folder records these: export to a path without a suffix.")
             if path.suffix == ".safetensors":
-                atomic_write(path, lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+                atomic_write(path, lambda p: safetensors.torch.save_file(out, str(p), metadata={"format": "pt"}))
             else:
                 atomic_write(path, lambda p: torch.save(out, p))
             return path
         hub_config = fmt.folder_config(c)
         _check_reads_back(c, back, {**facts, **fmt.folder_facts(hub_config)}, f"{kind} folder")
         path.mkdir(parents=True, exist_ok=True)
-        atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+        atomic_write(path / "model.safetensors", lambda p: safetensors.torch.save_file(out, str(p), metadata={"format": "pt"}))
         atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))
         return path
     if c.arch != "vit":
@@ -434,7 +432,7 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
         _check_reads_back(c, back, {**facts, **hf.preprocessing_facts(pre)},
                           f"a Hugging Face {fam or 'ViT'} folder")
         path.mkdir(parents=True, exist_ok=True)
-        atomic_write(path / "model.safetensors", lambda p: save_file(out, str(p), metadata={"format": "pt"}))
+        atomic_write(path / "model.safetensors", lambda p: safetensors.torch.save_file(out, str(p), metadata={"format": "pt"}))
         atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hf_config, indent=2)))
         atomic_write(path / hf.PREPROCESSOR_FILE, lambda p: p.write_text(json.dumps(pre, indent=2)))
         return path

@@ -10,7 +10,7 @@ from torch import nn
 from ..errors import UsageError
 from ..models.registry import lookup, build_config, build_model, get_entry
 from ..models.timm_api import check_avg_pool, vit_classifier
-from ..models.vit import ViTConfig
+from ..models.vit_config import ViTConfig
 from .api import load
 from .catalog import CATALOG
 

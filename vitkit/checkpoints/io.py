@@ -182,3 +182,12 @@ def read_hf_dir(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     else:
         raise CheckpointError(f"{path} has no model.safetensors or pytorch_model.bin")
     return tensors, config
+
+
+def read_meta(step_dir: Path) -> dict:
+    """A training run's step record (`meta.json` of checkpoints/step-N: the run's config and its model's)."""
+    meta = parse_json(read_bytes(step_dir / "meta.json", error=CheckpointError), str(step_dir / "meta.json"),
+                      CheckpointError)
+    if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
+        raise CheckpointError(f"{step_dir / 'meta.json'} is not a vitkit run's step record")
+    return meta

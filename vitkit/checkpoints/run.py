@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
 
 from ..errors import CheckpointError, VitkitError
-from ..safety import open_regular, parse_json, read_bytes, untrusted
+from ..safety import open_regular, untrusted
 
 
 @contextlib.contextmanager
@@ -24,14 +24,6 @@ def single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def read_meta(step_dir: Path) -> dict:
-    meta = parse_json(read_bytes(step_dir / "meta.json", error=CheckpointError), str(step_dir / "meta.json"),
-                      CheckpointError)
-    if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
-        raise CheckpointError(f"{step_dir / 'meta.json'} is not a vitkit run's step record")
-    return meta
 
 
 # DCP writes its index (.metadata) with pickle and loads non-tensor items with torch.load(weights_only=False): a

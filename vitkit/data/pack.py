@@ -67,7 +67,6 @@ def pack(src: str, out: str | Path, shard_size: int = 1000, data_dir: str | None
     """Write a dataset as shards: `src` is a built-in dataset (fashion-mnist, cifar10, digits, ...: its images as
     PNG), an ImageFolder root (train/ and val/ or test/: the files' own bytes) or a CSV of path,label. Returns
     {split: index}."""
-
     out = Path(out)
     root = Path(src)
     if root.suffix.lower() == ".csv":

@@ -60,6 +60,5 @@ def knn(model: nn.Module, train_data, test_data, *, ks=(10, 20), temperature: fl
         replicate_to: int | None = None, device="cpu", batch_size: int = 500, precision: str = "fp32") -> KnnResult:
     """k-NN accuracy of a frozen model's pooled features (the head's input) on a dataset: its train split is the
     memory bank, its test split is scored. Each split gets the model's own evaluation preprocessing."""
-
     tx, ty, vx, vy = split_features(model, train_data, test_data, replicate_to, device, batch_size, precision)
     return knn_from_features(tx, ty, vx, vy, ks, temperature)

@@ -64,7 +64,6 @@ def tta_views(x: torch.Tensor, mode: str = "none") -> list[torch.Tensor]:
 
 def tta_log_probs(model: nn.Module, x: torch.Tensor, mode: str = "none") -> torch.Tensor:
     """log of the class probabilities (B, K) averaged over the views of `tta_views`, in float32."""
-
     if isinstance(x, PackedBatch):  # images at their own sizes: the identity and, for "flip", the mirror images
         if mode not in ("none", "flip"):
             raise UsageError(f"test-time augmentation {mode!r} of packed batches: 'none' or 'flip' only")
@@ -86,7 +85,6 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, devic
         every sample counts exactly once; every rank gets the whole result. lockstep: every rank runs the same
         number of forward passes (a model sharded with FSDP2).
     """
-
     check_tta(tta)  # before any work
     was_training = model.training
     model.eval()

@@ -111,7 +111,6 @@ class PackedInputs(nn.Module):
 
 def packed_examples(config, seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A packed batch of `batch` random images of different grids (for tracing and checking a packed export)."""
-
     g = torch.Generator().manual_seed(seed)
     (gh, gw), (ph, pw) = config.grid_size, config.patch_size
     shapes = [(max(1, gh // 2), gw), (gh, max(1, gw // 3)), (gh, gw), (max(1, gh - 1), gw + 1)]
@@ -305,7 +304,6 @@ def _export_openvino(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset:
 def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | None = None):
     """An OpenVINO IR compiled for the CPU with INFERENCE_PRECISION_HINT f32 or bf16, the hint read back (the CPU
     plugin computes in bf16 by default where the CPU has it): a CompiledModel, called as model(x)."""
-
     try:
         return compile_(path, precision, threads)
     except EngineError as e:
@@ -314,7 +312,6 @@ def openvino_compile(path: str | Path, precision: str = "fp32", threads: int | N
 
 def openvino_config(path: str | Path) -> dict:
     """The vitkit config an OpenVINO export carries in its rt_info."""
-
     check_regular(path)  # a FIFO would keep OpenVINO waiting for a writer
     if Path(path).with_suffix(".bin").exists():
         check_regular(Path(path).with_suffix(".bin"))

@@ -34,21 +34,17 @@ import torch
 from torch import nn
 
 from ..checkpoints import load
+from ..data.datasets import IMAGE_EXTS, csv_paths, is_shards, is_shards_split
 from ..data.image import EvalTransform, ImageDecodeError, decode_for, load_image, to_uint8_tensor
+from ..data.naflex import PackTransform
+from ..data.shards import FORMAT, ShardDataset, fetch_small
 from ..errors import UsageError, VitkitError
 from ..evaluation.metrics import check_tta, tta_log_probs
 from ..machine.device import resolve_device
 from ..machine.precision import autocast
-from .backends import inference_engine
-from ..data.datasets import IMAGE_EXTS, csv_paths
-from ..data.datasets import is_shards, is_shards_split
-from ..data.naflex import PackTransform
-from ..data.shards import FORMAT
-from ..data.shards import ShardDataset
-from ..data.shards import fetch_small
 from ..models.layers.packing import pack
-from ..safety import open_regular
-from ..safety import parse_json, read_bytes
+from ..safety import open_regular, parse_json, read_bytes
+from .backends import inference_engine
 
 FORMATS = ("table", "json", "jsonl", "csv")
 RESUMABLE = ("jsonl", "csv")
@@ -97,7 +93,6 @@ class Inputs:
 
 def _vitkit_index(path: Path) -> bool:
     """Whether `path` is a shard index `vitkit data pack` wrote (a web page's index.json is not)."""
-
     if not path.is_file():
         return False
     try:
@@ -110,7 +105,6 @@ def _vitkit_index(path: Path) -> bool:
 def _shard_splits(location: str) -> list[str] | None:
     """The shard split(s) `location` names: itself (a folder or URL holding index.json), or the train/, val/ and
     test/ splits of a shard set (`vitkit data pack`); None when it is no shard location."""
-
     remote = location.startswith(("http://", "https://", "file://"))
     if remote:
 
@@ -135,7 +129,6 @@ def gather_inputs(items: Iterable[str | Path], warn: Callable[[str], None] | Non
     folder) and shard locations (a
     split folder or URL with index.json, or a shard set root: its train/, val/ and test/), in the order given. A
     path that does not exist stays a file: its record says so. `warn` hears of a folder without images."""
-
     out = Inputs()
     for item in items:
         s = os.fspath(item)
@@ -453,7 +446,6 @@ def read_done(path: str | Path, fmt: str, names: Sequence[str], k: int) -> Done:
     input j's, with `k` classes or an error. A last line cut short (a kill while writing), and with it a record
     whose rows are not all there, is left out. Anything else that is not such a record is a UsageError: the file is
     then not this command's output, and nothing is written to it."""
-
     with open_regular(path) as f:  # the results file is ours, but a FIFO there must not block
         lines = _lines(f.read())
     done = Done()
@@ -606,6 +598,13 @@ class Summary:
     failed: list[str]
     seconds: float
     stopped: int | None = None
+
+    def done_line(self, out: str | None = None) -> str:
+        """The line a finished run ends with on stderr: images, time, rate, and where the records are."""
+        rate = self.done_now / max(self.seconds, 1e-9)
+        resumed = f" ({self.resumed:,} done earlier)" if self.resumed else ""
+        where = f"; records in {out}" if out else ""
+        return f"vitkit: predict: {self.done_now:,} images in {self.seconds:.1f} s ({rate:,.0f} img/s){resumed}{where}"
 
 
 class _Signals:

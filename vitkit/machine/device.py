@@ -22,3 +22,9 @@ def resolve_device(name: str) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise UsageError(f"device {name!r} asked for, but there are {torch.cuda.device_count()} CUDA GPU(s)")
     return dev
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run asynchronously; a CPU's calls return when done)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -332,7 +332,7 @@ def pick(table: list[Candidate]) -> tuple[str, str]:
 
 def choose(model: nn.Module, batch: int, *, threads: int | None = None, tolerance: float = TOLERANCE,
            candidates: tuple[str, ...] = CANDIDATES, refresh: bool = False, log=None,
-           force_bf16: bool = False, export: Exporter | None = None) -> BackendChoice:
+           force_bf16: bool = False, export: Exporter) -> BackendChoice:
     """The fastest engine within `tolerance` of fp32 eager for `model` at `batch` on this machine (measured once per
     machine, engine versions, weights and batch, then read from the cache)."""
     pb = max(1, min(batch, PROBE_BATCH))
@@ -359,7 +359,7 @@ def choose(model: nn.Module, batch: int, *, threads: int | None = None, toleranc
 
 
 def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threads: int | None = None,
-            log=None, export: Exporter | None = None) -> BackendChoice:
+            log=None, export: Exporter) -> BackendChoice:
     """`--backend` and `--precision` as a command gives them: auto measures (`choose`); torch resolves the precision
     (`vitkit.machine.precision`); onnx and openvino run the cached export in fp32 (openvino: bf16 if asked)."""
     check_backend(backend)
@@ -389,7 +389,7 @@ def say(line: str) -> None:
 
 
 def resolve_and_announce(model: nn.Module, backend: str, precision: str, batch: int, *,
-                         threads: int | None = None, export: Exporter | None = None) -> BackendChoice:
+                         threads: int | None = None, export: Exporter) -> BackendChoice:
     """`resolve`, with its progress, its reason and (for auto) the whole table printed on stderr."""
     choice = resolve(model, backend, precision, batch, threads=threads, log=say, export=export)
     say(f"backend {choice.reason}")

@@ -27,10 +27,11 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..cache import cache_dir, read_json_cache, write_json_cache
 from . import cpu
-from torch.utils._python_dispatch import _disable_current_modes
+from .device import sync
 
 PATHS = ("mkl", "mkl-packed", "onednn-packed")
 WGRAD_PATHS = ("mkl", "onednn")  # the weight gradient dW = dY^T X: both operands activations, nothing to prepack
@@ -127,7 +128,6 @@ def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3, k
     per path, so that a neighbour's burst of load does not decide the choice. A round lasts seconds / rounds, or
     MAX_CALLS calls where those take less (a 10-us problem is timed over 500 calls, not 5,000).
     kind "linear": y = x W^T + b with x (rows, k), W (n, k); "wgrad": dW = dY^T X with dY (rows, n), X (rows, k)."""
-
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     calls: dict[str, Callable[[], torch.Tensor]] = {}
@@ -191,10 +191,6 @@ def choices() -> dict[str, dict]:
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def gemm_rates(dtype: str = "fp32", device: str | torch.device = "cpu", n: int | None = None,
                seconds: float = 1.5) -> dict[str, float]:
@@ -226,12 +222,12 @@ def gemm_rates(dtype: str = "fp32", device: str | torch.device = "cpu", n: int |
     with torch.no_grad():
         for name, fn in calls.items():
             fn()
-            _sync(device)
+            sync(device)
             best, t_end = 0.0, time.perf_counter() + seconds / len(calls)
             while time.perf_counter() < t_end:
                 t = time.perf_counter()
                 fn()
-                _sync(device)
+                sync(device)
                 best = max(best, 2 * n**3 / (time.perf_counter() - t))
             rates[name] = best
     return rates

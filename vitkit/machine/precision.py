@@ -29,8 +29,8 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from statistics import median
 from pathlib import Path
+from statistics import median
 from typing import Callable, Sequence
 
 import torch
@@ -39,6 +39,7 @@ from torch import nn
 from ..cache import cache_dir, read_json_cache, write_json_cache
 from ..errors import UsageError
 from . import cpu, engine_probe, fast_linear
+from .device import sync
 from .fast_linear import pack_linears
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -216,10 +217,10 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
         return run
 
     def timed(fn: Callable[[], None]) -> float:  # one call
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0
 
     rates: dict = {}
@@ -239,7 +240,7 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
                 if "bf16" in first:
                     times["bf16"] = [first["bf16"]]
             else:
-                times = engine_probe.interleaved_rounds(fns, rounds, MIN_ROUND_S, sync=lambda: _sync(device), warm=False)
+                times = engine_probe.interleaved_rounds(fns, rounds, MIN_ROUND_S, sync=lambda: sync(device), warm=False)
     finally:
         pack_linears(model, enable=False)
         model.train(was_training)
@@ -251,10 +252,6 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, training: boo
     rates.update(rounds=times, batch=batch, mode="train" if training else "eval")
     return rates
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _key(model: nn.Module, device: torch.device, batch: int, training: bool, lowp_stream: bool, fast_gemm: bool) -> str:

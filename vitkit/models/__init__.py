@@ -4,7 +4,8 @@ from .registry import build_config, build_model, config_with, get_entry, list_mo
 from .resnet import ResNetV2, ResNetV2Config
 from .swin import SwinConfig, SwinTransformer
 from .timm_api import layer_groups
-from .vit import ViTConfig, VisionTransformer
+from .vit import VisionTransformer
+from .vit_config import ViTConfig
 
 __all__ = ["build_config", "build_model", "config_with", "get_entry", "layer_groups", "list_models", "lookup",
            "ResNetV2", "ResNetV2Config", "SwinConfig", "SwinTransformer", "ViTConfig", "VisionTransformer"]

@@ -13,7 +13,8 @@ from torch import nn
 
 from .resnet import ResNetV2, ResNetV2Config
 from .swin import SwinConfig, SwinTransformer
-from .vit import ViTConfig, VisionTransformer
+from .vit import VisionTransformer
+from .vit_config import ViTConfig
 
 # arch -> (config class, model class)
 ARCHS = {"vit": (ViTConfig, VisionTransformer), "resnetv2": (ResNetV2Config, ResNetV2), "swin": (SwinConfig, SwinTransformer)}

@@ -23,22 +23,21 @@ timm files map one to one.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from ..errors import UsageError
+from ..safety import check_sizes, check_types
 from .layers import DropPath, LayerNorm, Linear, Mlp
 from .layers.attention import _CPU_BF16_NATIVE, check_impl
 from .layers.patch_embed import to_2tuple
+from .layers.pos_embed import resample_pos_embed_grid
 from .layers.tracing import is_fx_tracing
 from .timm_api import TimmModelApi, check_avg_pool, check_class_names, check_num_classes
-from ..errors import UsageError
-from ..safety import check_sizes, check_types
-from .layers.pos_embed import resample_pos_embed_grid
-from dataclasses import replace
 
 
 @dataclass
@@ -443,7 +442,6 @@ class SwinTransformer(TimmModelApi, nn.Module):
         """Lay the windows out for another resolution (and window size: 7 -> 12 for 384 px, as the paper fine-tunes).
         A stage whose window changes gets its relative-position tables resampled (plain bicubic, as the paper's code
         does for 384; `method` as for `resample_pos_embed_grid`)."""
-
         new = replace(self.config, img_size=to_2tuple(img_size),  # checks that every stage divides into windows
                       window_size=window_size or self.config.window_size)
         with torch.random.fork_rng(devices=[]):  # the new layout's throwaway init leaves the caller's RNG as it was
@@ -457,7 +455,6 @@ class SwinTransformer(TimmModelApi, nn.Module):
 def resample_swin_tables(sd: dict[str, torch.Tensor], model: SwinTransformer, method: str = "bicubic_noaa"
                          ) -> dict[str, torch.Tensor]:
     """`sd` with each relative-position table resampled to `model`'s window where the sizes differ."""
-
     own = model.state_dict()
     out = dict(sd)
     for k, v in sd.items():

@@ -20,7 +20,6 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: s
     """Run the service until interrupted: the checkpoint loaded and the port bound first (a taken port or a bad
     checkpoint is a UsageError/CheckpointError before anything is announced), then "serving ..." on stderr. Bound
     to an address other than loopback without an `api_key`, it warns that anyone who reaches the port can use it."""
-
     import uvicorn  # optional: the [serve] extra
 
     limits = limits or Limits()

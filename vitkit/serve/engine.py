@@ -14,25 +14,21 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from PIL import Image
 
-from ..data.image import EvalTransform, load_image, resize_crop, to_uint8_tensor
-from ..errors import UsageError
-from ..inference.predict import top_classes
 from ..analysis.attention import rollout, token_map
 from ..analysis.plots import overlay, upsample
 from ..checkpoints import load
+from ..data.image import EvalTransform, load_image, resize_crop, to_uint8_tensor
 from ..data.naflex import PackTransform
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError
 from ..inference.backends import open_engine
-from ..inference.export import onnx_config
-from ..inference.export import openvino_compile, openvino_config
+from ..inference.export import onnx_config, openvino_compile, openvino_config
+from ..inference.predict import top_classes
 from ..machine.engine import check_backend
-from ..machine.precision import autocast
-from ..machine.precision import for_inference
-from ..models.layers.packing import pack
-from ..models.layers.packing import resize_to_patches
+from ..machine.precision import autocast, for_inference
+from ..models.layers.packing import pack, resize_to_patches
 from ..safety import untrusted
-from PIL import Image
 
 
 class Predictor:
@@ -75,7 +71,6 @@ class TorchPredictor(Predictor):
 
     def __init__(self, model: torch.nn.Module, precision: str = "fp32", batch: int = 8) -> None:
         """precision: auto | fp32 | bf16, resolved for a forward of `batch` images (`vitkit.machine.precision`)."""
-
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.precision = for_inference(self.model, self.device, precision, batch)  # fp32: the packed fast GEMM
@@ -321,7 +316,6 @@ def explanations(model: torch.nn.Module, x: np.ndarray) -> dict:
     """Everything the web page draws for one image: per layer, the attention rollout up to that layer, the
     gradient-weighted rollout up to that layer (for the predicted class) and each head's attention from the class
     token (or the mean patch, without one); all as (gh, gw) maps with a maximum of 1."""
-
     c = model.config
     xt = torch.from_numpy(x)[None]
     grid = (x.shape[1] // c.patch_size[0], x.shape[2] // c.patch_size[1])  # a packed image's own grid, else the model's
@@ -354,7 +348,6 @@ def explanations(model: torch.nn.Module, x: np.ndarray) -> dict:
 
 def overlay_png(shown: np.ndarray, heat: list | np.ndarray) -> bytes:
     """The image with a heat map over it, as PNG bytes."""
-
     h = upsample(torch.tensor(np.asarray(heat, dtype=np.float32)), shown.shape[:2])
     rgb = (overlay(shown, h) * 255).round().astype(np.uint8)
     buf = io.BytesIO()

@@ -19,13 +19,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .config import flatten_config
 from .distributed import Dist
-from ..checkpoints.run import dcp_load, read_meta, single_process_quiet
+from ..checkpoints.io import read_meta
 
 CKPT_DIR = "checkpoints"
 # Settings that do not change what a training step computes: a run may resume with them changed.
@@ -80,6 +78,9 @@ def latest(out: Path) -> Path | None:
 
 
 def _tensors(model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None) -> dict:
+    # start-up time: torch.distributed.checkpoint imports DTensor (~0.6 s): loaded when a run saves or resumes
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     if ema is not None:
@@ -90,6 +91,10 @@ def _tensors(model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None
 def save(out: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None, meta: dict,
          dist: Dist) -> Path:
     """Write step `step` (every rank calls this); returns its folder. The previous step's folder goes only after."""
+    import torch.distributed.checkpoint as dcp  # start-up time (see _tensors)
+
+    from ..checkpoints.run import single_process_quiet
+
     root = out / CKPT_DIR
     final = root / f"step-{step:08d}"
     tmp = final.with_suffix(".tmp")
@@ -114,6 +119,10 @@ def save(out: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, ema
 
 def load(step_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None) -> dict:
     """Load a step folder into the (possibly sharded) model, its optimizer and EMA; returns its meta.json."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict  # start-up time (see _tensors)
+
+    from ..checkpoints.run import dcp_load
+
     state = _tensors(model, opt, ema)
     dcp_load(state, step_dir)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -55,7 +55,8 @@ class MetricsLog:
             atomic_write(path, lambda p: p.write_text("".join(f"{x}\n" for x in kept)))
         self.file = open(path, "a")
         try:
-            from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard, and only for rank 0's log
+            # start-up time: tensorboard's import is slow, and only rank 0's log needs it
+            from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: TensorBoard drops the events at and after it, as metrics.jsonl above
             self.tb = SummaryWriter(str(out / "tb"), purge_step=None if resumed_at is None else resumed_at + 1)

@@ -61,7 +61,6 @@ class Run:
 
 def build_model_for(cfg: TrainConfig, spec: DataSpec) -> nn.Module:
     """A fresh registry model sized for the data, or a checkpoint with a new head / resolution."""
-
     ov = dict(cfg.model.overrides)
     k = len(spec.classes)
     model = _build(cfg, spec, ov, k)

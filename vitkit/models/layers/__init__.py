@@ -4,7 +4,6 @@ from .attention_pool import AttentionPool
 from .drop_path import DropPath
 from .layer_scale import LayerScale
 from .linear import Linear
-from ...machine.fast_linear import pack_linears
 from .mlp import Mlp, SwiGLU
 from .norm import LayerNorm
 from .patch_embed import PatchEmbed
@@ -19,6 +18,6 @@ from .rope import RotaryEmbedding2d
 from .std_conv import StdConv2d, pad_same
 
 __all__ = [
-    "Attention", "AttentionPool", "RelativePositionBias", "DropPath", "LayerScale", "SwiGLU", "RotaryEmbedding2d", "LayerNorm", "Linear", "pack_linears", "Mlp", "PatchEmbed", "LearnedPosEmbed1d",
+    "Attention", "AttentionPool", "RelativePositionBias", "DropPath", "LayerScale", "SwiGLU", "RotaryEmbedding2d", "LayerNorm", "Linear", "Mlp", "PatchEmbed", "LearnedPosEmbed1d",
     "LearnedPosEmbed2d", "NoPosEmbed", "SinCosPosEmbed2d", "resample_pos_embed_grid", "StdConv2d", "pad_same",
 ]

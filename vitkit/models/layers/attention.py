@@ -62,7 +62,6 @@ class RelativePositionBias(nn.Module):
 
     def _table_for(self, grid: tuple[int, int], method: str = "bilinear") -> torch.Tensor:
         """The table of relative offsets resampled for another grid; the prefix entries kept."""
-
         gh, gw = self.grid_size
         nh, nw = grid
         base = (2 * gh - 1) * (2 * gw - 1)
@@ -78,7 +77,6 @@ class RelativePositionBias(nn.Module):
 
     def forward(self, grid: tuple[int, int] | None = None) -> torch.Tensor:
         """(H, T, T): the bias between every pair of tokens, for the model's grid or another (dynamic_img_size)."""
-
         if _same_grid(grid, self.grid_size):
             table, index = self.table, self.index
         else:

@@ -41,11 +41,9 @@ from torch import nn
 from ..cache import cache_dir, read_json_cache, write_json_cache
 from ..errors import CheckpointError, UsageError
 from ..safety import untrusted
-from . import engine_probe
-from . import cpu
+from . import cpu, engine_probe
+from . import precision as probe  # called through the module: tests patch probe.bf16_support
 from .fast_linear import pack_linears
-from .precision import BF16_MARGIN, autocast, bf16_support, decide
-from .precision import resolve as resolve_precision
 
 # how an engine gets the model as a file: (model, weights digest or None) -> the ONNX file (vitkit.inference.backends)
 Exporter = Callable[[nn.Module, "str | None"], Path]
@@ -188,7 +186,7 @@ def torch_runner(model: nn.Module, precision: str) -> Callable[[np.ndarray], np.
     pack_linears(model, enable=precision in ("fp32", "bf16"))
 
     def run(x: np.ndarray) -> np.ndarray:
-        with torch.inference_mode(), autocast(precision, device):
+        with torch.inference_mode(), probe.autocast(precision, device):
             return model(torch.from_numpy(x).to(device)).float().cpu().numpy()
 
     return run
@@ -240,7 +238,7 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
     path: Path | None = None
     say = log or (lambda s: None)
     was_training = model.training
-    native, why = bf16_support()
+    native, why = probe.bf16_support()
     emulated = native is False and not force_bf16
     eager: dict[str, Callable[[], np.ndarray]] = {}  # the torch candidates, timed together after the loop
     try:
@@ -297,11 +295,11 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
             if c.name in rounds:
                 c.rate = batch / engine_probe.median(rounds[c.name])
         if "torch-fp32" in rounds and "torch-bf16" in rounds:
-            verdict, v = decide(rounds["torch-fp32"], rounds["torch-bf16"])
+            verdict, v = probe.decide(rounds["torch-fp32"], rounds["torch-bf16"])
             if verdict == "fp32":
                 bf16 = next(c for c in table if c.name == "torch-bf16")
                 bf16.skipped = (f"not clearly faster than torch-fp32 ({v['ratio']:.2f}x, median of {v['rounds']} "
-                                f"interleaved rounds, the faster in {v['wins']}; needs {BF16_MARGIN:.2f}x in {v['need']})")
+                                f"interleaved rounds, the faster in {v['wins']}; needs {probe.BF16_MARGIN:.2f}x in {v['need']})")
         for c in table:
             if c.backend == "torch" and c.error is not None:
                 say(f"  {c.name}: {c.rate:.2f} img/s, max rel diff {c.error:.2g}{' (' + c.skipped + ')' if c.skipped else ''}")
@@ -371,7 +369,7 @@ def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threa
                       export=export)
     if backend == "torch":
         device = next(model.parameters()).device
-        p = resolve_precision(precision, model, device, batch=batch, training=False)
+        p = probe.resolve(precision, model, device, batch=batch, training=False)
         return BackendChoice(f"torch-{p.precision}", p.reason, batch=batch)
     if installed(backend) is None:
         raise UsageError(f"--backend {backend} needs {backend}: pip install 'vitkit[{'deploy' if backend == 'onnx' else 'openvino'}]'")

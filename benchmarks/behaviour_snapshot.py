@@ -4,6 +4,8 @@
     python benchmarks/behaviour_snapshot.py save  /tmp/after       # after it
     python benchmarks/behaviour_snapshot.py compare /tmp/before /tmp/after
 
+(`save DIR --models-only` skips the training runs.)
+
 `save` builds every model of `vitkit.list_models()` at the test suite's small size (tests/conftest.py `tiny_kwargs`),
 seeded, and records its outputs on a seeded input: eval logits, train-mode logits (drop-path on), `forward_features`,
 `forward_intermediates`, and where the model has them the packed (NaFlex) forward and the masked-patch-prediction
@@ -49,16 +51,7 @@ def model_outputs(name: str, **extra) -> dict[str, torch.Tensor]:
             out["features"] = model.forward_features(x)
         if hasattr(model, "forward_intermediates"):
             try:
-                res = model.forward_intermediates(x)
-                if isinstance(res, dict):
-                    for k, v in res.items():
-                        for i, t in enumerate(v if isinstance(v, (list, tuple)) else [v]):
-                            out[f"intermediates_{k}_{i}"] = t
-                else:
-                    final, inter = res
-                    out["intermediates_final"] = final
-                    for i, t in enumerate(inter):
-                        out[f"intermediate_{i}"] = t
+                out.update(_flat("intermediates", model.forward_intermediates(x)))
             except Exception as e:  # noqa: BLE001 -- recorded, so a change in what raises shows too
                 out["intermediates_error"] = torch.tensor([len(type(e).__name__)])
         if getattr(c, "naflex", False):
@@ -81,14 +74,22 @@ def model_outputs(name: str, **extra) -> dict[str, torch.Tensor]:
             out["mpp_logits"], out["mpp_target"] = logits.detach(), target
         except Exception as e:  # noqa: BLE001
             out["mpp_error"] = torch.tensor([len(type(e).__name__)])
-    return {k: v.contiguous() for k, v in out.items() if isinstance(v, torch.Tensor)}
+    return {k: v.detach().clone().contiguous() for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def _flat(prefix: str, value) -> dict[str, torch.Tensor]:
+    """Every tensor in nested dicts, lists and tuples, by its path."""
+    if isinstance(value, torch.Tensor):
+        return {prefix: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    return {k: t for key, v in items for k, t in _flat(f"{prefix}_{key}", v).items()}
 
 
 def _has_drop_path(name: str) -> bool:
     return vitkit.models.get_entry(name).arch == "vit"
 
 
-def save(dest: Path) -> None:
+def save(dest: Path, runs: bool = True) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for name in vitkit.list_models():
         save_file(model_outputs(name), dest / f"model-{name}.safetensors")
@@ -97,11 +98,11 @@ def save(dest: Path) -> None:
                 save_file(model_outputs(name, naflex=True), dest / f"model-{name}+naflex.safetensors")
             except vitkit.errors.VitkitError:
                 pass
-    for preset in PRESETS:
+    for preset in PRESETS if runs else ():
         out = dest / f"run-{preset}"
         subprocess.run([sys.executable, "-m", "vitkit", "train", preset, "--smoke", "--max-steps", "20", "--no-resume",
                         f"run.out_dir={out}", "run.seed=0"], check=True, capture_output=True)
-    print(f"saved {len(vitkit.list_models())} models and {len(PRESETS)} runs under {dest}")
+    print(f"saved {len(vitkit.list_models())} models and {len(PRESETS) if runs else 0} runs under {dest}")
 
 
 def _diff(a: dict, b: dict) -> tuple[float, str]:
@@ -121,7 +122,7 @@ def compare(before: Path, after: Path) -> int:
     for f in sorted(before.glob("model-*.safetensors")):
         d, what = _diff(load_file(f), load_file(after / f.name)) if (after / f.name).exists() else (float("inf"), "missing")
         rows.append((f.stem.removeprefix("model-"), d, what))
-    for preset in PRESETS:
+    for preset in PRESETS if (before / f"run-{PRESETS[0]}").exists() else ():
         a, b = before / f"run-{preset}" / "final.safetensors", after / f"run-{preset}" / "final.safetensors"
         d, what = _diff(load_file(a), load_file(b))
         rows.append((f"train {preset} --smoke --max-steps 20", d, what + " (final weights)"))
@@ -134,6 +135,6 @@ def compare(before: Path, after: Path) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1] == "save":
-        save(Path(sys.argv[2]))
+        save(Path(sys.argv[2]), runs="--models-only" not in sys.argv)
     else:
         sys.exit(compare(Path(sys.argv[2]), Path(sys.argv[3])))

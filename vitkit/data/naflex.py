@@ -1,9 +1,8 @@
 """Data at native aspect ratio (NaFlex): every image resized, keeping its aspect ratio, to a budget of patches
 (`data.max_patches`), then packed with the others of its batch into one `PackedBatch` (`vitkit.models.layers.packing`).
 
-- `VarSizeDataset` (defined in `datasets.py` with the other kinds): uint8 images of any sizes in memory (a list),
-  with labels; `aspect_crops` makes one from a fixed-size dataset by cutting every image to a random aspect ratio
-  (the test set whose aspect ratios vary: "fashion-mnist-crops").
+- Images of any size come from any dataset kind; in memory, `datasets.VarSizeDataset` (and `datasets.aspect_crops`,
+  the test set whose aspect ratios vary: "fashion-mnist-crops").
 - `PackTransform`: a batch of uint8 images (a list, or a (B, C, H, W) tensor) -> a PackedBatch at the patch budget,
   normalised: evaluation, `predict`, serving.
 - `PackAugment`: the same for training, after augmentations that keep the aspect ratio (a random crop of the image's
@@ -24,10 +23,9 @@ import torch
 
 from ..errors import UsageError
 from ..models.layers.packing import PackedBatch, pack, resize_to_patches
-from .datasets import VarSizeDataset, aspect_crops  # the dataset kind lives with the others; named here as before
 from .image import normalize, resize_float as _resize
 
-__all__ = ["VarSizeDataset", "aspect_crops", "PackTransform", "PackAugment", "hflip_packed"]
+__all__ = ["PackTransform", "PackAugment", "hflip_packed"]
 
 
 class PackTransform:

@@ -24,6 +24,7 @@ def export_for(model: nn.Module, digest: str | None = None) -> Path:
     path = cache_dir() / "backends" / "exports" / f"{digest}.onnx"
     if path.is_file():
         return path
+
     def write(tmp: Path) -> None:
         onnx = tmp.with_name(tmp.name + ".onnx")  # the exporter wants the suffix
         try:

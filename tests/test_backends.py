@@ -54,9 +54,9 @@ def test_auto_measures_every_installed_engine_against_fp32_eager_and_caches_the_
     table = {c.name: c for c in served.choice.table}
     assert list(table) == list(CANDIDATES)
     assert table["torch-fp32"].rate > 0 and table["torch-fp32"].error == 0
-    for name in ("onnx-fp32", "openvino-fp32"):  # both are installed with the test extra; fp32 engines agree closely
-        assert table[name].rate > 0 and not table[name].skipped and table[name].error <= 1e-5, table[name]
-    for name in ("torch-bf16", "openvino-bf16"):  # bf16 rounds: a difference, or a reason it did not run here
+    for name in ("aoti-fp32", "onnx-fp32", "openvino-fp32"):  # installed with the test extra (aoti: torch and g++);
+        assert table[name].rate > 0 and not table[name].skipped and table[name].error <= 1e-5, table[name]  # close
+    for name in ("torch-bf16", "aoti-bf16", "openvino-bf16"):  # bf16 rounds: a difference, or a reason it did not run
         c = table[name]
         assert (c.rate > 0 and 0 < c.error <= engine.TOLERANCE) or c.skipped, c
     kept = [c for c in served.choice.table if c.rate and not c.skipped]
@@ -70,6 +70,13 @@ def test_auto_measures_every_installed_engine_against_fp32_eager_and_caches_the_
     assert [(c.name, c.rate, c.skipped) for c in served.choice.table] == \
         [(r["name"], r["img_per_s"], r["skipped"]) for r in d["table"]]
     assert len(list((home / "backends").glob("*.json"))) == 1 and len(list((home / "backends" / "exports").glob("*.onnx"))) == 1
+    # the compiled packages: made once per weights and machine (fp32, and bf16 where it was measured), then reused
+    packages = sorted((home / "backends" / "exports").glob("*.pt2"))
+    assert len(packages) == 1 + (table["aoti-bf16"].rate > 0) and all("-aoti-" in p.name for p in packages)
+    stamps = [p.stat().st_mtime_ns for p in packages]
+    served = load_predictor(str(ckpt), "aoti", max_batch=4)
+    assert served.backend == "aoti-fp32" and engine.within(served(x), ref, 1e-5)
+    assert [p.stat().st_mtime_ns for p in sorted((home / "backends" / "exports").glob("*.pt2"))] == stamps
 
 
 def test_a_failing_engine_or_one_outside_the_tolerance_is_dropped_not_fatal(home):

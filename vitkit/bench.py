@@ -16,7 +16,7 @@ from torch import nn
 
 from .checkpoints import create_model, load
 from .errors import UsageError
-from .inference.backends import choose, open_engine
+from .inference.backends import PackageModel, choose, is_package, open_engine
 from .machine import gemm
 from .machine.cpu import cpu_model
 from .machine.device import resolve_device, sync
@@ -194,7 +194,7 @@ def bench(
     num_classes: int = 1000,
     min_seconds: float = 3.0,
     no_pack: bool = False,
-    backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
+    backend: Literal["torch", "auto", "aoti", "onnx", "openvino"] = "torch",
     backends: bool = False,
     json_out: bool = False,
 ) -> dict:
@@ -203,7 +203,8 @@ def bench(
     only `torch.mm`, which is MKL's and far from the peak on some CPUs). Prints the GEMM path chosen per shape.
 
     Args:
-        model: a registered model name (see `vitkit models`) or a checkpoint path.
+        model: a registered model name (see `vitkit models`), a checkpoint path, or a package from `vitkit export
+            --format aoti` (its rate and batch-1 latency as compiled).
         img_size: input resolution (default: the model's).
         batch_size: images per call.
         dtype: auto (bf16 where a short probe measures it faster than fp32 here for this model, batch and mode,
@@ -219,13 +220,20 @@ def bench(
         no_pack: in fp32 on a CPU, call the Linear layers on PyTorch's own GEMM (MKL) instead of the fastest one
             measured here (`vitkit.machine.gemm`).
         backend: inference on a CPU: torch (eager, the measurements above) | auto (the engine `--backend auto`
-            picks for this model and batch: `vitkit.inference.backends`) | onnx | openvino (vitkit's ONNX export,
-            made once and cached); --dtype picks fp32 or bf16 (OpenVINO) where it applies.
-        backends: inference on a CPU: measure every engine installed (eager fp32/bf16, onnxruntime, OpenVINO
-            fp32/bf16) for this model and batch, each one's difference from fp32 eager, and print the table with
-            the one `--backend auto` picks (the measurement also refreshes its cache).
+            picks for this model and batch: `vitkit.inference.backends`) | aoti (vitkit's compiled engine, compiled
+            once and cached) | onnx | openvino (vitkit's ONNX export, made once and cached); --dtype picks fp32 or
+            bf16 (aoti, OpenVINO) where it applies.
+        backends: inference on a CPU: measure every engine installed (eager fp32/bf16, the compiled engine
+            fp32/bf16, onnxruntime, OpenVINO fp32/bf16) for this model and batch, each one's difference from fp32
+            eager, and print the table with the one `--backend auto` picks (the measurement also refreshes its
+            cache).
         json_out: print JSON.
     """
+    if is_package(model):
+        if train or compile or backends or img_size or resolve_device(device).type != "cpu":
+            raise UsageError(f"{model} is a compiled package: it runs CPU inference at its own size (no --train, "
+                             "--compile, --backends, --img-size or GPU)")
+        return _bench_package(model, batch_size, min_seconds, json_out)
     dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}
     net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
@@ -261,6 +269,26 @@ def bench(
               f"{res.matmul_peak_tflops * 1e3:.0f} GFLOP/s; " + ", ".join(f"{k} {v:.0f}" for k, v in res.gemm_rates_gflops.items()) + ")")
         for shape, ch in (res.gemm_choices or {}).items():
             print(f"  GEMM {shape}: {ch['path']} (" + ", ".join(f"{k} {v:.0f}" for k, v in ch["gflops"].items()) + " GFLOP/s)")
+    return d
+
+
+def _bench_package(path: str, batch: int, min_seconds: float, json_out: bool) -> dict:
+    """`vitkit bench PACKAGE.pt2`: the rate and batch-1 latency of a compiled package, and its load time."""
+    t0 = time.perf_counter()
+    m = PackageModel(path)
+    load_s = time.perf_counter() - t0
+    x = torch.from_numpy(calibration_batch(m, batch))
+    times = time_fn(lambda: m(x), torch.device("cpu"), 2, 5, min_seconds)
+    lat = statistics.median(time_fn(lambda: m(x[:1]), torch.device("cpu"), 2, 10, 1.0)) * 1e3
+    d = {"model": path, "backend": f"aoti-{m.precision}", "reason": m.reason, "batch_size": batch, "cpu": cpu_model(),
+         "threads": torch.get_num_threads(), "img_per_s": batch / statistics.median(times), "latency_ms_b1": lat,
+         "load_s": load_s}
+    if json_out:
+        print(json.dumps(d, indent=1))
+    else:
+        print(f"{path} inference {m.config.img_size[0]}px batch {batch} on aoti-{m.precision} ({torch.get_num_threads()} "
+              f"threads, {cpu_model()}): {d['img_per_s']:.2f} img/s, latency (batch 1) {lat:.1f} ms, loaded in "
+              f"{load_s * 1e3:.0f} ms")
     return d
 
 

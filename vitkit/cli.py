@@ -31,7 +31,7 @@ from .evaluation import evaluate as _evaluate
 from .evaluation import fewshot as _fewshot
 from .evaluation import save_confusion_png, write_report
 from .evaluation.knn import knn as _knn
-from .inference.backends import inference_engine
+from .inference.backends import PackageModel, inference_engine, load_for_inference
 from .inference.export import export_model
 from .inference.features import extract_features
 from .inference.predict import predict_images
@@ -163,36 +163,44 @@ def data(action: Literal["pack"], src: str, out: str, shard_size: int = 1000, da
 def export(
     checkpoint: str,
     out: str,
-    format: Literal["onnx", "torch-export", "openvino"] = "onnx",
+    format: Literal["onnx", "torch-export", "openvino", "aoti"] = "onnx",
     dynamic_batch: bool = True,
     dynamic_size: bool = False,
     opset: int = 18,
     quantize: Literal["none", "int8"] = "none",
     packed: bool = False,
+    precision: Literal["fp32", "bf16"] = "fp32",
 ) -> dict:
-    """Export a checkpoint for deployment (ONNX for onnxruntime, an OpenVINO IR, or a torch.export .pt2 program),
-    checked against eager PyTorch on two batch sizes and two resolutions: the worst difference is printed, and above
-    1e-4 the export fails.
+    """Export a checkpoint for deployment (ONNX for onnxruntime, an OpenVINO IR, a torch.export .pt2 program, or
+    vitkit's compiled engine: an AOTInductor .pt2 package for this CPU), checked against eager PyTorch on two batch
+    sizes and two resolutions: the worst difference is printed, and above 1e-4 (bf16: 5% of the largest logit) the
+    export fails.
 
     Args:
         checkpoint: any checkpoint vitkit loads (ViT, hybrid or BiT).
         out: the file to write (.onnx, .pt2, or .xml for OpenVINO: PATH.xml + PATH.bin).
         format: onnx | torch-export | openvino (converted from the ONNX export, fp32 weights; checked in OpenVINO's
-            CPU plugin in f32).
+            CPU plugin in f32) | aoti (compiled by AOTInductor for this CPU's instruction set and this torch, the
+            weights frozen in; `vitkit serve`, `predict`, `eval` and `bench` run it; it is machine code: load only
+            packages you made).
         dynamic_batch: accept any batch size (the default, as timm's onnx_export and optimum export);
             --no-dynamic-batch fixes it at one image.
         dynamic_size: accept any H x W that is a multiple of the patch size (the position embedding is resampled
             in the graph, bilinear; BiT: multiples of 32).
         opset: the ONNX opset.
         quantize: int8: onnxruntime's dynamic int8 quantization of the weights (ONNX; its difference is reported).
-        packed: ONNX whose inputs are packed batches of mixed sizes and aspect ratios (NaFlex; a plain ViT):
-            patches (B, L, P*P*C), coords (B, L, 2) int64, valid (B, L) bool; B and L dynamic.
+        packed: ONNX or aoti whose inputs are packed batches of mixed sizes and aspect ratios (NaFlex; a plain
+            ViT): patches (B, L, P*P*C), coords (B, L, 2) int64, valid (B, L) bool; B and L dynamic.
+        precision: aoti: fp32 | bf16 (the model under bf16 autocast, bf16 weights; for CPUs with bf16
+            instructions). The other formats compute in fp32.
     """
     report = export_model(load(checkpoint), out, format, dynamic_batch=dynamic_batch, dynamic_size=dynamic_size,
-                          opset=opset, quantize=None if quantize == "none" else quantize, packed=packed)
+                          opset=opset, quantize=None if quantize == "none" else quantize, packed=packed,
+                          precision=precision)
     for chk in report.checks:
         print(f"  input {tuple(chk['shape'])}: max |{format} - eager| = {chk['max_abs_diff']:.3g}")
-    print(f"wrote {report.path} ({format}{', int8' if report.quantized else ''}; worst difference {report.worst:.3g})")
+    kind = f"{format}{', int8' if report.quantized else ''}{', bf16' if report.precision == 'bf16' else ''}"
+    print(f"wrote {report.path} ({kind}; worst difference {report.worst:.3g})")
     return report.to_dict()
 
 
@@ -200,7 +208,7 @@ def serve(
     checkpoint: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
+    backend: Literal["torch", "auto", "aoti", "onnx", "openvino"] = "torch",
     max_batch: int = 8,
     max_wait_ms: float = 5.0,
     max_queue: int = 64,
@@ -217,13 +225,15 @@ def serve(
     to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
 
     Args:
-        checkpoint: any checkpoint vitkit loads, or an ONNX file (backend onnx) or an OpenVINO .xml (backend
-            openvino) made by `vitkit export`.
+        checkpoint: any checkpoint vitkit loads, or an ONNX file (backend onnx), an OpenVINO .xml (backend
+            openvino) or an AOTInductor .pt2 package (backend aoti) made by `vitkit export`.
         host: the address to listen on (127.0.0.1: this machine only).
         port: the port.
         backend: torch (eager PyTorch; explanations too) | auto (the fastest engine measured on this machine for
-            this model at max_batch among eager fp32/bf16, onnxruntime and OpenVINO fp32/bf16, within 5% of fp32
-            eager's logits; measured once, then cached; the table is printed; explanations from eager fp32) | onnx
+            this model at max_batch among eager fp32/bf16, vitkit's compiled engine fp32/bf16, onnxruntime and
+            OpenVINO fp32/bf16, within 5% of fp32 eager's logits; measured once, then cached; the table is printed;
+            explanations from eager fp32) | aoti (vitkit's compiled engine: a package from `vitkit export --format
+            aoti`, or a checkpoint compiled once for this CPU and cached; --precision bf16 for bf16) | onnx
             (onnxruntime) | openvino (an IR from `vitkit export --format openvino`; --precision bf16 compiles it
             for bf16, otherwise f32). onnx and openvino given a checkpoint export it once (cached).
         max_batch: the most images one forward pass takes.
@@ -355,7 +365,7 @@ def evaluate(
     tta: Literal["none", "flip", "flip-shift"] = "none",
     device: str = "auto",
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
-    backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
+    backend: Literal["torch", "auto", "aoti", "onnx", "openvino"] = "torch",
     max_patches: int | None = None,
 ) -> dict:
     """Evaluate a checkpoint on a test set: top-1, top-5, per-class accuracy, a confusion-matrix PNG and a JSON report.
@@ -374,12 +384,14 @@ def evaluate(
         precision: auto (bf16 where measured faster than fp32 on this machine for this model, else fp32) | fp32 |
             bf16 | fp16 (GPU).
         backend: torch | auto (the fastest engine measured here within 5% of fp32 eager, as for `vitkit predict`) |
-            onnx | openvino.
+            aoti (vitkit's compiled engine) | onnx | openvino. A package from `vitkit export --format aoti` runs as
+            it was compiled.
         max_patches: native aspect ratios (NaFlex): every image resized, keeping its aspect ratio, to at most this
             many patches, each batch packed into one forward (eager torch); default: the checkpoint's square size.
     """
-    dev = resolve_device(device)
-    model = load(checkpoint).to(dev)
+    model, backend = load_for_inference(checkpoint, backend)
+    dev = resolve_device("cpu" if isinstance(model, PackageModel) and device == "auto" else device)
+    model = model.to(dev)
     if max_patches and backend != "torch":
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch); an ONNX export with "
                          "packed inputs: vitkit export CHECKPOINT OUT.onnx --packed")
@@ -564,7 +576,7 @@ def predict(
     tta: Literal["none", "flip", "flip-shift"] = "none",
     device: str = "auto",
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
-    backend: Literal["torch", "auto", "onnx", "openvino"] = "torch",
+    backend: Literal["torch", "auto", "aoti", "onnx", "openvino"] = "torch",
     max_patches: int | None = None,
 ) -> int:
     """Classify images with a checkpoint's own preprocessing and class names: files, folders, CSV lists and shard
@@ -579,7 +591,7 @@ def predict(
             (as `vitkit eval` reads them; relative paths from the CSV's folder); shard sets of `vitkit data pack`
             (a split folder or URL with index.json, or a set's root: all its splits). Mixed freely: the records
             follow this order.
-        checkpoint: any checkpoint vitkit loads.
+        checkpoint: any checkpoint vitkit loads, or a package from `vitkit export --format aoti` (run as compiled).
         top_k: how many classes per image.
         out: write the records to this file (flushed after every batch) instead of stdout.
         format: auto (from --out's suffix: .jsonl/.ndjson, .json, .csv, .txt; table on stdout) | table (for
@@ -596,8 +608,10 @@ def predict(
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
         backend: torch (eager PyTorch) | auto (the fastest engine measured on this machine for this model and batch
-            among eager fp32/bf16, onnxruntime and OpenVINO fp32/bf16, within 5% of fp32 eager's logits; measured
-            once, then cached; prints the table) | onnx | openvino (the checkpoint exported once and cached).
+            among eager fp32/bf16, vitkit's compiled engine fp32/bf16, onnxruntime and OpenVINO fp32/bf16, within 5%
+            of fp32 eager's logits; measured once, then cached; prints the table) | aoti (vitkit's compiled engine:
+            the checkpoint compiled once for this CPU by AOTInductor, cached; --precision bf16 for bf16) | onnx |
+            openvino (the checkpoint exported once and cached).
         max_patches: native aspect ratio (NaFlex): each image resized, keeping its aspect ratio, to at most this many
             patches, the images packed into one forward of mixed sizes (eager torch); default: the checkpoint's
             square size.

@@ -52,7 +52,7 @@ class Checkpoint:
     unused: list[str] = field(default_factory=list)
 
 
-def _config_from_dict(d: dict) -> ViTConfig | ResNetV2Config:
+def config_from_dict(d: dict) -> ViTConfig | ResNetV2Config:
     if not isinstance(d, dict):
         raise CheckpointError(f"the checkpoint's config is not a mapping ({type(d).__name__})")
     d = dict(d)
@@ -113,7 +113,7 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
     else:
         raw, meta = read_safetensors(path) if kind == "safetensors" else (read_torch(path), {})
         if meta.get("format") == NATIVE_FORMAT:
-            config = _config_from_dict(parse_json(meta["config"], f"{path} (metadata 'config')", CheckpointError))
+            config = config_from_dict(parse_json(meta["config"], f"{path} (metadata 'config')", CheckpointError))
             if hints:
                 config = config_with(config, **{k: v for k, v in hints.items() if k != "img_size"})
             return Checkpoint(path, "vitkit", config, raw, [])
@@ -221,7 +221,7 @@ def _read_run_checkpoint(path: Path, hints: dict) -> Checkpoint:
     from .run import load_model_weights  # start-up time: torch.distributed.checkpoint imports DTensor (~0.6 s)
 
     meta = read_meta(path)
-    config = _config_from_dict(meta["model_config"])
+    config = config_from_dict(meta["model_config"])
     if hints:
         config = config_with(config, **{k: v for k, v in hints.items() if k != "img_size"})
     with torch.device("cpu"):

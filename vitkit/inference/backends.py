@@ -1,8 +1,9 @@
-"""The engine an inference command runs on (`--backend auto|torch|onnx|openvino`): vitkit's one engine choice
-(`vitkit.machine.engine`), handed the export its ONNX and OpenVINO candidates run. eval, predict, serve and bench
-all come here."""
+"""The engine an inference command runs on (`--backend auto|torch|aoti|onnx|openvino`): vitkit's one engine choice
+(`vitkit.machine.engine`), handed the export its compiled, ONNX and OpenVINO candidates run. eval, predict, serve and
+bench all come here."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,18 +11,39 @@ import torch
 from torch import nn
 
 from ..cache import atomic_write, cache_dir
-from ..errors import UsageError
-from ..machine import engine
+from ..checkpoints import load
+from ..checkpoints.api import config_from_dict
+from ..errors import CheckpointError, UsageError
+from ..machine import aoti, cpu, engine
 from ..machine.engine import BackendChoice, BackendModel, weights_digest
 from ..machine.precision import for_inference
-from .export import export_model
+from .export import AOTI_BATCH_HINT, export_model
 
 
-def export_for(model: nn.Module, digest: str | None = None) -> Path:
-    """vitkit's ONNX export of `model` (dynamic batch, fp32, checked against eager), cached by its weights: ONNX
-    Runtime and OpenVINO both run this one file."""
+def export_for(model: nn.Module, digest: str | None = None, what: str = "onnx", batch: int = AOTI_BATCH_HINT) -> Path:
+    """What an engine runs, made once and cached by the model's weights (and, for a compiled package, by this
+    machine: CPU, ISA caps, torch): `what` "onnx" is vitkit's ONNX export (dynamic batch, fp32, checked against
+    eager), which ONNX Runtime and OpenVINO both run; "aoti-fp32" / "aoti-bf16" the model compiled by AOTInductor
+    (dynamic batch, its weights laid out for `batch` images, in two buckets: up to AOTI_BATCH_HINT, or PROBE_BATCH;
+    checked against eager: `vitkit.inference.export`, format aoti)."""
     digest = digest or weights_digest(model)
-    path = cache_dir() / "backends" / "exports" / f"{digest}.onnx"
+    folder = cache_dir() / "backends" / "exports"
+    if what.startswith("aoti-"):
+        hint = AOTI_BATCH_HINT if batch <= AOTI_BATCH_HINT else engine.PROBE_BATCH
+        path = folder / f"{digest}-{what}-b{hint}-{cpu.machine_key(threads=False)}.pt2"
+        if path.is_file():
+            return path
+
+        def compile_(tmp: Path) -> None:
+            pt2 = tmp.with_name(tmp.name + ".pt2")  # the packager wants the suffix
+            try:
+                export_model(model, pt2, "aoti", dynamic_batch=True, precision=what.split("-")[1], batch_hint=hint)
+                os.replace(pt2, tmp)
+            finally:
+                pt2.unlink(missing_ok=True)
+
+        return atomic_write(path, compile_)
+    path = folder / f"{digest}.onnx"
     if path.is_file():
         return path
 
@@ -60,6 +82,13 @@ def inference_engine(model: nn.Module, device: torch.device, precision: str, bac
     line). backend torch: the eager model, `precision` resolved (`vitkit.machine.precision.for_inference`); auto /
     onnx / openvino: a `BackendModel` on the engine chosen (`open_engine`), which applies its own precision."""
     engine.check_backend(backend)
+    if isinstance(model, PackageModel):
+        if device.type != "cpu":
+            raise UsageError(f"{model.path} runs on the CPU (an AOTInductor package compiled for it): add --device cpu")
+        if precision not in ("auto", model.precision):
+            raise UsageError(f"{model.path} computes in {model.precision}, not {precision}: compile a package with "
+                             f"`vitkit export CHECKPOINT OUT.pt2 --format aoti --precision {precision}`")
+        return model, "fp32", f"backend {model.reason}"
     if backend == "torch":
         choice = for_inference(model, device, precision, batch)
         return model, choice.precision, choice.reason
@@ -70,3 +99,46 @@ def inference_engine(model: nn.Module, device: torch.device, precision: str, bac
         return model, choice.precision, f"backend auto on {device}: torch; precision {choice.reason}"
     m = open_engine(model, backend, precision, batch)
     return m, "fp32", f"backend {m.choice.reason}"
+
+
+def is_package(path: str | Path) -> bool:
+    """Whether `path` names an AOTInductor package (a .pt2 zip with AOTInductor's metadata; a torch.export .pt2
+    program is not one)."""
+    if not str(path).endswith(".pt2") or not Path(path).is_file():
+        return False
+    try:
+        aoti.package_metadata(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+class PackageModel(nn.Module):
+    """A package made by `vitkit export --format aoti`, called like the eager model: (B, C, H, W) float32 tensor
+    -> float32 logits on the CPU. `config` is the model's (preprocessing, class names), from the package."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.run, meta = aoti.load_package(path)
+        if "vitkit_config" not in meta:
+            raise CheckpointError(f"{path} carries no vitkit config: compile it with `vitkit export --format aoti`")
+        self.path, self.precision = Path(path), meta.get("vitkit_precision", "fp32")
+        self.device = torch.device("cpu")
+        self.config = config_from_dict(json.loads(meta["vitkit_config"]))
+        self.reason = (f"aoti-{self.precision}: the package {self.path.name} (compiled for {meta.get('vitkit_isa')} by "
+                       f"torch {meta.get('vitkit_torch')})")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run(x.detach().float().cpu().contiguous())
+
+
+def load_for_inference(checkpoint: str, backend: str) -> tuple[nn.Module, str]:
+    """(the model, the backend to run it on) for `checkpoint`: a package from `vitkit export --format aoti` is its
+    own engine (`PackageModel`; backend torch, auto or aoti run it), anything else loads as a checkpoint."""
+    engine.check_backend(backend)
+    if not is_package(checkpoint):
+        return load(checkpoint), backend
+    if backend in ("onnx", "openvino"):
+        raise UsageError(f"{checkpoint} is an AOTInductor package: run it with --backend aoti (or give the checkpoint "
+                         f"for --backend {backend})")
+    return PackageModel(checkpoint), "aoti"

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoints import load
 from ..data.datasets import IMAGE_EXTS, csv_paths, is_shards, is_shards_split
 from ..data.image import EvalTransform, ImageDecodeError, decode_for, load_image, to_uint8_tensor
 from ..data.naflex import PackTransform
@@ -44,7 +43,7 @@ from ..machine.device import resolve_device
 from ..machine.precision import autocast
 from ..models.layers.packing import pack
 from ..safety import open_regular, parse_json, read_bytes
-from .backends import inference_engine
+from .backends import PackageModel, inference_engine, load_for_inference
 
 FORMATS = ("table", "json", "jsonl", "csv")
 RESUMABLE = ("jsonl", "csv")
@@ -753,8 +752,9 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
     inputs = gather_inputs(images, warn=lambda m: print(f"vitkit: warning: {m}", file=sys.stderr, flush=True))
     if not len(inputs):
         raise UsageError(f"no images in {', '.join(images)}")
-    dev = resolve_device(device)
-    model = load(checkpoint).to(dev)
+    model, backend = load_for_inference(checkpoint, backend)
+    dev = resolve_device("cpu" if isinstance(model, PackageModel) and device == "auto" else device)
+    model = model.to(dev)
     runner, prec, _ = inference_engine(model, dev, precision, backend, min(len(inputs), batch_size))
     return run(runner, inputs, out=out, fmt=fmt, resume=resume, top_k=top_k, batch_size=batch_size, tta=tta,
                precision=prec, max_patches=max_patches, num_workers=num_workers, progress=progress, stdout=stdout)

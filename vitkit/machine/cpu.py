@@ -62,10 +62,12 @@ def amx_usable() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()) and _onednn_cap() in _AMX_ISAS
 
 
-def machine_key() -> str:
-    """A file-name-safe key for measurements that hold on this machine: CPU, ISA caps, torch version, threads."""
+def machine_key(threads: bool = True) -> str:
+    """A file-name-safe key for measurements that hold on this machine: CPU, ISA caps, torch version, threads
+    (`threads=False`: without them, for what does not depend on them, as compiled code)."""
     caps = isa_caps()
-    raw = f"{cpu_name()}{'-caps-' + caps if caps else ''}-{torch.__version__}-t{torch.get_num_threads()}"
+    raw = f"{cpu_name()}{'-caps-' + caps if caps else ''}-{torch.__version__}"
+    raw += f"-t{torch.get_num_threads()}" if threads else ""
     return "".join(c if c.isalnum() or c in "-." else "_" for c in raw)
 
 

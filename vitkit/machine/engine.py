@@ -1,11 +1,14 @@
-"""Which engine runs inference here: eager PyTorch (fp32 or bf16), ONNX Runtime, or OpenVINO (fp32 or bf16).
+"""Which engine runs inference here: eager PyTorch (fp32 or bf16), vitkit's compiled engine (AOTInductor, fp32 or
+bf16), ONNX Runtime, or OpenVINO (fp32 or bf16).
 
-No engine is fastest everywhere: on a CPU with bf16 instructions OpenVINO's bf16 or vitkit's packed bf16 wins, on an
-AVX2-only CPU bf16 is emulated and an fp32 engine wins, and which fp32 engine depends on the CPU and the model.
+No engine is fastest everywhere: on a CPU with bf16 instructions a bf16 engine wins, on an AVX2-only CPU bf16 is
+emulated and an fp32 engine wins, and which one depends on the CPU and the model.
 `choose(model, batch)` (`--backend auto`) measures every candidate installed on this machine for this model and batch:
 
     torch-fp32     eager, Linears on the packed fast GEMM (`vitkit.machine.gemm`)
     torch-bf16     eager, bf16 autocast, each weight cast and packed once
+    aoti-fp32      vitkit's compiled engine: the model compiled once for this CPU by AOTInductor (`vitkit.machine.aoti`)
+    aoti-bf16      the same under bf16 autocast, bf16 weights folded in (only where the CPU has bf16 instructions)
     onnx-fp32      onnxruntime on vitkit's ONNX export (`vitkit[deploy]`)
     openvino-fp32  OpenVINO's CPU plugin on the same file, INFERENCE_PRECISION_HINT f32 read back (`vitkit[openvino]`)
     openvino-bf16  the same with the hint bf16 (only where the plugin keeps it: a CPU with bf16 instructions)
@@ -13,15 +16,16 @@ AVX2-only CPU bf16 is emulated and an fp32 engine wins, and which fp32 engine de
 On one calibration batch (the model's own normalisation of seeded random pixels) each candidate's logits are compared
 with fp32 eager's: a candidate whose max |difference| exceeds TOLERANCE x max |fp32 logit| (+ 1e-3) is dropped, so a
 backend that is fast but wrong is never picked. The fastest of the rest wins, except that a candidate earlier in the
-list above (simpler: no export, explanations, fp32) is kept when the winner beats it by less than MARGIN. The exported
-engines are measured in a child process (a crash there, as OpenVINO's under some ISA caps, drops the candidate instead
-of the caller). Every engine is timed the same way (`engine_probe.interleaved_rounds`): warm-up calls, then five
+list above (simpler: no export, explanations, fp32) is kept when the winner beats it by less than MARGIN. ONNX Runtime
+and OpenVINO are measured in a child process (a crash there, as OpenVINO's under some ISA caps, drops the candidate
+instead of the caller); the compiled engine, torch's own, in this one, interleaved with eager. Every engine is timed the same way (`engine_probe.interleaved_rounds`): warm-up calls, then five
 rounds (three for a call over half a second), each repeating the call until it lasts MIN_ROUND_S, the median round
 its rate; torch-fp32 and torch-bf16 in the same rounds, interleaved, and torch-bf16 kept only where it is clearly
 the faster (`vitkit.machine.precision.decide`: a median per-round speed-up of BF16_MARGIN, the faster in most rounds). On a
 CPU without native bf16 the bf16 engines are not timed unless bf16 is asked for by name. The measurements are cached per machine (CPU, ISA caps, torch, threads), installed engine
-versions, model weights and batch in $VITKIT_HOME/backends/<machine>.json, and the ONNX export (made by
-the `export` function the caller hands in: `vitkit.inference.backends.export_for`) in $VITKIT_HOME/backends/exports/, so each model is measured and exported once per machine.
+versions, model weights and batch in $VITKIT_HOME/backends/<machine>.json, and the ONNX export and the compiled
+packages (made by the `export` function the caller hands in: `vitkit.inference.backends.export_for`) in
+$VITKIT_HOME/backends/exports/, so each model is measured, exported and compiled once per machine.
 """
 from __future__ import annotations
 
@@ -41,20 +45,23 @@ from torch import nn
 from ..cache import cache_dir, read_json_cache, write_json_cache
 from ..errors import CheckpointError, UsageError
 from ..safety import untrusted
-from . import cpu, engine_probe
+from . import aoti, cpu, engine_probe
 from . import precision as probe  # called through the module: tests patch probe.bf16_support
 from .fast_linear import pack_linears
 
-# how an engine gets the model as a file: (model, weights digest or None) -> the ONNX file (vitkit.inference.backends)
-Exporter = Callable[[nn.Module, "str | None"], Path]
+# how an engine gets the model as a file: (model, weights digest or None, what, batch) -> the file, where `what` is
+# "onnx" (the ONNX export ONNX Runtime and OpenVINO run) or "aoti-fp32" / "aoti-bf16" (a compiled package, laid out
+# for calls of about `batch` images; vitkit.inference.backends)
+Exporter = Callable[[nn.Module, "str | None", str, int], Path]
 
-BACKENDS = ("auto", "torch", "onnx", "openvino")
-CANDIDATES = ("torch-fp32", "torch-bf16", "onnx-fp32", "openvino-fp32", "openvino-bf16")  # simplest first
+BACKENDS = ("auto", "torch", "aoti", "onnx", "openvino")
+CANDIDATES = ("torch-fp32", "torch-bf16", "aoti-fp32", "aoti-bf16", "onnx-fp32", "openvino-fp32",
+              "openvino-bf16")  # simplest first
 TOLERANCE = 0.05  # max |logit - fp32 eager logit| <= TOLERANCE * max |fp32 logit| + ATOL on the calibration batch
 ATOL = 1e-3
 MARGIN = 1.05  # a later candidate must be this much faster than an earlier one to be preferred
 PROBE_BATCH = 32  # the most images a measured call takes (larger batches run in chunks of the measured size)
-CACHE_VERSION = 2  # 2: rounds interleaved and medians, bf16 kept only where clearly faster and native
+CACHE_VERSION = 3  # 2: rounds interleaved and medians, bf16 kept only where clearly faster and native; 3: aoti
 
 
 class _Named:
@@ -117,7 +124,10 @@ def check_backend(backend: str) -> str:
 
 
 def installed(backend: str) -> str | None:
-    """The version of an optional engine, or None when it is not installed."""
+    """The version of an optional engine, or None when it is not installed (aoti: torch's, where a C++ compiler is
+    at hand for Inductor)."""
+    if backend == "aoti":
+        return torch.__version__ if aoti.compiler() else None
     try:
         if backend == "onnx":
             import onnx  # noqa: F401
@@ -192,6 +202,13 @@ def torch_runner(model: nn.Module, precision: str) -> Callable[[np.ndarray], np.
     return run
 
 
+def aoti_runner(path: str | Path) -> Callable[[np.ndarray], np.ndarray]:
+    """A compiled package (`vitkit.machine.aoti`) as a function (B, C, H, W) float32 -> logits."""
+    with untrusted(str(path), CheckpointError):
+        run, _ = aoti.load_package(path)
+    return lambda x: run(torch.from_numpy(x)).numpy()
+
+
 def chunked(fn: Callable[[np.ndarray], np.ndarray], batch: int) -> Callable[[np.ndarray], np.ndarray]:
     """`fn` on at most `batch` images per call (the batch it was measured at; bounds an engine's memory)."""
     def run(x: np.ndarray) -> np.ndarray:
@@ -226,21 +243,22 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
             force_bf16: bool = False, export: Exporter | None = None) -> list[Candidate]:
     """Every candidate's img/s at `batch` and its difference from fp32 eager on the calibration batch.
 
-    torch-fp32 and torch-bf16 are timed together, in interleaved rounds (`engine_probe.interleaved_rounds`), and
-    torch-bf16 stays a candidate only where `precision.decide` finds it clearly faster (the median per-round
-    speed-up at least precision.BF16_MARGIN, the faster in most rounds). On a CPU without native bf16
-    (`precision.bf16_support`) the bf16 candidates are not timed (torch-bf16's logits are still compared), unless
-    `force_bf16` (bf16 asked for by name)."""
+    The in-process candidates (torch-fp32, torch-bf16, the compiled aoti-fp32 and aoti-bf16) are timed together, in
+    interleaved rounds (`engine_probe.interleaved_rounds`), and torch-bf16 stays a candidate only where
+    `precision.decide` finds it clearly faster than torch-fp32 (the median per-round speed-up at least
+    precision.BF16_MARGIN, the faster in most rounds). On a CPU without native bf16 (`precision.bf16_support`) the
+    bf16 candidates are not timed (nor compiled; torch-bf16's logits are still compared), unless `force_bf16` (bf16
+    asked for by name)."""
     threads = threads or torch.get_num_threads()
     x = calibration_batch(model, batch)
     table = [Candidate(n) for n in CANDIDATES if n in candidates]
     ref: np.ndarray | None = None
-    path: Path | None = None
+    onnx_file: Path | None = None
     say = log or (lambda s: None)
     was_training = model.training
     native, why = probe.bf16_support()
     emulated = native is False and not force_bf16
-    eager: dict[str, Callable[[], np.ndarray]] = {}  # the torch candidates, timed together after the loop
+    inproc: dict[str, Callable[[], np.ndarray]] = {}  # torch and aoti candidates, timed together after the loop
     try:
         for c in table:
             try:
@@ -248,48 +266,54 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
                     run = torch_runner(model, c.precision)
                     with torch.random.fork_rng():
                         y = run(x)
-                    eager[c.name] = lambda run=run: run(x)
-                elif emulated and c.precision == "bf16":
+                    inproc[c.name] = lambda run=run: run(x)
+                elif emulated and c.precision == "bf16" and c.backend != "torch":
                     c.skipped = f"not measured: {why} (bf16 would be emulated)"
                     continue
+                elif installed(c.backend) is None:
+                    c.skipped = ("not installed: no C++ compiler for Inductor (apt install g++, or set CXX)"
+                                 if c.backend == "aoti" else
+                                 f"not installed (pip install 'vitkit[{'deploy' if c.backend == 'onnx' else 'openvino'}]')")
+                    continue
+                elif export is None:
+                    c.skipped = "not measured: no exporter given"
+                    continue
+                elif c.backend == "aoti":
+                    say(f"compiling the model with AOTInductor for {c.name} (once per model and machine) ...")
+                    run = aoti_runner(export(model, digest, c.name, batch))
+                    y = run(x)
+                    inproc[c.name] = lambda run=run: run(x)
                 else:
-                    version = installed(c.backend)
-                    if version is None:
-                        c.skipped = f"not installed (pip install 'vitkit[{'deploy' if c.backend == 'onnx' else 'openvino'}]')"
-                        continue
-                    if export is None:
-                        c.skipped = "not measured: no exporter given"
-                        continue
-                    if path is None:
+                    if onnx_file is None:
                         say("exporting to ONNX for the onnx and openvino candidates (once per model) ...")
-                        path = export(model, digest)
-                    c.rate, y = _probe_child(c.backend, c.precision, path, x, threads, timeout=600)
+                        onnx_file = export(model, digest, "onnx", batch)
+                    c.rate, y = _probe_child(c.backend, c.precision, onnx_file, x, threads, timeout=600)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is not a candidate
                 c.rate, c.skipped = 0.0, f"failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}"
-                eager.pop(c.name, None)
+                inproc.pop(c.name, None)
                 continue
             if c.name == "torch-fp32":
                 ref = y.astype(np.float64)
             if ref is None:
                 c.skipped = "no fp32 eager reference"
-                eager.pop(c.name, None)
+                inproc.pop(c.name, None)
                 continue
             c.error = rel_diff(y, ref)
             if not within(y, ref, tolerance):
                 c.skipped = f"outside the tolerance ({c.error:.2g} > {tolerance:g} of the largest fp32 logit)"
-                eager.pop(c.name, None)
+                inproc.pop(c.name, None)
             elif c.name == "torch-bf16" and emulated:
                 c.skipped = f"not timed: {why} (bf16 would be emulated)"
-                eager.pop(c.name, None)
-            if c.backend != "torch":
+                inproc.pop(c.name, None)
+            if c.backend in ("onnx", "openvino") or (c.backend == "aoti" and c.name not in inproc):
                 say(f"  {c.name}: {c.rate:.2f} img/s, max rel diff {c.error:.2g}{' (' + c.skipped + ')' if c.skipped else ''}")
         rounds: dict[str, list[float]] = {}
         with torch.random.fork_rng():
             try:
-                rounds = engine_probe.interleaved_rounds(eager) if eager else {}
-            except Exception as e:  # noqa: BLE001 - a torch candidate that fails while timed is not a candidate
+                rounds = engine_probe.interleaved_rounds(inproc) if inproc else {}
+            except Exception as e:  # noqa: BLE001 - a candidate that fails while timed is not a candidate
                 for c in table:
-                    if c.name in eager:
+                    if c.name in inproc:
                         c.skipped = f"failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}"
         for c in table:
             if c.name in rounds:
@@ -301,7 +325,7 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
                 bf16.skipped = (f"not clearly faster than torch-fp32 ({v['ratio']:.2f}x, median of {v['rounds']} "
                                 f"interleaved rounds, the faster in {v['wins']}; needs {probe.BF16_MARGIN:.2f}x in {v['need']})")
         for c in table:
-            if c.backend == "torch" and c.error is not None:
+            if c.name in inproc or (c.backend == "torch" and c.error is not None):
                 say(f"  {c.name}: {c.rate:.2f} img/s, max rel diff {c.error:.2g}{' (' + c.skipped + ')' if c.skipped else ''}")
     finally:
         pack_linears(model, enable=False)
@@ -352,14 +376,17 @@ def choose(model: nn.Module, batch: int, *, threads: int | None = None, toleranc
     name, why = pick(table)
     reason = (f"auto -> {name}: {why} (batch {pb}, {threads} threads, {cpu.cpu_model()}"
               f"{', measured earlier' if cached else ''})")
-    path = export(model, digest) if export is not None and not name.startswith("torch") else None
+    path = None
+    if export is not None and not name.startswith("torch"):
+        path = export(model, digest, name if name.startswith("aoti") else "onnx", pb)
     return BackendChoice(name, reason, table, pb, path)
 
 
 def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threads: int | None = None,
             log=None, export: Exporter) -> BackendChoice:
     """`--backend` and `--precision` as a command gives them: auto measures (`choose`); torch resolves the precision
-    (`vitkit.machine.precision`); onnx and openvino run the cached export in fp32 (openvino: bf16 if asked)."""
+    (`vitkit.machine.precision`); aoti runs the cached compiled package, onnx and openvino the cached export, in
+    fp32 (aoti and openvino: bf16 if asked)."""
     check_backend(backend)
     if backend == "auto":
         if precision not in ("auto", "fp32", "bf16"):
@@ -372,13 +399,19 @@ def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threa
         p = probe.resolve(precision, model, device, batch=batch, training=False)
         return BackendChoice(f"torch-{p.precision}", p.reason, batch=batch)
     if installed(backend) is None:
-        raise UsageError(f"--backend {backend} needs {backend}: pip install 'vitkit[{'deploy' if backend == 'onnx' else 'openvino'}]'")
+        raise UsageError("--backend aoti compiles C++: it needs a C++ compiler (apt install g++, or set CXX)"
+                         if backend == "aoti" else
+                         f"--backend {backend} needs {backend}: pip install 'vitkit[{'deploy' if backend == 'onnx' else 'openvino'}]'")
     p = "fp32" if precision in ("auto", "fp32") else precision
-    if (backend, p) not in (("onnx", "fp32"), ("openvino", "fp32"), ("openvino", "bf16")):
+    if (backend, p) not in (("onnx", "fp32"), ("openvino", "fp32"), ("openvino", "bf16"), ("aoti", "fp32"), ("aoti", "bf16")):
         raise UsageError(f"--backend {backend} computes in {'fp32' if backend == 'onnx' else 'fp32 or bf16'}, not {precision}")
     if export is None:
         raise UsageError(f"--backend {backend} runs an exported model: no exporter given")
-    return BackendChoice(f"{backend}-{p}", f"{backend}-{p}: asked for", batch=batch, export=export(model, None))
+    name = f"{backend}-{p}"
+    if backend == "aoti" and log is not None:
+        log(f"the {name} package: compiled once per model and machine, then cached ...")
+    return BackendChoice(name, f"{name}: asked for", batch=batch,
+                         export=export(model, None, name if backend == "aoti" else "onnx", batch))
 
 
 def say(line: str) -> None:
@@ -408,6 +441,9 @@ class BackendModel(nn.Module):
         if choice.backend == "torch":
             self.eager = model
             fn = torch_runner(model, choice.precision)
+        elif choice.backend == "aoti":
+            self.eager = None
+            fn = aoti_runner(choice.export)
         else:
             self.eager = None
             with untrusted(str(choice.export), CheckpointError):

@@ -1,4 +1,4 @@
-"""What the service runs: a model (PyTorch or onnxruntime) behind the checkpoint's own preprocessing, and a
+"""What the service runs: a model (PyTorch, vitkit's compiled engine, onnxruntime or OpenVINO) behind the checkpoint's own preprocessing, and a
 micro-batcher that groups concurrent requests into one forward pass without blocking the event loop."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ..checkpoints import load
 from ..data.image import EvalTransform, load_image, resize_crop, to_uint8_tensor
 from ..data.naflex import PackTransform
 from ..errors import CheckpointError, UsageError
-from ..inference.backends import open_engine
+from ..inference.backends import PackageModel, is_package, open_engine
 from ..inference.export import onnx_config, openvino_compile, openvino_config
 from ..inference.predict import top_classes
 from ..machine.engine import check_backend
@@ -131,6 +131,22 @@ class OpenVinoPredictor(Predictor):
         return self.compiled(x)[0]
 
 
+class PackagePredictor(Predictor):
+    """A package made by `vitkit export --format aoti` (vitkit's compiled engine), run as it was compiled."""
+
+    backend = "aoti"
+
+    def __init__(self, path: str | Path, threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = PackageModel(path)
+        self.config, self.precision = self.model.config, self.model.precision
+        self.backend = f"aoti-{self.precision}"
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.model(torch.from_numpy(x)).numpy()
+
+
 class EnginePredictor(Predictor):
     """A checkpoint on the engine `vitkit.inference.backends` chose (`--backend auto`) or exported for (onnx or
     openvino given a checkpoint): predictions there, explanations from the eager fp32 model."""
@@ -149,8 +165,19 @@ class EnginePredictor(Predictor):
 
 def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None = None, precision: str = "auto",
                    max_batch: int = 8) -> Predictor:
+    check_backend(backend)
+    if is_package(checkpoint):  # vitkit's compiled engine, as `vitkit export --format aoti` made it
+        if backend not in ("torch", "auto", "aoti"):
+            raise UsageError(f"{checkpoint} is an AOTInductor package: serve it with --backend aoti")
+        if precision not in ("auto", "fp32", "bf16"):
+            raise UsageError(f"--backend aoti computes in fp32 or bf16, not {precision}")
+        with untrusted(str(checkpoint), CheckpointError):
+            served = PackagePredictor(checkpoint, threads)
+        if precision not in ("auto", served.precision):
+            raise UsageError(f"{checkpoint} computes in {served.precision}, not {precision}")
+        return served
     exported = str(checkpoint).endswith((".onnx", ".xml"))
-    if backend == "auto" or (backend in ("onnx", "openvino") and not exported):  # a checkpoint: measured or exported
+    if backend in ("auto", "aoti") or (backend in ("onnx", "openvino") and not exported):  # measured or exported
 
         check_backend(backend)
         if threads:
@@ -180,7 +207,7 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
         with untrusted(str(checkpoint), CheckpointError):  # onnx and onnxruntime raise their own types on bad bytes
             return OnnxPredictor(checkpoint, threads)
     if backend != "torch":
-        raise UsageError(f"backend must be auto, torch, onnx or openvino, got {backend!r}")
+        raise UsageError(f"backend must be auto, torch, aoti, onnx or openvino, got {backend!r}")
 
     if threads:
         torch.set_num_threads(threads)

@@ -1,0 +1,215 @@
+"""vitkit's compiled engine (AOTInductor, `vitkit.machine.aoti`): `vitkit export --format aoti` compiles a checkpoint
+for this CPU into a .pt2 package that torch's own loader runs and that predict, eval, bench and serve load; its
+logits are the peer's (the official JAX code's fixture) within 1e-4; every family compiles; a package this machine
+cannot run is refused before its code is loaded."""
+import json
+import shutil
+import socket
+import threading
+import time
+import zipfile
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import vitkit
+from conftest import FIXTURES, tiny_kwargs
+from vitkit import cli
+from vitkit.errors import CheckpointError, UsageError
+from vitkit.inference import backends
+from vitkit.inference.export import export_model
+from vitkit.machine import aoti
+
+pytestmark = pytest.mark.xdist_group("compiled")  # one worker: the module's package is compiled once
+
+JAX = FIXTURES / "jax_vit_token"  # the official code's ViT (p8, 32x32, D48, 2 layers, pre-logits, 10 classes)
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    """The official fixture compiled by `vitkit export --format aoti` (fp32, dynamic batch)."""
+    d = tmp_path_factory.mktemp("aoti")
+    out = d / "vit.pt2"
+    assert cli.main(["export", str(JAX / "model.npz"), str(out), "--format", "aoti"]) == 0
+    return out
+
+
+def test_the_package_gives_the_official_codes_logits_through_torchs_own_loader(package, capsys):
+    x = np.load(JAX / "input.npy")
+    want = np.load(JAX / "expected_output.npy")
+    runner = torch._inductor.aoti_load_package(str(package))  # the peer's loader: torch's, no vitkit code
+    with torch.inference_mode():
+        got = runner(torch.from_numpy(x)).numpy()
+    assert np.abs(got - want).max() <= 1e-4
+    model = backends.PackageModel(package)  # vitkit's: the same numbers, config from the package
+    assert model.config.num_classes == 10 and model.precision == "fp32" and tuple(model.config.img_size) == (32, 32)
+    with torch.inference_mode():
+        assert np.abs(model(torch.from_numpy(x)).numpy() - want).max() <= 1e-4
+        eager = vitkit.load(JAX / "model.npz").eval()
+        for b in (1, 5):  # the batch is dynamic
+            xb = torch.randn(b, 3, 32, 32, generator=torch.Generator().manual_seed(b))
+            assert (model(xb) - eager(xb)).abs().max() <= 1e-4
+    meta = aoti.package_metadata(package)
+    assert meta["vitkit_torch"] == torch.__version__ and meta["vitkit_isa"] == aoti.vec_isa()
+    assert json.loads(meta["vitkit_config"])["representation_size"] == 32
+
+
+def _images(folder, n, size=(40, 48)):
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(n):
+        p = folder / f"img{i}.png"
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(p)
+        paths.append(str(p))
+    return paths
+
+
+def test_predict_eval_and_bench_run_the_package_as_the_checkpoint_runs_eagerly(package, tmp_path, capsys):
+    imgs = _images(tmp_path, 3)
+    outs = {}
+    for name, ckpt in (("eager", JAX / "model.npz"), ("aoti", package)):
+        assert cli.main(["predict", *imgs, "--checkpoint", str(ckpt), "--format", "json", "--precision", "fp32",
+                         "--top-k", "3"]) == 0
+        outs[name] = json.loads(capsys.readouterr().out)
+    for a, b in zip(outs["eager"], outs["aoti"]):
+        assert [t["index"] for t in a["top"]] == [t["index"] for t in b["top"]]
+        assert np.allclose([t["probability"] for t in a["top"]], [t["probability"] for t in b["top"]], atol=1e-5)
+    folder = tmp_path / "data"
+    rng = np.random.default_rng(1)
+    for i in range(10):
+        (folder / f"c{i}").mkdir(parents=True)
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(folder / f"c{i}" / "a.png")
+    reports = {}
+    for name, ckpt in (("eager", JAX / "model.npz"), ("aoti", package)):
+        assert cli.main(["eval", str(ckpt), "--data", str(folder), "--precision", "fp32", "--out",
+                         str(tmp_path / name), "--num-workers", "0"]) == 0
+        reports[name] = json.loads((tmp_path / name / "eval_report.json").read_text())
+    assert reports["aoti"]["acc1"] == reports["eager"]["acc1"] and reports["aoti"]["n"] == 10
+    assert abs(reports["aoti"]["loss"] - reports["eager"]["loss"]) <= 1e-5
+    assert "aoti-fp32: the package vit.pt2" in reports["aoti"]["precision"]
+    capsys.readouterr()
+    assert cli.main(["eval", str(package), "--data", str(folder), "--precision", "bf16", "--num-workers", "0"]) == 2
+    assert "computes in fp32, not bf16" in capsys.readouterr().err
+    assert cli.main(["predict", *imgs, "--checkpoint", str(package), "--backend", "onnx"]) == 2
+    assert "run it with --backend aoti" in capsys.readouterr().err
+    assert cli.main(["bench", str(package), "--batch-size", "4", "--min-seconds", "0.2", "--json-out"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["backend"] == "aoti-fp32" and d["img_per_s"] > 0 and d["latency_ms_b1"] > 0 and d["cpu"]
+
+
+class _Server:
+    """uvicorn in a thread on a free port of 127.0.0.1 (as tests/test_serve.py)."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                break
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_serve_answers_from_the_package_as_from_the_eager_checkpoint(package):
+    from vitkit.serve import create_app
+    from vitkit.serve.engine import PackagePredictor, TorchPredictor, load_predictor
+
+    served = load_predictor(str(package), "aoti")
+    assert isinstance(served, PackagePredictor) and served.backend == "aoti-fp32" and not served.explains
+    eager = TorchPredictor(vitkit.load(JAX / "model.npz"), "fp32")
+    buf = __import__("io").BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 255, (50, 60, 3), dtype=np.uint8)).save(buf, "PNG")
+    x = eager.preprocess(buf.getvalue(), 10**7)[0][None]
+    assert np.abs(served(x) - eager(x)).max() <= 1e-4
+    srv = _Server(create_app(served, name="aoti"))
+    try:
+        r = httpx.post(f"{srv.url}/predict", files={"file": ("x.png", buf.getvalue(), "image/png")})
+        y = eager(x)[0]
+        p = np.exp(y - y.max()) / np.exp(y - y.max()).sum()
+        assert r.status_code == 200 and r.json()["top"][0]["index"] == int(p.argmax())
+        assert r.json()["top"][0]["probability"] == pytest.approx(float(p.max()), abs=1e-5)
+        assert httpx.get(f"{srv.url}/model").json()["backend"] == "aoti-fp32"
+    finally:
+        srv.stop()
+
+
+def _rewrite_metadata(src, dst, **changes):
+    """A copy of a package whose metadata file says other things (every other member byte for byte)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("wrapper_metadata.json"):
+                data = json.dumps({**json.loads(data), **changes}).encode()
+            zout.writestr(info, data)
+
+
+def test_a_package_this_machine_cannot_run_is_refused_before_its_code_is_loaded(package, tmp_path, capsys):
+    from vitkit.serve.engine import load_predictor
+
+    wider = tmp_path / "amx.pt2"
+    _rewrite_metadata(package, wider, vitkit_isa="AVX512 AVX512_VNNI AMX_TILE AVX512_FUTURE")
+    with pytest.raises(CheckpointError, match="compiled for AVX512 AVX512_VNNI AMX_TILE AVX512_FUTURE instructions.*"
+                                               "compile it again here"):
+        backends.PackageModel(wider)
+    other = tmp_path / "other_torch.pt2"
+    _rewrite_metadata(package, other, vitkit_torch="2.99.0")
+    with pytest.raises(CheckpointError, match="compiled by torch 2.99.0"):
+        load_predictor(str(other), "aoti")
+    cut = tmp_path / "cut.pt2"
+    cut.write_bytes(package.read_bytes()[: package.stat().st_size // 2])
+    assert not backends.is_package(cut)  # not a package: read as a checkpoint, which it is not either
+    assert cli.main(["predict", *_images(tmp_path, 1), "--checkpoint", str(cut)]) == 2  # a clear error, no traceback
+    assert "truncated or corrupt" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="not an AOTInductor package"):
+        aoti.package_metadata(cut)
+    program = tmp_path / "program.pt2"  # a torch.export program is a .pt2 too, but no compiled package
+    export_model(vitkit.load(JAX / "model.npz"), program, "torch-export")
+    assert not backends.is_package(program)
+    shutil.copy(package, tmp_path / "ok.pt2")
+    assert backends.is_package(tmp_path / "ok.pt2")
+
+
+@pytest.mark.parametrize("name,precision", [("r50_vit_b16", "fp32"), ("swin_t", "fp32"), ("eva02_ti14", "fp32"),
+                                            ("vit_s16", "bf16")])
+def test_every_family_compiles_and_matches_eager(name, precision, tmp_path):
+    """A hybrid (its ResNet stages: BiT's StdConv and GroupNorm), Swin (two stages: shifted windows and the patch
+    merging), EVA-02's modern options (RoPE, SwiGLU, sub-LN) and a plain ViT in bf16: each compiled with a dynamic
+    batch and checked by `export_model` against eager (fp32 1e-4; bf16 5% of the largest logit). The package above
+    is the plain ViT in fp32."""
+    torch.manual_seed(0)
+    kw = tiny_kwargs(name)
+    if name == "swin_t":  # two stages of the suite's four: compiling each stage's windows costs ~10 s here
+        kw.update(depths=(2, 2), num_heads=(1, 2))
+    m = vitkit.create_model(name, **kw).eval()
+    for p in m.parameters():  # no zero-initialised head: logits that depend on every layer
+        if p.dim() == 2 and not p.any():
+            torch.nn.init.normal_(p, std=0.3)
+    r = export_model(m, tmp_path / "m.pt2", "aoti", precision=precision)
+    assert r.precision == precision and [c["shape"][0] for c in r.checks] == [1, 3]
+    assert r.worst <= (1e-4 if precision == "fp32" else 0.05 * max(c["max_abs_logit"] for c in r.checks) + 1e-3)
+
+
+def test_packed_batches_of_mixed_sizes_compile(tmp_path):
+    torch.manual_seed(0)
+    m = vitkit.create_model("vit_ti16", **tiny_kwargs("vit_ti16")).eval()
+    torch.nn.init.normal_(m.head.weight, std=0.3)
+    r = export_model(m, tmp_path / "packed.pt2", "aoti", packed=True)
+    assert r.format == "aoti-packed" and len(r.checks) == 3 and r.worst <= 1e-4
+    assert json.loads(aoti.package_metadata(tmp_path / "packed.pt2")["vitkit_config"])["packed_inputs"] is True
+    with pytest.raises(UsageError, match="PATH.pt2"):
+        export_model(m, tmp_path / "m.onnx", "aoti")
+    with pytest.raises(UsageError, match="bf16: --format aoti"):
+        export_model(m, tmp_path / "m.onnx", "onnx", precision="bf16")

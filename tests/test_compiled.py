@@ -213,3 +213,28 @@ def test_packed_batches_of_mixed_sizes_compile(tmp_path):
         export_model(m, tmp_path / "m.onnx", "aoti")
     with pytest.raises(UsageError, match="bf16: --format aoti"):
         export_model(m, tmp_path / "m.onnx", "onnx", precision="bf16")
+
+
+def test_training_compile_auto_skips_runs_too_short_to_repay_and_measures_long_ones(tmp_path, monkeypatch):
+    from vitkit.training import compile as compile_mod
+
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path))
+    torch.manual_seed(0)
+    m = vitkit.create_model("vit_ti16", **tiny_kwargs("vit_ti16"))
+    kw = dict(batch=8, precision="fp32", lowp_stream=False, fast_gemm=True)
+    cpu = torch.device("cpu")
+    short = compile_mod.decide("auto", m, cpu, steps=3, **kw)  # seconds of steps: no compile could pay
+    assert not short.on and "would not pay" in short.reason and "measured earlier" not in short.reason
+    assert "measured earlier" in compile_mod.decide("auto", m, cpu, steps=3, **kw).reason
+    weights = {k: v.clone() for k, v in m.state_dict().items()}
+    long = compile_mod.decide("auto", m, cpu, steps=10**7, **kw)  # long enough: compiled on a copy and timed
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in weights.items())  # the model itself untouched
+    (rec,) = [v for v in json.loads(next((tmp_path / "compile").glob("*.json")).read_text()).values() if "compiled_s" in v]
+    assert rec["compile_s"] > 0 and rec["eager_s"] > 0 and rec["compiled_s"] > 0 and len(rec["rounds"]["eager"]) == 3
+    speedup = rec["eager_s"] / rec["compiled_s"]
+    want = speedup >= compile_mod.MARGIN and 10**7 * (rec["eager_s"] - rec["compiled_s"]) > rec["compile_s"]
+    assert long.on == want and f"{speedup:.2f}x eager" in long.reason
+    assert compile_mod.decide("true", m, cpu, steps=3, **kw).on and not compile_mod.decide("off", m, cpu, steps=3, **kw).on
+    assert "several processes" in compile_mod.decide("auto", m, cpu, steps=10**7, world=2, **kw).reason
+    with pytest.raises(UsageError, match="run.compile='maybe'"):
+        compile_mod.normalize("maybe")

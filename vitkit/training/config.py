@@ -137,7 +137,10 @@ class RunConfig:
     lowp_stream: when the run computes in bf16/fp16 (asked for, or chosen by auto), keep the tokens between blocks
         in that dtype too, not fp32: no casts around every Linear (faster, most on CPUs); weights, gradients and
         optimizer stay fp32. ViTs only; no effect on a CNN or in fp32.
-    compile: torch.compile the model.
+    compile: "auto" (compile the model with torch.compile where a probe measures the compiled training step
+        faster and the time it saves over the run's steps exceeds the compile's; short runs are not compiled;
+        measured once per machine and cached, `vitkit.training.compile`), "on" or "off" (true/false too).
+    compile_choice: written by the run: what compile resolved to and why; not read.
     fast_gemm: fp32 on a CPU: the Linear layers' forward and input gradient on the fastest GEMM this machine has,
         chosen by measurement once per CPU (`vitkit.machine.gemm`; oneDNN's packed GEMM runs 2x MKL's on
         AMD Zen 5); false: PyTorch's own (MKL). The same gradients to fp32 rounding.
@@ -166,7 +169,8 @@ class RunConfig:
     precision: str = "auto"
     precision_choice: str | None = None
     lowp_stream: bool = False
-    compile: bool = False
+    compile: str = "auto"
+    compile_choice: str | None = None
     fast_gemm: bool = True
     strategy: str = "auto"
     activation_checkpointing: bool = False

@@ -19,6 +19,7 @@ from ..data.splits import Splits, prepare, training_data
 from ..errors import UsageError, VitkitError
 from ..evaluation import check_tta
 from ..machine import precision as precision_mod
+from . import compile as compile_mod
 from ..machine.fast_linear import pack_linears
 from ..models.stats import count_flops
 from .config import TrainConfig
@@ -105,9 +106,12 @@ def _build(cfg: TrainConfig, spec: DataSpec, ov: dict, k: int) -> nn.Module:
     return create_model(cfg.model.name, num_classes=k, class_names=list(spec.classes), mean=tuple(spec.mean), std=tuple(spec.std), **ov)
 
 
-def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None) -> Run:
+def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None, *, max_steps: int | None = None,
+                done: int = 0) -> Run:
     """Data, model (wrapped for the strategy), optimizer, EMA and augmentation of a run, checked on every rank.
-    resumed_precision: what the run being resumed computed in (run.precision=auto then keeps it)."""
+    resumed_precision: what the run being resumed computed in (run.precision=auto then keeps it).
+    max_steps, done: the step the run stops at (None: the schedule's end) and the steps already done (resumed):
+    how many steps run.compile=auto weighs a compile against."""
     r, d = cfg.run, cfg.data
     device = dist.device
     precision_mod.check(r.precision, "run.precision")
@@ -145,8 +149,6 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     precision = _choose_precision(cfg, model, dist, resumed_precision)
     if r.lowp_stream and precision != "fp32" and hasattr(model, "lowp_stream"):
         model.lowp_stream = True  # a ViT; a CNN (BiT) has no token stream, so the option changes nothing there
-    if r.fast_gemm and device.type == "cpu" and precision == "fp32" and not r.compile:
-        pack_linears(model, training=True)  # repacked after every optimizer step (fused ones and FSDP2 included)
     teacher = load_teacher(cfg, device)
     if getattr(model.config, "distilled", False):
         model.distilled_training = True  # both heads' logits in training: label loss and distillation loss
@@ -160,17 +162,20 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     # files are decoded at the model's size with its evaluation geometry (a 384-px checkpoint reads at 384); the
     # augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
     data = prepare(mc, train=spec.train, val=spec.val, test=spec.test, max_patches=d.max_patches, aug=cfg.aug, seed=r.seed)
+    steps_per_epoch = len(data.train) // (d.batch_size * r.accumulate)
+    total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
+    compiled = _choose_compile(cfg, model, dist, precision, max(0, min(total, max_steps or total) - done))
+    if r.fast_gemm and device.type == "cpu" and precision == "fp32" and not compiled:
+        pack_linears(model, training=True)  # repacked after every optimizer step (fused ones and FSDP2 included)
     ema = copy.deepcopy(model).eval() if r.ema else None  # before sharding: the EMA is a whole model on every rank
     if ema is not None:
         for p in ema.parameters():
             p.requires_grad_(False)
     net = wrap_model(model, dist, strategy, precision)
     opt = build_optimizer(model, cfg.optim)  # after FSDP2 has sharded the parameters
-    if r.compile:
+    if compiled:
         net = torch.compile(net)
     amp = precision_mod.AMP_DTYPES.get(precision)
-    steps_per_epoch = len(data.train) // (d.batch_size * r.accumulate)
-    total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     return Run(cfg, dist, Path(r.out_dir), data, "val" if spec.val is not None else "test", precision, model, net,
                strategy, opt, ema, torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
                None if strategy == "fsdp" else amp,  # FSDP2 computes in low precision by its policy instead
@@ -188,12 +193,29 @@ def _choose_precision(cfg: TrainConfig, model: nn.Module, dist: Dist, resumed: s
         choice = None
         if dist.main:
             choice = precision_mod.resolve(r.precision, model, dist.device, batch=cfg.data.batch_size // dist.world,
-                                           training=True, lowp_stream=r.lowp_stream, fast_gemm=r.fast_gemm and not r.compile)
+                                           training=True, lowp_stream=r.lowp_stream,
+                                           fast_gemm=r.fast_gemm and compile_mod.normalize(r.compile) != "on")
         choice = dist.broadcast(choice)
     r.precision_choice = choice.reason
     if dist.main:
         print(f"vitkit: precision {choice.reason}", file=sys.stderr, flush=True)
     return choice.precision
+
+
+def _choose_compile(cfg: TrainConfig, model: nn.Module, dist: Dist, precision: str, steps: int) -> bool:
+    """run.compile as asked, or for auto compiled where measured to pay over the run's steps (rank 0 measures, the
+    same for every rank: `vitkit.training.compile`). Printed, and recorded in run.compile_choice (config.yaml)."""
+    r = cfg.run
+    choice = None
+    if dist.main:
+        choice = compile_mod.decide(r.compile, model, dist.device, batch=cfg.data.batch_size // dist.world,
+                                    precision=precision, lowp_stream=r.lowp_stream, fast_gemm=r.fast_gemm,
+                                    steps=steps, world=dist.world)
+    choice = dist.broadcast(choice)
+    r.compile_choice = choice.reason
+    if dist.main:
+        print(f"vitkit: compile {choice.reason}", file=sys.stderr, flush=True)
+    return choice.on
 
 
 def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:

@@ -72,16 +72,17 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     r, d = cfg.run, cfg.data
     out = Path(r.out_dir)
     ck = checkpoint.latest(out) if resume else None
-    resumed_precision = None
+    resumed_precision, done = None, 0
     if ck is not None:
-        saved = checkpoint.read_meta(ck)["config"]
+        saved_meta = checkpoint.read_meta(ck)
+        saved, done = saved_meta["config"], int(saved_meta.get("step", 0) or 0)
         resumed_precision = checkpoint.resolved_precision(saved)
         diffs = checkpoint.config_differences(saved, cfg.to_dict())
         if diffs and not force:
             raise TrainingError(f"{out} holds a run whose config differs in what a step means; resuming it would mix two "
                                 f"runs:\n  " + "\n  ".join(diffs) + "\nUse another run.out_dir, start fresh with --no-resume "
                                 f"(the old files move to {out}/previous-<time>/), or resume anyway with --force.")
-    run = prepare_run(cfg, dist, resumed_precision)  # data, model and settings checked before anything is written
+    run = prepare_run(cfg, dist, resumed_precision, max_steps=max_steps, done=done)  # data, model and settings checked before anything is written
     if dist.main:
         if ck is None:  # a fresh start: whatever an earlier run left here moves aside, so its records do not mix with these
             checkpoint.set_aside(out)

@@ -1,0 +1,170 @@
+"""Whether a training run compiles its model with `torch.compile` (`run.compile`: auto | on | off).
+
+A compiled training step fuses the elementwise work around the GEMMs (LayerNorm, GELU, the residual adds, the
+optimizer's arithmetic stays eager), but it costs a compile (45-60 s for the fashion-mnist preset on a 2-core AMD
+EPYC) and gives up vitkit's packed fast GEMM in fp32 (Inductor calls MKL, whose AVX2 code on AMD CPUs runs below
+oneDNN's). Measured there (benchmarks/NOTES.md section 35): the preset's hybrid in fp32 1.1x faster compiled, in
+bf16 0.67x; ViT-S/16 at batch 32 in fp32 at parity. So no setting wins everywhere, and auto measures:
+
+1. The eager step of this model, batch and precision, on a copy (two warm-up steps, then three timed): with the
+   run's number of steps, how long the run's steps take eagerly.
+2. If even the best speed-up seen (BEST_SPEEDUP) could not repay a compile (the slowest compile measured on this
+   machine, COMPILE_S before any), off without compiling: the demo and smoke runs never pay for a compile.
+3. Otherwise the copy is compiled and its steps timed against eager ones in interleaved rounds, and the run
+   compiles where the compiled step is at least MARGIN faster and the time it saves over the run's steps exceeds
+   the compile's.
+
+Each measurement is cached per machine, model architecture, batch, precision and options, in
+$VITKIT_HOME/compile/<machine>.json: a second run decides at once. The choice is printed and recorded in
+run.compile_choice (config.yaml), as the precision's is. Runs of several processes compile only when asked (on).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..cache import cache_dir, read_json_cache, write_json_cache
+from ..errors import UsageError
+from ..machine import cpu, engine_probe
+from ..machine.device import sync
+from ..machine.fast_linear import pack_linears
+from ..machine.precision import autocast
+
+CHOICES = ("auto", "on", "off")
+COMPILE_S = 60.0  # a compile's cost before one was measured on this machine (the preset's hybrid: 46-61 s, 2 cores)
+BEST_SPEEDUP = 1.25  # the most a compiled step is hoped to gain, to rule out runs too short to repay a compile
+MARGIN = 1.05  # a compiled step must be this much faster than the eager one to be kept
+VERSION = 1
+
+
+def normalize(value) -> str:
+    """run.compile as auto | on | off (true/false, as older configs wrote it, are on/off)."""
+    v = str(value).strip().lower()
+    v = {"true": "on", "false": "off", "yes": "on", "no": "off", "1": "on", "0": "off"}.get(v, v)
+    if v not in CHOICES:
+        raise UsageError(f"run.compile={value!r}: must be one of {', '.join(CHOICES)}")
+    return v
+
+
+@dataclass
+class CompileChoice:
+    on: bool
+    reason: str
+
+
+def _key(model: nn.Module, device: torch.device, batch: int, precision: str, lowp_stream: bool, fast_gemm: bool) -> str:
+    cfg = getattr(model, "config", None)
+    arch = cfg.to_dict() if hasattr(cfg, "to_dict") else str(cfg)
+    frozen = sum(not p.requires_grad for p in model.parameters())
+    ckpt = any(getattr(m, "grad_checkpointing", False) for m in model.modules())
+    digest = hashlib.sha1(json.dumps([type(model).__name__, arch, frozen, ckpt], sort_keys=True, default=str).encode())
+    return (f"v{VERSION}|{type(model).__name__}-{digest.hexdigest()[:12]}|{device.type}|b{batch}|{precision}"
+            f"|lowp{int(lowp_stream)}|gemm{int(fast_gemm)}|torch{torch.__version__}")
+
+
+def _cache_file() -> Path:
+    return cache_dir() / "compile" / f"{cpu.machine_key()}.json"
+
+
+def _stepper(model: nn.Module, device: torch.device, batch: int, precision: str) -> Callable[[], None]:
+    """One training step of `model` (a copy) on a seeded batch: forward under the run's autocast, a loss over every
+    output, backward, AdamW."""
+    c = model.config
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, c.in_chans, *c.img_size, generator=g).to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with autocast(precision, device):
+            out = model(x)
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        sum(o.float().mean() for o in outs if isinstance(o, torch.Tensor)).backward()
+        opt.step()
+    return step
+
+
+def measure(model: nn.Module, device: torch.device, *, batch: int, precision: str, lowp_stream: bool,
+            fast_gemm: bool, steps: int, compile_s: float) -> dict:
+    """Seconds per eager step of a copy of `model`; and where a compile could pay over `steps` steps (given a
+    compile of `compile_s`), the compiled step and the compile's seconds, timed against eager in interleaved rounds.
+    The model itself is not touched."""
+    eager = copy.deepcopy(model).train()
+    if hasattr(eager, "lowp_stream"):
+        eager.lowp_stream = lowp_stream and precision != "fp32"
+    pack_linears(eager, enable=fast_gemm and precision == "fp32" and device.type == "cpu", training=True)
+    e_step = _stepper(eager, device, batch, precision)
+
+    def timed(fn: Callable[[], None], n: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t0) / n
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        timed(e_step, 2)
+        eager_s = timed(e_step, 3)
+        out = {"eager_s": eager_s}
+        if steps * eager_s * (1 - 1 / BEST_SPEEDUP) < compile_s:
+            return out
+        other = copy.deepcopy(model).train()
+        if hasattr(other, "lowp_stream"):
+            other.lowp_stream = lowp_stream and precision != "fp32"
+        compiled = torch.compile(other)
+        c_step = _stepper(compiled, device, batch, precision)
+        t0 = time.perf_counter()
+        c_step()
+        c_step()  # a second step: the optimizer's and any recompilation for the backward's layout
+        out["compile_s"] = time.perf_counter() - t0
+        rounds = engine_probe.interleaved_rounds({"eager": e_step, "compiled": c_step}, rounds=3, warm=False,
+                                                 sync=lambda: sync(device))
+        out["eager_s"] = engine_probe.median(rounds["eager"])
+        out["compiled_s"] = engine_probe.median(rounds["compiled"])
+        out["rounds"] = rounds
+    return out
+
+
+def decide(setting, model: nn.Module, device: torch.device, *, batch: int, precision: str, lowp_stream: bool,
+           fast_gemm: bool, steps: int, world: int = 1) -> CompileChoice:
+    """run.compile resolved for this run (see the module's docstring): `steps` optimizer steps of `batch` images."""
+    setting = normalize(setting)
+    if setting != "auto":
+        return CompileChoice(setting == "on", f"{setting}: asked for")
+    if world > 1:
+        return CompileChoice(False, "auto -> off: not measured for runs of several processes (run.compile=on "
+                                    "compiles them)")
+    path = _cache_file()
+    known = read_json_cache(path, {})
+    known = known if isinstance(known, dict) else {}
+    key = _key(model, device, batch, precision, lowp_stream, fast_gemm)
+    compiles = [v["compile_s"] for v in known.values() if isinstance(v, dict) and "compile_s" in v]
+    compile_s = max(compiles) if compiles else COMPILE_S
+    m = known.get(key)
+    cached = isinstance(m, dict) and "eager_s" in m and ("compiled_s" in m or steps * m["eager_s"] * (1 - 1 / BEST_SPEEDUP) < compile_s)
+    if not cached:
+        m = measure(model, device, batch=batch, precision=precision, lowp_stream=lowp_stream, fast_gemm=fast_gemm,
+                    steps=steps, compile_s=compile_s)
+        known[key] = m
+        write_json_cache(path, known, indent=1, sort_keys=True)  # a read-only home: measured again next time
+    earlier = ", measured earlier" if cached else ""
+    eager_total = steps * m["eager_s"]
+    if "compiled_s" not in m:
+        return CompileChoice(False, f"auto -> off: the run's {steps} steps take ~{eager_total:.0f} s eagerly; at the "
+                                    f"best speed-up hoped for ({BEST_SPEEDUP:.2f}x) a compile (~{compile_s:.0f} s here) "
+                                    f"would not pay{earlier}")
+    speedup = m["eager_s"] / m["compiled_s"]
+    saved = steps * (m["eager_s"] - m["compiled_s"])
+    why = (f"compiled step {speedup:.2f}x eager ({m['compiled_s'] * 1e3:.0f} vs {m['eager_s'] * 1e3:.0f} ms, median of "
+           f"interleaved rounds), {steps} steps save ~{saved:.0f} s against a {m['compile_s']:.0f} s compile{earlier}")
+    on = speedup >= MARGIN and saved > m["compile_s"]
+    return CompileChoice(on, f"auto -> {'on' if on else 'off'}: {why}")

@@ -1,4 +1,7 @@
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,3 +36,26 @@ def tiny_kwargs(name: str) -> dict:
     if entry.kwargs.get("hybrid_layers"):
         kw.update(hybrid_width=0.5, hybrid_layers=tuple(1 for _ in entry.kwargs["hybrid_layers"]))
     return kw
+
+
+class Server:
+    """uvicorn in a thread on a free port of 127.0.0.1."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                break
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -4,9 +4,6 @@ logits are the peer's (the official JAX code's fixture) within 1e-4; every famil
 cannot run is refused before its code is loaded."""
 import json
 import shutil
-import socket
-import threading
-import time
 import zipfile
 
 import httpx
@@ -16,12 +13,13 @@ import torch
 from PIL import Image
 
 import vitkit
-from conftest import FIXTURES, tiny_kwargs
+from conftest import FIXTURES, Server, tiny_kwargs
 from vitkit import cli
 from vitkit.errors import CheckpointError, UsageError
 from vitkit.inference import backends
-from vitkit.inference.export import export_model
+from vitkit.inference.export import export_model, packed_examples
 from vitkit.machine import aoti
+from vitkit.models.layers.packing import PackedBatch
 
 pytestmark = pytest.mark.xdist_group("compiled")  # one worker: the module's package is compiled once
 
@@ -100,29 +98,6 @@ def test_predict_eval_and_bench_run_the_package_as_the_checkpoint_runs_eagerly(p
     assert d["backend"] == "aoti-fp32" and d["img_per_s"] > 0 and d["latency_ms_b1"] > 0 and d["cpu"]
 
 
-class _Server:
-    """uvicorn in a thread on a free port of 127.0.0.1 (as tests/test_serve.py)."""
-
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                break
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 def test_serve_answers_from_the_package_as_from_the_eager_checkpoint(package):
     from vitkit.serve import create_app
     from vitkit.serve.engine import PackagePredictor, TorchPredictor, load_predictor
@@ -134,7 +109,7 @@ def test_serve_answers_from_the_package_as_from_the_eager_checkpoint(package):
     Image.fromarray(np.random.default_rng(3).integers(0, 255, (50, 60, 3), dtype=np.uint8)).save(buf, "PNG")
     x = eager.preprocess(buf.getvalue(), 10**7)[0][None]
     assert np.abs(served(x) - eager(x)).max() <= 1e-4
-    srv = _Server(create_app(served, name="aoti"))
+    srv = Server(create_app(served, name="aoti"))
     try:
         r = httpx.post(f"{srv.url}/predict", files={"file": ("x.png", buf.getvalue(), "image/png")})
         y = eager(x)[0]
@@ -156,14 +131,24 @@ def _rewrite_metadata(src, dst, **changes):
             zout.writestr(info, data)
 
 
-def test_a_package_this_machine_cannot_run_is_refused_before_its_code_is_loaded(package, tmp_path, capsys):
+def test_a_package_this_machine_cannot_run_is_refused_before_its_code_is_loaded(package, tmp_path, capsys, monkeypatch):
     from vitkit.serve.engine import load_predictor
 
-    wider = tmp_path / "amx.pt2"
-    _rewrite_metadata(package, wider, vitkit_isa="AVX512 AVX512_VNNI AMX_TILE AVX512_FUTURE")
-    with pytest.raises(CheckpointError, match="compiled for AVX512 AVX512_VNNI AMX_TILE AVX512_FUTURE instructions.*"
-                                               "compile it again here"):
+    wider = tmp_path / "wider.pt2"  # compiled on a CPU with an instruction this one lacks
+    _rewrite_metadata(package, wider, vitkit_cpu_flags=aoti.package_metadata(package)["vitkit_cpu_flags"] + " avx_future512")
+    with pytest.raises(CheckpointError, match=r"instructions this one lacks \(avx_future512\).*compile it again here"):
         backends.PackageModel(wider)
+    with monkeypatch.context() as mp:  # this process capped below the package's vector ISA
+        mp.setenv("ATEN_CPU_CAPABILITY", "default")
+        with pytest.raises(CheckpointError, match="capped at ATEN_CPU_CAPABILITY=default"):
+            backends.PackageModel(package)
+    model = backends.PackageModel(package)  # on the machine that made it: accepted
+    with pytest.raises(UsageError, match=r"takes \(1-4096, 3, 32, 32\) images, got \(2, 3, 48, 32\)"):
+        model(torch.zeros(2, 3, 48, 32))  # AOTInductor checks no shapes: vitkit does
+    assert cli.main(["predict", *_images(tmp_path, 1), "--checkpoint", str(package), "--max-patches", "16"]) == 2
+    assert "--max-patches runs packed batches on eager torch" in capsys.readouterr().err
+    assert cli.main(["bench", str(package), "--dtype", "bf16"]) == 2
+    assert "computes in fp32, not bf16" in capsys.readouterr().err
     other = tmp_path / "other_torch.pt2"
     _rewrite_metadata(package, other, vitkit_torch="2.99.0")
     with pytest.raises(CheckpointError, match="compiled by torch 2.99.0"):
@@ -209,6 +194,14 @@ def test_packed_batches_of_mixed_sizes_compile(tmp_path):
     r = export_model(m, tmp_path / "packed.pt2", "aoti", packed=True)
     assert r.format == "aoti-packed" and len(r.checks) == 3 and r.worst <= 1e-4
     assert json.loads(aoti.package_metadata(tmp_path / "packed.pt2")["vitkit_config"])["packed_inputs"] is True
+    run, _ = aoti.load_package(tmp_path / "packed.pt2")  # from Python, by its three inputs
+    p, c, v = packed_examples(m.config, 5, 2)
+    with torch.no_grad():
+        assert (run(p, c, v) - m.forward_packed(PackedBatch(p, c, v))).abs().max() <= 1e-4
+    with pytest.raises(UsageError, match="takes packed batches"):  # not a square-image package for predict and serve
+        backends.PackageModel(tmp_path / "packed.pt2")
+    with pytest.raises(UsageError, match="drop --no-dynamic-batch"):
+        export_model(m, tmp_path / "static.pt2", "aoti", dynamic_batch=False)
     with pytest.raises(UsageError, match="PATH.pt2"):
         export_model(m, tmp_path / "m.onnx", "aoti")
     with pytest.raises(UsageError, match="bf16: --format aoti"):
@@ -238,3 +231,22 @@ def test_training_compile_auto_skips_runs_too_short_to_repay_and_measures_long_o
     assert "several processes" in compile_mod.decide("auto", m, cpu, steps=10**7, world=2, **kw).reason
     with pytest.raises(UsageError, match="run.compile='maybe'"):
         compile_mod.normalize("maybe")
+
+
+def test_training_compile_auto_weighs_the_compile_against_the_steps_it_saves(tmp_path, monkeypatch):
+    """The decision rule on given measurements (the measurement itself is the test above)."""
+    from vitkit.training import compile as compile_mod
+
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path))
+    m = vitkit.create_model("vit_ti16", **tiny_kwargs("vit_ti16"))
+    kw = dict(batch=8, precision="fp32", lowp_stream=False, fast_gemm=True)
+    for i, (record, steps, on, says) in enumerate([
+            ({"eager_s": 1.0, "compiled_s": 0.5, "compile_s": 10.0}, 100, True, "2.00x eager"),
+            ({"eager_s": 1.0, "compiled_s": 0.5, "compile_s": 10.0}, 19, False, "save ~10 s against a 10 s compile"),
+            ({"eager_s": 1.0, "compiled_s": 0.98, "compile_s": 1.0}, 10**6, False, "1.02x eager"),
+            ({"eager_s": 1.0, "failed": "InductorError: x"}, 10**6, False, "did not compile here"),
+            ({"eager_s": 0.01}, 100, False, "would not pay")]):
+        monkeypatch.setattr(compile_mod, "measure", lambda *a, r=record, **k: dict(r))
+        monkeypatch.setenv("VITKIT_HOME", str(tmp_path / str(i)))
+        c = compile_mod.decide("auto", m, torch.device("cpu"), steps=steps, **kw)
+        assert c.on is on and says in c.reason, (record, c)

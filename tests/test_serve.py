@@ -3,9 +3,7 @@ next request is served, a bounded queue, and the web page in headless Chromium."
 import base64
 import contextlib
 import io
-import socket
 import struct
-import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +15,7 @@ import torch
 from PIL import Image
 
 import vitkit
+from conftest import Server
 from vitkit.serve import Limits, TorchPredictor, create_app
 
 CLASSES = [f"digit {i}" for i in range(10)]
@@ -28,29 +27,6 @@ def _model():
                             num_classes=10, class_names=CLASSES)
     torch.nn.init.normal_(m.head.weight, std=0.3)
     return m.eval()
-
-
-class Server:
-    """uvicorn in a thread on a free port of 127.0.0.1."""
-
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                break
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

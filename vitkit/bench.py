@@ -230,10 +230,11 @@ def bench(
         json_out: print JSON.
     """
     if is_package(model):
-        if train or compile or backends or img_size or resolve_device(device).type != "cpu":
-            raise UsageError(f"{model} is a compiled package: it runs CPU inference at its own size (no --train, "
-                             "--compile, --backends, --img-size or GPU)")
-        return _bench_package(model, batch_size, min_seconds, json_out)
+        if train or compile or backends or img_size or backend not in ("torch", "auto", "aoti") or \
+                (device != "auto" and resolve_device(device).type != "cpu"):
+            raise UsageError(f"{model} is a compiled package: it runs CPU inference at its own size on its own engine "
+                             "(no --train, --compile, --backends, --backend onnx|openvino, --img-size or GPU)")
+        return _bench_package(model, batch_size, dtype, min_seconds, json_out)
     dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}
     net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
@@ -272,11 +273,13 @@ def bench(
     return d
 
 
-def _bench_package(path: str, batch: int, min_seconds: float, json_out: bool) -> dict:
+def _bench_package(path: str, batch: int, dtype: str, min_seconds: float, json_out: bool) -> dict:
     """`vitkit bench PACKAGE.pt2`: the rate and batch-1 latency of a compiled package, and its load time."""
     t0 = time.perf_counter()
     m = PackageModel(path)
     load_s = time.perf_counter() - t0
+    if dtype not in ("auto", m.precision):
+        raise UsageError(f"{path} computes in {m.precision}, not {dtype}")
     x = torch.from_numpy(calibration_batch(m, batch))
     times = time_fn(lambda: m(x), torch.device("cpu"), 2, 5, min_seconds)
     lat = statistics.median(time_fn(lambda: m(x[:1]), torch.device("cpu"), 2, 10, 1.0)) * 1e3

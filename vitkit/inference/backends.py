@@ -3,7 +3,6 @@
 bench all come here."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from ..cache import atomic_write, cache_dir
 from ..checkpoints import load
 from ..checkpoints.api import config_from_dict
 from ..errors import CheckpointError, UsageError
+from ..safety import parse_json
 from ..machine import aoti, cpu, engine
 from ..machine.engine import BackendChoice, BackendModel, weights_digest
 from ..machine.precision import for_inference
@@ -30,33 +30,32 @@ def export_for(model: nn.Module, digest: str | None = None, what: str = "onnx", 
     folder = cache_dir() / "backends" / "exports"
     if what.startswith("aoti-"):
         hint = AOTI_BATCH_HINT if batch <= AOTI_BATCH_HINT else engine.PROBE_BATCH
-        path = folder / f"{digest}-{what}-b{hint}-{cpu.machine_key(threads=False)}.pt2"
-        if path.is_file():
-            return path
+        return _made_once(folder / f"{digest}-{what}-b{hint}-{cpu.machine_key(threads=False)}.pt2", ".pt2",
+                          lambda f: export_model(model, f, "aoti", dynamic_batch=True, precision=what.split("-")[1],
+                                                 batch_hint=hint))
 
-        def compile_(tmp: Path) -> None:
-            pt2 = tmp.with_name(tmp.name + ".pt2")  # the packager wants the suffix
-            try:
-                export_model(model, pt2, "aoti", dynamic_batch=True, precision=what.split("-")[1], batch_hint=hint)
-                os.replace(pt2, tmp)
-            finally:
-                pt2.unlink(missing_ok=True)
+    def onnx(f: Path) -> None:
+        export_model(model, f, "onnx", dynamic_batch=True)
+        if f.with_name(f.name + ".data").exists():  # over 2 GB: weights beside the graph, which names them
+            f.with_name(f.name + ".data").unlink()
+            raise UsageError(f"{type(model).__name__} is over 2 GB: run it with --backend torch")
 
-        return atomic_write(path, compile_)
-    path = folder / f"{digest}.onnx"
+    return _made_once(folder / f"{digest}.onnx", ".onnx", onnx)
+
+
+def _made_once(path: Path, suffix: str, make) -> Path:
+    """`path`, made by `make(file)` if it is not there yet: into a temporary file with the `suffix` the exporters
+    want, then renamed into place (a half-made file is never seen)."""
     if path.is_file():
         return path
 
     def write(tmp: Path) -> None:
-        onnx = tmp.with_name(tmp.name + ".onnx")  # the exporter wants the suffix
+        f = tmp.with_name(tmp.name + suffix)
         try:
-            export_model(model, onnx, "onnx", dynamic_batch=True)
-            if onnx.with_name(onnx.name + ".data").exists():  # over 2 GB: weights beside the graph, which names them
-                onnx.with_name(onnx.name + ".data").unlink()
-                raise UsageError(f"{type(model).__name__} is over 2 GB: run it with --backend torch")
-            os.replace(onnx, tmp)
+            make(f)
+            os.replace(f, tmp)
         finally:
-            onnx.unlink(missing_ok=True)
+            f.unlink(missing_ok=True)
 
     return atomic_write(path, write)
 
@@ -115,20 +114,33 @@ def is_package(path: str | Path) -> bool:
 
 class PackageModel(nn.Module):
     """A package made by `vitkit export --format aoti`, called like the eager model: (B, C, H, W) float32 tensor
-    -> float32 logits on the CPU. `config` is the model's (preprocessing, class names), from the package."""
+    -> float32 logits on the CPU. `config` is the model's (preprocessing, class names), from the package. Inputs are
+    checked against it (AOTInductor itself checks no shapes)."""
 
     def __init__(self, path: str | Path) -> None:
         super().__init__()
-        self.run, meta = aoti.load_package(path)
+        meta = aoti.package_metadata(path)
         if "vitkit_config" not in meta:
             raise CheckpointError(f"{path} carries no vitkit config: compile it with `vitkit export --format aoti`")
+        cfg = parse_json(meta["vitkit_config"], f"{path} (its vitkit_config)", CheckpointError)
+        if isinstance(cfg, dict) and cfg.pop("packed_inputs", False):
+            raise UsageError(f"{path} takes packed batches (patches, coords, valid): run it from Python with "
+                             "vitkit.machine.aoti.load_package; predict, eval, serve and bench run square-image packages")
+        self.config = config_from_dict(cfg)
+        self.run, meta = aoti.load_package(path)
         self.path, self.precision = Path(path), meta.get("vitkit_precision", "fp32")
+        self.dynamic_size = meta.get("vitkit_dynamic_size") == "true"
         self.device = torch.device("cpu")
-        self.config = config_from_dict(json.loads(meta["vitkit_config"]))
         self.reason = (f"aoti-{self.precision}: the package {self.path.name} (compiled for {meta.get('vitkit_isa')} by "
                        f"torch {meta.get('vitkit_torch')})")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != c.in_chans or not 1 <= len(x) <= 4096 or \
+                (tuple(x.shape[2:]) != tuple(c.img_size) and not self.dynamic_size):
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise UsageError(f"{self.path.name} takes (1-4096, {c.in_chans}, {c.img_size[0]}, {c.img_size[1]}) images, "
+                             f"got {shape}")
         return self.run(x.detach().float().cpu().contiguous())
 
 

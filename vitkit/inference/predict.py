@@ -747,12 +747,12 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
         raise UsageError("--resume continues the file named by --out: add --out FILE")
     if resume and fmt not in ("jsonl", "csv"):
         raise UsageError(f"--resume continues a jsonl or csv file, not {fmt}: write to --out FILE.jsonl or FILE.csv")
-    if max_patches and backend != "torch":
-        raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
     inputs = gather_inputs(images, warn=lambda m: print(f"vitkit: warning: {m}", file=sys.stderr, flush=True))
     if not len(inputs):
         raise UsageError(f"no images in {', '.join(images)}")
     model, backend = load_for_inference(checkpoint, backend)
+    if max_patches and backend != "torch":
+        raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
     dev = resolve_device("cpu" if isinstance(model, PackageModel) and device == "auto" else device)
     model = model.to(dev)
     runner, prec, _ = inference_engine(model, dev, precision, backend, min(len(inputs), batch_size))

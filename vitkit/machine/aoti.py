@@ -14,9 +14,11 @@ Linears to MKL's packed GEMM (`mkl._mkl_linear`), which on AMD CPUs runs MKL's A
 ~0.8x vitkit's eager). The ahead-of-time path (and any dynamic batch) takes oneDNN's, which runs the CPU's widest
 instructions (benchmarks/NOTES.md section 35).
 
-A package is machine code for one instruction set and one torch: its metadata (read from the zip before anything
-is loaded) names both, and `load_package` refuses a package this CPU cannot run or another torch wrote, with the
-command that rebuilds it. Loading a package runs its shared library: load only packages you made.
+A package is machine code for one CPU's instruction sets (it is compiled with -march=native) and one torch: its
+metadata (read from the zip before anything is loaded) names the compiling CPU's instruction-set flags, Inductor's
+vector ISA and the torch, and `load_package` refuses a package that uses a flag this CPU lacks, one wider than
+this process's ISA cap (ATEN_CPU_CAPABILITY), or one another torch wrote, with the command that rebuilds it.
+Loading a package runs its shared library: load only packages you made.
 """
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UsageError
 from ..safety import check_regular, check_zip_entry
+from .cpu import cpu_info
 
 PRECISIONS = ("fp32", "bf16")
 _META_LIMIT = 1 << 20  # a metadata file over 1 MiB is not one AOTInductor wrote
@@ -56,6 +59,21 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "g++")
 
 
+# /proc/cpuinfo flags that name instruction sets a compiler may emit for -march=native (x86 "flags", Arm "Features")
+_ISA_FLAG = ("sse", "ssse", "avx", "amx", "fma", "f16c", "bmi", "adx", "movbe", "popcnt", "lzcnt", "abm", "sha",
+             "aes", "vaes", "pclmul", "vpclmul", "gfni", "vnni", "rdrand", "rdseed", "asimd", "sve", "sme", "fp",
+             "bf16", "i8mm", "dot")
+# Inductor's vector ISAs by width, and ATEN_CPU_CAPABILITY's caps
+_WIDTH = {"AVX2": 256, "AVX512": 512, "DEFAULT": 0}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags (/proc/cpuinfo)."""
+    info = cpu_info()
+    raw = (info.get("flags") or info.get("Features") or "").split()
+    return {f for f in raw if f.startswith(_ISA_FLAG)}
+
+
 def vec_isa() -> str:
     """The vector instruction set Inductor generates code for here (the ISA caps included: ATEN_CPU_CAPABILITY), as
     AOTInductor names it in a package ("AVX512", "AVX2", ...; "" where it has none)."""
@@ -73,7 +91,11 @@ def compile_package(module: Autocast, example: tuple[torch.Tensor, ...], dims: t
     it)."""
     from torch._inductor import aoti_compile_and_package  # start-up time: Inductor costs ~0.5 s to import
 
-    meta = {**metadata, "vitkit_torch": torch.__version__, "vitkit_isa": vec_isa()}
+    if compiler() is None:
+        raise UsageError("compiling a package (--format aoti, --backend aoti) needs a C++ compiler: apt install g++, "
+                         "or set CXX")
+    meta = {**metadata, "vitkit_torch": torch.__version__, "vitkit_isa": vec_isa(),
+            "vitkit_cpu_flags": " ".join(sorted(cpu_flags()))}
     with torch.no_grad():
         ep = torch.export.export(module, example, dynamic_shapes=None if dims is None else (tuple(dims),))
         aoti_compile_and_package(ep, package_path=str(out),
@@ -102,21 +124,24 @@ def package_metadata(path: str | Path) -> dict[str, str]:
 
 
 def check_runnable(meta: dict[str, str], path: str | Path) -> None:
-    """Refuse, with what to do, a package compiled for an instruction set this CPU (or its ISA caps) lacks, or by
-    another torch: its code would crash (SIGILL) or fail to link."""
+    """Refuse, with what to do, a package that uses an instruction-set flag this CPU lacks, a vector ISA wider than
+    this process's cap (ATEN_CPU_CAPABILITY), or another torch: its code would crash (SIGILL) or fail to link. Needs
+    no compiler."""
     again = f"compile it again here: vitkit export CHECKPOINT {Path(path).name} --format aoti"
     if meta.get("AOTI_DEVICE_KEY", "cpu") != "cpu":
         raise CheckpointError(f"{path} was compiled for {meta['AOTI_DEVICE_KEY']}, not the CPU; {again}")
     made = meta.get("vitkit_torch")
     if made and made != torch.__version__:
         raise CheckpointError(f"{path} was compiled by torch {made}; this is torch {torch.__version__}; {again}")
-    want = (meta.get("vitkit_isa") or meta.get("AOTI_CPU_ISA", "")).upper().split()
-    have = vec_isa().split()
-    widths = {"NEON": 128, "VSX": 128, "ZVECTOR": 128, "AVX2": 256, "AVX512": 512}
-    if want and (widths.get(want[0], 1024) > widths.get(have[0] if have else "", 0) or not set(want) <= set(have)):
-        raise CheckpointError(f"{path} was compiled for {' '.join(want)} instructions; this CPU runs "
-                              f"{' '.join(have) or 'none'} here "
-                              f"(its ISA caps included); {again}")
+    missing = sorted(set(meta.get("vitkit_cpu_flags", "").split()) - cpu_flags())
+    if missing:
+        raise CheckpointError(f"{path} was compiled on a CPU with instructions this one lacks ({' '.join(missing[:8])}"
+                              f"{' ...' if len(missing) > 8 else ''}); {again}")
+    isa = (meta.get("vitkit_isa") or meta.get("AOTI_CPU_ISA", "")).upper().split()
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").upper()
+    if isa and cap in _WIDTH and _WIDTH.get(isa[0], 0) > _WIDTH[cap]:
+        raise CheckpointError(f"{path} was compiled for {' '.join(isa)} instructions; this process is capped at "
+                              f"ATEN_CPU_CAPABILITY={cap.lower()}; {again}")
 
 
 def load_package(path: str | Path) -> tuple[Callable[..., torch.Tensor], dict[str, str]]:

@@ -33,7 +33,7 @@ from torch import nn
 
 from ..cache import cache_dir, read_json_cache, write_json_cache
 from ..errors import UsageError
-from ..machine import cpu, engine_probe
+from ..machine import aoti, cpu, engine_probe
 from ..machine.device import sync
 from ..machine.fast_linear import pack_linears
 from ..machine.precision import autocast
@@ -123,8 +123,12 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, precision: st
         compiled = torch.compile(other)
         c_step = _stepper(compiled, device, batch, precision)
         t0 = time.perf_counter()
-        c_step()
-        c_step()  # a second step: the optimizer's and any recompilation for the backward's layout
+        try:
+            c_step()
+            c_step()  # a second step: the optimizer's and any recompilation for the backward's layout
+        except Exception as e:  # noqa: BLE001 - Inductor raises many types; any means "this model does not compile here"
+            out["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            return out
         out["compile_s"] = time.perf_counter() - t0
         rounds = engine_probe.interleaved_rounds({"eager": e_step, "compiled": c_step}, rounds=3, warm=False,
                                                  sync=lambda: sync(device))
@@ -143,6 +147,8 @@ def decide(setting, model: nn.Module, device: torch.device, *, batch: int, preci
     if world > 1:
         return CompileChoice(False, "auto -> off: not measured for runs of several processes (run.compile=on "
                                     "compiles them)")
+    if device.type == "cpu" and aoti.compiler() is None:
+        return CompileChoice(False, "auto -> off: no C++ compiler for Inductor here (apt install g++, or set CXX)")
     path = _cache_file()
     known = read_json_cache(path, {})
     known = known if isinstance(known, dict) else {}
@@ -150,7 +156,8 @@ def decide(setting, model: nn.Module, device: torch.device, *, batch: int, preci
     compiles = [v["compile_s"] for v in known.values() if isinstance(v, dict) and "compile_s" in v]
     compile_s = max(compiles) if compiles else COMPILE_S
     m = known.get(key)
-    cached = isinstance(m, dict) and "eager_s" in m and ("compiled_s" in m or steps * m["eager_s"] * (1 - 1 / BEST_SPEEDUP) < compile_s)
+    cached = isinstance(m, dict) and "eager_s" in m and ("compiled_s" in m or "failed" in m
+                                                         or steps * m["eager_s"] * (1 - 1 / BEST_SPEEDUP) < compile_s)
     if not cached:
         m = measure(model, device, batch=batch, precision=precision, lowp_stream=lowp_stream, fast_gemm=fast_gemm,
                     steps=steps, compile_s=compile_s)
@@ -158,6 +165,8 @@ def decide(setting, model: nn.Module, device: torch.device, *, batch: int, preci
         write_json_cache(path, known, indent=1, sort_keys=True)  # a read-only home: measured again next time
     earlier = ", measured earlier" if cached else ""
     eager_total = steps * m["eager_s"]
+    if "failed" in m:
+        return CompileChoice(False, f"auto -> off: the model did not compile here ({m['failed']}){earlier}")
     if "compiled_s" not in m:
         return CompileChoice(False, f"auto -> off: the run's {steps} steps take ~{eager_total:.0f} s eagerly; at the "
                                     f"best speed-up hoped for ({BEST_SPEEDUP:.2f}x) a compile (~{compile_s:.0f} s here) "

@@ -123,6 +123,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     if check_tta(r.tta, "run.tta") != "none" and not cfg.aug.hflip:
         raise UsageError(f"run.tta={r.tta} averages over mirrored images, for models trained with flips: "
                          "set aug.hflip=true or run.tta=none")
+    compile_mod.normalize(r.compile)  # on every rank, before any collective: a bad value ends every rank alike
     strategy = resolve_strategy(r.strategy, dist)
     if strategy == "fsdp" and r.ema:
         raise UsageError("run.ema with run.strategy=fsdp is not supported: the EMA would need its own shards; use ddp")
@@ -164,7 +165,9 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     data = prepare(mc, train=spec.train, val=spec.val, test=spec.test, max_patches=d.max_patches, aug=cfg.aug, seed=r.seed)
     steps_per_epoch = len(data.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
-    compiled = _choose_compile(cfg, model, dist, precision, max(0, min(total, max_steps or total) - done))
+    last = total if max_steps is None else min(total, max_steps)
+    # a step is `accumulate` forward-backward passes of a batch: what the probe times one of
+    compiled = _choose_compile(cfg, model, dist, precision, max(0, last - done) * r.accumulate)
     if r.fast_gemm and device.type == "cpu" and precision == "fp32" and not compiled:
         pack_linears(model, training=True)  # repacked after every optimizer step (fused ones and FSDP2 included)
     ema = copy.deepcopy(model).eval() if r.ema else None  # before sharding: the EMA is a whole model on every rank

@@ -37,6 +37,7 @@ from ..safety import check_regular, check_zip_entry
 from .cpu import cpu_info
 
 PRECISIONS = ("fp32", "bf16")
+NO_COMPILER = "no C++ compiler for Inductor here (apt install g++, or set CXX)"  # why there is no compiled engine
 _META_LIMIT = 1 << 20  # a metadata file over 1 MiB is not one AOTInductor wrote
 
 
@@ -92,8 +93,7 @@ def compile_package(module: Autocast, example: tuple[torch.Tensor, ...], dims: t
     from torch._inductor import aoti_compile_and_package  # start-up time: Inductor costs ~0.5 s to import
 
     if compiler() is None:
-        raise UsageError("compiling a package (--format aoti, --backend aoti) needs a C++ compiler: apt install g++, "
-                         "or set CXX")
+        raise UsageError(f"compiling a package (--format aoti, --backend aoti) needs a C++ compiler: {NO_COMPILER}")
     meta = {**metadata, "vitkit_torch": torch.__version__, "vitkit_isa": vec_isa(),
             "vitkit_cpu_flags": " ".join(sorted(cpu_flags()))}
     with torch.no_grad():

@@ -267,11 +267,11 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
                     with torch.random.fork_rng():
                         y = run(x)
                     inproc[c.name] = lambda run=run: run(x)
-                elif emulated and c.precision == "bf16" and c.backend != "torch":
+                elif emulated and c.precision == "bf16":
                     c.skipped = f"not measured: {why} (bf16 would be emulated)"
                     continue
                 elif installed(c.backend) is None:
-                    c.skipped = ("not installed: no C++ compiler for Inductor (apt install g++, or set CXX)"
+                    c.skipped = (f"not installed: {aoti.NO_COMPILER}"
                                  if c.backend == "aoti" else
                                  f"not installed (pip install 'vitkit[{'deploy' if c.backend == 'onnx' else 'openvino'}]')")
                     continue
@@ -399,7 +399,7 @@ def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threa
         p = probe.resolve(precision, model, device, batch=batch, training=False)
         return BackendChoice(f"torch-{p.precision}", p.reason, batch=batch)
     if installed(backend) is None:
-        raise UsageError("--backend aoti compiles C++: it needs a C++ compiler (apt install g++, or set CXX)"
+        raise UsageError(f"--backend aoti compiles C++: {aoti.NO_COMPILER}"
                          if backend == "aoti" else
                          f"--backend {backend} needs {backend}: pip install 'vitkit[{'deploy' if backend == 'onnx' else 'openvino'}]'")
     p = "fp32" if precision in ("auto", "fp32") else precision

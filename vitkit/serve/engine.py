@@ -169,8 +169,6 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
     if is_package(checkpoint):  # vitkit's compiled engine, as `vitkit export --format aoti` made it
         if backend not in ("torch", "auto", "aoti"):
             raise UsageError(f"{checkpoint} is an AOTInductor package: serve it with --backend aoti")
-        if precision not in ("auto", "fp32", "bf16"):
-            raise UsageError(f"--backend aoti computes in fp32 or bf16, not {precision}")
         with untrusted(str(checkpoint), CheckpointError):
             served = PackagePredictor(checkpoint, threads)
         if precision not in ("auto", served.precision):

@@ -148,7 +148,7 @@ def decide(setting, model: nn.Module, device: torch.device, *, batch: int, preci
         return CompileChoice(False, "auto -> off: not measured for runs of several processes (run.compile=on "
                                     "compiles them)")
     if device.type == "cpu" and aoti.compiler() is None:
-        return CompileChoice(False, "auto -> off: no C++ compiler for Inductor here (apt install g++, or set CXX)")
+        return CompileChoice(False, f"auto -> off: {aoti.NO_COMPILER}")
     path = _cache_file()
     known = read_json_cache(path, {})
     known = known if isinstance(known, dict) else {}

@@ -206,19 +206,19 @@ def test_hf_exports_refuse_what_the_tower_cannot_hold(tmp_path):
 
 
 def test_timm_architectures_vitkit_does_not_implement_are_refused(tmp_path):
-    d = tmp_path / "dinov3"
+    """An Eva argument vitkit does not implement (MRoPE's temporal sections, post-norm blocks) is refused by name."""
+    d = tmp_path / "eva"
     d.mkdir()
     src = F / "timm_eva02"
     (d / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
     cfg = json.loads((src / "config.json").read_text())
-    cfg["architecture"] = "vit_small_patch16_dinov3"
+    cfg["model_args"]["rope_type"] = "mrope"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(vitkit.CheckpointError, match="does not implement"):
+    with pytest.raises(vitkit.CheckpointError, match="rope_type='mrope'"):
         vitkit.load(d)
-    cfg["architecture"] = "eva02_tiny_patch14_224"
-    cfg["model_args"]["rope_type"] = "mixed"
+    cfg["model_args"].update(rope_type="cat", use_post_norm=True)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(vitkit.CheckpointError, match="rope_type"):
+    with pytest.raises(vitkit.CheckpointError, match="use_post_norm"):
         vitkit.load(d)
 
 

@@ -56,6 +56,14 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     cfg["k_bias"] = "blocks.0.attn.q_bias" not in sd  # EVA-02: query and value biases only
     cfg["qk_norm"] = "blocks.0.attn.q_norm.weight" in sd
     cfg["attn_norm"] = "blocks.0.attn.norm.weight" in sd
+    # AIMv2: RMSNorm (a weight, no bias), a norm on the patch tokens, no bias on the projections
+    if depth:
+        cfg["norm"] = "rmsnorm" if "blocks.0.norm1.bias" not in sd else "layernorm"
+        cfg["proj_bias"] = "blocks.0.attn.proj.bias" in sd
+    cfg["patch_norm"] = "patch_embed.norm.weight" in sd
+    if "rope.freqs" in sd:  # ROPE-ViT-Mixed's learned frequencies (2, depth, heads, head_dim / 2): the head count
+        cfg["rope"] = "mixed"
+        hints.setdefault("num_heads", sd["rope.freqs"].shape[2])
     # LayerScale: the value it was initialised with is not in the file (and changes nothing once trained)
     stated_init = hints.pop("init_values", None)
     cfg["init_values"] = (stated_init or 1e-5) if "blocks.0.ls1.gamma" in sd else None
@@ -64,10 +72,13 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     cfg["reg_tokens"] = sd["reg_token"].shape[1] if "reg_token" in sd else 0
     cfg["mpp"] = "mpp_head.weight" in sd
     cfg["fc_norm"] = "fc_norm.weight" in sd
+    cfg["final_norm"] = "norm.weight" in sd or cfg["fc_norm"]  # the Perception Encoder's aligned towers: none
     cfg["pre_norm"] = "norm_pre.weight" in sd
     cfg["patch_bias"] = "patch_embed.proj.bias" in sd
     cfg["classifier"] = ("map" if "attn_pool.latent" in sd else
                          "token" if cfg["class_token"] and not cfg["fc_norm"] else "gap")
+    if "attn_pool.mlp.fc1.weight" in sd and sd["attn_pool.mlp.fc1.weight"].shape[0] != cfg["mlp_dim"]:
+        cfg["pool_mlp_dim"] = sd["attn_pool.mlp.fc1.weight"].shape[0]
     cfg["representation_size"] = sd["pre_logits.fc.weight"].shape[0] if "pre_logits.fc.weight" in sd else None
     cfg["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
     # hybrid: ResNet stages and width; the embedding kernel sits on the backbone's feature map

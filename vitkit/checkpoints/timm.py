@@ -171,8 +171,8 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
                 if blk + f"mlp.fc1.{leaf}" in sd:
                     g, x = sd.pop(blk + f"mlp.fc1.{leaf}").chunk(2)  # gate rows first: SiLU(gate) * value
                     sd[blk + f"mlp.fc1_g.{leaf}"], sd[blk + f"mlp.fc1_x.{leaf}"] = g, x
-    if eva and "blocks.0.mlp.fc1_g.weight" in sd:
-        facts.update(EVA02_ROPE)
+    if eva and "blocks.0.mlp.fc1_g.weight" in sd and "pos_embed.weight" in sd and "rope.freqs" not in sd:
+        facts.update(EVA02_ROPE)  # (DINOv3-H+ has SwiGLU too, but no absolute position embedding)
     if "patch_embed.backbone.stem.conv.weight" in sd:
         facts.update(TIMM_HYBRID_NUMERICS)
     return sd, facts, unused
@@ -429,7 +429,9 @@ def _arch_facts(arch: str) -> dict:
     return facts
 
 
-_UNSUPPORTED_NAMES = re.compile(r"vit_.*dinov3|vit_pe_|vit_.*_rope|naflexvit_.*(parfac|radio)")
+_UNSUPPORTED_NAMES = re.compile(r"naflexvit_.*(parfac|radio)")
+# timm's rope_type -> vitkit's rope (`layers/rope.py`); 'base' is the same axial embedding as 'cat'
+_ROPE_TYPES = {"cat": "eva", "": "eva", "base": "eva", "mixed": "mixed", "dinov3": "dinov3"}
 # timm constructor arguments -> vitkit config fields (VisionTransformer's, Eva's and NaFlexVit's names)
 _MODEL_ARGS = {"init_values": "init_values", "reg_tokens": "reg_tokens", "num_reg_tokens": "reg_tokens",
                "no_embed_class": "no_embed_class", "pre_norm": "pre_norm", "use_pre_transformer_norm": "pre_norm",
@@ -437,28 +439,31 @@ _MODEL_ARGS = {"init_values": "init_values", "reg_tokens": "reg_tokens", "num_re
                "scale_mlp_norm": "mlp_norm", "scale_attn_inner": "attn_norm", "scale_attn_norm": "attn_norm",
                "scale_attn_inner_norm": "attn_norm", "rope_temperature": "rope_temperature"}
 # Arguments vitkit takes only at their default (anything else is another architecture).
-_ONLY_DEFAULT = {"embed_layer": None, "block_fn": None, "use_naflex": False, "rope_type": "cat",
-                 "rope_grid_offset": 0.0, "rope_grid_indexing": "ij", "rope_rotate_half": False, "use_post_norm": False,
-                 "attn_type": "eva", "num_kv_heads": None, "attn_only_layer_scale": False, "swiglu_align_to": 0,
-                 "class_token_pos": None, "pos_embed": "learn", "proj_bias": True, "final_norm": True,
-                 "attn_layer": None, "embed_norm_layer": None, "pool_include_prefix": False, "use_abs_pos_emb": True,
-                 "rope_rescale_coords": None, "attn_gated": False, "input_norm_layer": None, "attn_pool_num_heads": None,
-                 "attn_pool_mlp_ratio": None, "embed_proj_type": "linear", "rope_mrope_section": None,
-                 "rope_shift_coords": None, "rope_jitter_coords": None, "rope_ref_feat_shape": None, "weight_init": "",
+# (the train-time rotary coordinate augmentations change nothing at inference: a fine-tuning run does not apply them)
+_ONLY_DEFAULT = {"embed_layer": None, "block_fn": None, "use_naflex": False, "use_post_norm": False,
+                 "attn_type": "eva", "num_kv_heads": None, "attn_only_layer_scale": False,
+                 "class_token_pos": None, "pos_embed": "learn",
+                 "attn_layer": None,
+                 "attn_gated": False, "input_norm_layer": None, "embed_proj_type": "linear", "rope_mrope_section": None,
+                 "rope_ref_feat_shape": None, "weight_init": "",
                  "dynamic_img_pad": False, "pos_embed_use_grid_sample": False, "use_key_only_attn_mask": False}
-_SAME = {"pos_embed": ("learn", "learned"), "rope_type": ("cat", ""), "attn_type": ("eva", "standard"),
-         "weight_init": ("", "skip"), "attn_pool_mlp_ratio": (None, 4.0, 4)}
+_SAME = {"pos_embed": ("learn", "learned", "none"), "attn_type": ("eva", "standard", "rope"),
+         "weight_init": ("", "skip")}
 # timm's MLP layers that are the paper's MLP or a SwiGLU vitkit reads from the tensors
 _MLP_LAYERS = {None, "Mlp", "SwiGLUPacked", "SwiGLU"}
 
 
-def _norm_eps(norm, default: float) -> float:
-    """LayerNorm's eps from timm's norm_layer argument (None, "layernorm", or a partial of LayerNorm)."""
+def _norm_layer(norm, default: float) -> tuple[str, float]:
+    """(vitkit's norm, eps) from timm's norm_layer argument (None, "layernorm", "rmsnorm", or a partial of LayerNorm
+    or RmsNorm)."""
     if norm is None or norm in ("layernorm", "LayerNorm"):
-        return default
-    if isinstance(norm, dict) and norm.get("partial") == "LayerNorm" and set(norm) <= {"partial", "eps"}:
-        return float(norm.get("eps", 1e-5))
-    raise CheckpointError(f"timm's config asks for norm_layer {norm!r}: vitkit's ViTs use LayerNorm")
+        return "layernorm", default
+    if norm in ("rmsnorm", "RmsNorm"):
+        return "rmsnorm", 1e-6  # timm's RmsNorm default
+    if isinstance(norm, dict) and norm.get("partial") in ("LayerNorm", "RmsNorm") and set(norm) <= {"partial", "eps"}:
+        kind = "rmsnorm" if norm["partial"] == "RmsNorm" else "layernorm"
+        return kind, float(norm.get("eps", 1e-6 if kind == "rmsnorm" else 1e-5))
+    raise CheckpointError(f"timm's config asks for norm_layer {norm!r}: vitkit's ViTs use LayerNorm or RMSNorm")
 
 
 def folder_facts(cfg: dict) -> dict:
@@ -486,8 +491,6 @@ def folder_facts(cfg: dict) -> dict:
         facts.update(_arch_facts(arch))
     elif naflex:
         facts.update(NAFLEX_FACTS)
-    elif cls == "Eva" and args.get("use_rot_pos_emb"):
-        facts["rope"] = "eva"
     eva = cls == "Eva" or (cls is None and arch.startswith("eva"))
     # timm resamples a learned grid with `resample_abs_pos_embed`: antialiased bicubic, corners not aligned
     facts.setdefault("pos_resample", "bicubic")
@@ -502,7 +505,12 @@ def folder_facts(cfg: dict) -> dict:
         raise CheckpointError(f"timm's {arch} uses act_layer {act!r}, which vitkit does not implement")
     facts["act"] = _TIMM_ACTS[act]
     if "norm_layer" in args:
-        facts["norm_eps"] = _norm_eps(args["norm_layer"], 1e-6)
+        facts["norm"], facts["norm_eps"] = _norm_layer(args["norm_layer"], 1e-6)
+    if args.get("embed_norm_layer") is not None:  # AIMv2: a norm on the patch tokens, the blocks' own kind
+        if _norm_layer(args["embed_norm_layer"], 1e-6) != (facts.get("norm", "layernorm"), facts.get("norm_eps", 1e-6)):
+            raise CheckpointError(f"timm's {arch} normalises its patch tokens with another norm than its blocks "
+                                  f"({args['embed_norm_layer']!r}), which vitkit does not implement")
+        facts["patch_norm"] = True
     if mlp not in _MLP_LAYERS:
         raise CheckpointError(f"timm's {arch} uses mlp_layer {args['mlp_layer']!r}, which vitkit does not implement")
     if (args.get("scale_mlp_norm") or args.get("scale_mlp")) and mlp not in ("SwiGLU", "SwiGLUPacked") \
@@ -518,12 +526,11 @@ def folder_facts(cfg: dict) -> dict:
         if key in args:
             facts[ours] = args[key]
     if eva and "use_rot_pos_emb" in args:
-        facts["rope"] = "eva" if args["use_rot_pos_emb"] else None
-    if eva and "ref_feat_shape" in args:
-        ref = args["ref_feat_shape"]
-        facts["rope_ref_grid"] = None if ref is None else tuple(ref) if isinstance(ref, (list, tuple)) else (ref, ref)
-    if eva and facts.get("rope") and facts.get("rope_ref_grid") is None and "ref_feat_shape" not in args:
-        facts["rope_ref_grid"] = EVA02_ROPE["rope_ref_grid"] if arch.startswith("eva02_") else None
+        facts.update(_eva_rope_facts(arch, args))
+    if eva and args.get("attn_pool_num_heads"):  # the Perception Encoder's pooling: its own head count
+        facts["pool_heads"] = args["attn_pool_num_heads"]
+    if facts["classifier"] == "map" and (eva or args.get("pool_include_prefix")):
+        facts["pool_prefix"] = True  # timm's Eva pools every token, its VisionTransformer the patches alone
     # the resolution, as timm's create_model settles it: model_args, else the entry point's own argument, else the
     # pretrained_cfg's input size where that is fixed (timm's default: not fixed; a dynamic size never is)
     user = cfg.get("model_args") or {}
@@ -532,8 +539,8 @@ def folder_facts(cfg: dict) -> dict:
         pass  # any size: the position grid's own (from the tensors) is the native one
     elif "img_size" in user or "img_size" in args:
         facts["img_size"] = args["img_size"]
-    elif "input_size" in pre and fixed:
-        facts["img_size"] = tuple(pre["input_size"][1:])
+    elif "input_size" in pre and (fixed or args.get("use_abs_pos_emb") is False or args.get("pos_embed") == "none"):
+        facts["img_size"] = tuple(pre["input_size"][1:])  # (no position table to tell the native grid: the cfg's)
     if naflex:
         mode = (args.get("pos_embed_interp_mode", "bicubic"), args.get("pos_embed_antialias", True),
                 args.get("pos_embed_align_corners", False))
@@ -561,6 +568,26 @@ def folder_facts(cfg: dict) -> dict:
     return facts
 
 
+def _eva_rope_facts(arch: str, args: dict) -> dict:
+    """The rotary embedding of a timm Eva (EVA-02, ROPE-ViT, the Perception Encoder, DINOv3) from its arguments."""
+    if not args["use_rot_pos_emb"]:
+        return {"rope": None, "rope_ref_grid": None}
+    rope_type = args.get("rope_type", "cat")
+    kind = _ROPE_TYPES.get(rope_type)
+    if kind is None:
+        raise CheckpointError(f"timm's {arch} sets rope_type={rope_type!r}, which vitkit does not implement "
+                              f"(vitkit: {sorted(k for k in _ROPE_TYPES if k)})")
+    facts = {"rope": kind, "rope_indexing": args.get("rope_grid_indexing", "ij"),
+             "rope_offset": float(args.get("rope_grid_offset", 0.0)), "rope_half": bool(args.get("rope_rotate_half"))}
+    ref = args.get("ref_feat_shape")
+    if kind != "eva" or ref is None:  # timm's dinov3 and mixed embeddings take no reference grid
+        facts["rope_ref_grid"] = (EVA02_ROPE["rope_ref_grid"] if kind == "eva" and "ref_feat_shape" not in args
+                                  and arch.startswith("eva02_") else None)
+    else:
+        facts["rope_ref_grid"] = tuple(ref) if isinstance(ref, (list, tuple)) else (ref, ref)
+    return facts
+
+
 def architecture_facts(arch: str) -> dict:
     """What a registered timm architecture's name fixes for a bare state dict of it (as
     `timm.create_model(arch, pretrained_cfg_overlay=dict(file=...))` builds it): its constructor arguments; the
@@ -571,8 +598,11 @@ def architecture_facts(arch: str) -> dict:
         raise CheckpointError(f"architecture {arch!r} is not one timm {json.loads(ARCHS_FILE.read_text())['timm_version']} "
                               f"registers in the families vitkit reads" + (f" (did you mean {', '.join(near)}?)" if near else ""))
     entry = registered_archs()[arch]
-    facts = folder_facts({"architecture": arch, "pretrained_cfg": entry.get("pretrained_cfg", {})})
-    facts.pop("img_size", None)
+    kw = entry["kwargs"]
+    pre = {**entry.get("pretrained_cfg", {}), "input_size": entry.get("input_size")}
+    facts = folder_facts({"architecture": arch, "pretrained_cfg": pre})
+    if kw.get("use_abs_pos_emb", True) and kw.get("pos_embed", "learn") != "none":
+        facts.pop("img_size", None)  # the position table's grid says it
     return facts
 
 

@@ -58,6 +58,8 @@ class PackedForward:
         p = self.config.num_prefix_tokens
         if self.config.classifier == "token":
             return x[:, 0]
+        if self.attn_pool is not None and self.config.pool_prefix:  # the prefix tokens are valid in every row
+            return self.attn_pool(x, valid=torch.cat([valid.new_ones(valid.shape[0], p), valid], dim=1))
         if self.attn_pool is not None:
             return self.attn_pool(x[:, p:], valid=valid)
         return self.fc_norm(masked_mean(x[:, p:], valid))

@@ -18,8 +18,11 @@ config field that is off by default (so the paper's models are unchanged) and ea
 LayerScale on both residual branches (`init_values`), register tokens after the class token (`reg_tokens`), a
 position embedding over the patches alone (`no_embed_class`), a LayerNorm before the blocks (`pre_norm`, CLIP) and a
 patch embedding without bias (`patch_bias`, CLIP), qk-norm, a LayerNorm inside attention (`attn_norm`) and inside
-the MLP (`mlp_norm`), the SwiGLU MLP (`mlp_layer`), 2-D rotary embeddings (`rope`, EVA-02), CLIP's quick GELU
-(`act`), and pooling by attention (`classifier='map'`, SigLIP) or by the mean with a norm after it (`fc_norm`).
+the MLP (`mlp_norm`), the SwiGLU MLP (`mlp_layer`), 2-D rotary embeddings (`rope`: EVA-02's and ROPE-ViT's axial ones,
+ROPE-ViT's learned per-block frequencies, DINOv3's normalised coordinates), CLIP's quick GELU (`act`), and pooling by
+attention (`classifier='map'`, SigLIP; the Perception Encoder's with its own heads) or by the mean with a norm after
+it (`fc_norm`). The 2025 backbones add RMSNorm, a norm on the patch tokens and no projection biases (`norm`,
+`patch_norm`, `proj_bias`: AIMv2) and no final norm (`final_norm`: PE's aligned towers).
 
 Every forward (features, logits, the class-token-only last block, intermediates, packed, masked patch prediction)
 runs the blocks through one loop, `VisionTransformer._encode`. Beside this file: the config (`vit_config.py`), the
@@ -39,7 +42,6 @@ from .layers import (
     Attention,
     AttentionPool,
     DropPath,
-    LayerNorm,
     LayerScale,
     Linear,
     Mlp,
@@ -47,6 +49,7 @@ from .layers import (
     RelativePositionBias,
     RotaryEmbedding2d,
     SwiGLU,
+    make_norm,
 )
 from .layers.attention import check_impl
 from .layers.block import Block
@@ -94,21 +97,27 @@ torch.fx.wrap("_pos_embed_at")
 torch.fx.wrap("_rope_at")
 
 
+def norm_layer(c: ViTConfig):
+    """The config's norm (LayerNorm, or RMSNorm for AIMv2) as a function of the width."""
+    return lambda dim: make_norm(c.norm, dim, c.norm_eps)
+
+
 def make_block(c: ViTConfig, drop_path: float) -> Block:
     """One encoder block of the config `c`, its layers built here and handed to `Block` (in this order: the random
     initialisation of a seeded model does not change)."""
     rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens) if c.pos_embed == "relative" else None
     d = c.embed_dim
-    norm1 = LayerNorm(d, eps=c.norm_eps)
+    norm1 = norm_layer(c)(d)
     attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,
                      rel_pos=rel, qk_norm=c.qk_norm, inner_norm=c.attn_norm, norm_eps=c.norm_eps,
-                     rope_prefix=c.num_prefix_tokens, k_bias=c.k_bias)
+                     rope_prefix=c.num_prefix_tokens, k_bias=c.k_bias, proj_bias=c.proj_bias, rope_half=c.rope_half,
+                     norm_layer=norm_layer(c))
     ls1 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
-    norm2 = LayerNorm(d, eps=c.norm_eps)
+    norm2 = norm_layer(c)(d)
     if c.mlp_layer == "swiglu":
-        mlp = SwiGLU(d, c.mlp_dim, norm=c.mlp_norm, norm_eps=c.norm_eps, drop=c.drop_rate)
+        mlp = SwiGLU(d, c.mlp_dim, norm=c.mlp_norm, drop=c.drop_rate, bias=c.proj_bias, norm_layer=norm_layer(c))
     else:
-        mlp = Mlp(d, c.mlp_dim, act=c.act, drop=c.drop_rate)
+        mlp = Mlp(d, c.mlp_dim, act=c.act, drop=c.drop_rate, bias=c.proj_bias)
     ls2 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
     return Block(norm1, attn, ls1, DropPath(drop_path), norm2, mlp, ls2, DropPath(drop_path))
 
@@ -141,7 +150,9 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
                 c.hybrid_layers, width_factor=c.hybrid_width, in_chans=c.in_chans,
                 ws_eps=c.hybrid_ws_eps, ws_eps_mode=c.hybrid_ws_eps_mode, gn_eps=c.hybrid_gn_eps,
             )
-        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, backbone, bias=c.patch_bias)
+        norm = norm_layer(c)
+        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, backbone, bias=c.patch_bias,
+                                      norm=norm(c.embed_dim) if c.patch_norm else None)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
         self.dist_token = nn.Parameter(torch.randn(1, 1, c.embed_dim) * 0.02) if c.distilled else None
         self.reg_token = nn.Parameter(torch.randn(1, c.reg_tokens, c.embed_dim) * 1e-6) if c.reg_tokens else None
@@ -149,15 +160,18 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         covered = 0 if c.no_embed_class else c.num_prefix_tokens
         self.pos_embed = POS_EMBEDS[c.pos_embed](c.grid_size, c.embed_dim, covered)
         self.pos_embed.method, self.pos_embed.square = c.pos_resample, c.pos_resample_square
-        self.rope = (RotaryEmbedding2d(c.embed_dim // c.num_heads, c.grid_size, c.rope_ref_grid, c.rope_temperature)
+        self.rope = (RotaryEmbedding2d(c.embed_dim // c.num_heads, c.grid_size, c.rope_ref_grid, c.rope_temperature,
+                                       kind=c.rope, indexing=c.rope_indexing, offset=c.rope_offset, half=c.rope_half,
+                                       depth=c.depth, num_heads=c.num_heads)
                      if c.rope else None)
         self.pos_drop = nn.Dropout(c.drop_rate)
-        self.norm_pre = LayerNorm(c.embed_dim, eps=c.norm_eps) if c.pre_norm else nn.Identity()
+        self.norm_pre = norm(c.embed_dim) if c.pre_norm else nn.Identity()
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]  # stochastic depth, linear over depth
         self.blocks = nn.ModuleList(make_block(c, dpr[i]) for i in range(c.depth))
-        self.norm = nn.Identity() if c.fc_norm else LayerNorm(c.embed_dim, eps=c.norm_eps)
-        self.fc_norm = LayerNorm(c.embed_dim, eps=c.norm_eps) if c.fc_norm else nn.Identity()
-        self.attn_pool = (AttentionPool(c.embed_dim, c.num_heads, c.mlp_dim, act=c.act, norm_eps=c.norm_eps)
+        self.norm = norm(c.embed_dim) if c.final_norm and not c.fc_norm else nn.Identity()
+        self.fc_norm = norm(c.embed_dim) if c.fc_norm else nn.Identity()
+        self.attn_pool = (AttentionPool(c.embed_dim, c.pool_heads or c.num_heads, c.pool_mlp_dim or c.mlp_dim,
+                                        act=c.act, norm_eps=c.norm_eps, norm_layer=norm)
                           if c.classifier == "map" else None)
         self.pre_logits = PreLogits(c.embed_dim, c.representation_size) if c.representation_size else nn.Identity()
         self.head_drop = nn.Dropout(c.drop_rate)
@@ -251,7 +265,11 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         (`last_block_cls_only`): its output is then (B, p, D)."""
         tokens, attn = {}, {}
         last = len(self.blocks) - 1
+        per_block = rope is not None and self.rope.per_block  # ROPE-ViT-Mixed: (sin, cos) of each block's frequencies
+        rope_all = rope
         for i, blk in enumerate(self.blocks):
+            if per_block:
+                rope = (rope_all[0][i], rope_all[1][i])  # each (heads, N, hd), or (B, heads, L, hd) packed
             # the prefix tokens, all the head reads: (B, 1, D), (B, 2, D) with DeiT's distillation token,
             # (B, 1 + R, D) with R registers
             queries = self.config.num_prefix_tokens if cls_only_last and i == last else None
@@ -272,8 +290,8 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         """(B, T, D) -> (B, D): the class token, the mean of the patch tokens, or their attention pooling."""
         if self.config.classifier == "token":
             return x[:, 0]
-        if self.attn_pool is not None:
-            return self.attn_pool(x[:, self.config.num_prefix_tokens :])
+        if self.attn_pool is not None:  # over the patches, or every token (pool_prefix: timm's Eva, PE)
+            return self.attn_pool(x if self.config.pool_prefix else x[:, self.config.num_prefix_tokens :])
         return self.fc_norm(x[:, self.config.num_prefix_tokens :].mean(dim=1))
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 from .layers import LearnedPosEmbed1d, LearnedPosEmbed2d, NoPosEmbed, SinCosPosEmbed2d
 from .layers.mlp import ACTIVATIONS
+from .layers.norm import NORMS
+from .layers.rope import ROPE_KINDS
 from .layers.patch_embed import to_2tuple
 from .layers.pos_embed import RESAMPLE_METHODS
 from .resnet import backbone_stride
@@ -14,7 +16,8 @@ from ..safety import check_sizes, check_types
 
 CLASSIFIERS = ("token", "gap", "map")
 MLP_LAYERS = ("mlp", "swiglu")
-ROPES = (None, "eva")
+ROPES = (None, *ROPE_KINDS)
+ROPE_INDEXING = ("ij", "xy")
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
@@ -71,9 +74,20 @@ class ViTConfig:
         mlp_layer: "mlp" (the paper's) or "swiglu" (fc2(SiLU(W_g x) * W_x x): EVA-02, DINOv2-g); with "swiglu",
             mlp_dim is the width of the gated hidden layer.
         mlp_norm: a LayerNorm on the SwiGLU's hidden units (EVA-02's `scale_mlp`).
-        rope: "eva": 2-D rotary embeddings of the patch tokens' queries and keys, as EVA-02 (`layers/rope.py`);
-            None: none. rope_ref_grid: the grid whose coordinates the rotation uses at every resolution (EVA-02:
-            (16, 16)); None: the grid itself. rope_temperature: the base of the frequencies.
+        rope: 2-D rotary embeddings of the patch tokens' queries and keys (`layers/rope.py`): "eva" (axial: EVA-02,
+            ROPE-ViT-Axial, the Perception Encoder), "mixed" (ROPE-ViT's learned frequencies, per block and head) or
+            "dinov3" (DINOv3's coordinates normalised to [-1, 1]); None: none. rope_ref_grid ("eva"): the grid whose
+            coordinates the rotation uses at every resolution (EVA-02: (16, 16)); None: the grid itself.
+            rope_temperature: the base of the frequencies (DINOv3's periods). rope_indexing: "ij" (the first half
+            of the angles from the row) or "xy" (from the column: ROPE-ViT, PE). rope_offset: added to the patch
+            indices (PE: 1). rope_half: the rotate-half channel layout (DINOv3) instead of adjacent pairs.
+        norm: "layernorm" or "rmsnorm" (AIMv2), every norm of the model. patch_norm: a norm on the patch tokens
+            before the position embedding (AIMv2). proj_bias: biases on the attention's output projection and the
+            MLP (AIMv2: none). final_norm: the norm after the blocks (the Perception Encoder's language- and
+            spatial-aligned towers have none).
+        pool_heads, pool_mlp_dim: the attention pooling's heads and MLP width ("map"), when not the blocks' (the
+            Perception Encoder's: 8 heads). pool_prefix: the attention pooling reads the prefix tokens too (timm's
+            Eva, the Perception Encoder), not the patches alone.
         pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
             learned position grid to each image's: "bilinear" (the official method), "bicubic" (timm's NaFlexVit),
             "bilinear_aa" (SigLIP 2), "bicubic_noaa" (transformers' DINOv2). pos_resample_square: resample to the
@@ -127,6 +141,16 @@ class ViTConfig:
     rope: str | None = None
     rope_ref_grid: tuple[int, int] | None = None
     rope_temperature: float = 10000.0
+    rope_indexing: str = "ij"
+    rope_offset: float = 0.0
+    rope_half: bool = False
+    norm: str = "layernorm"
+    patch_norm: bool = False
+    proj_bias: bool = True
+    final_norm: bool = True
+    pool_heads: int | None = None
+    pool_mlp_dim: int | None = None
+    pool_prefix: bool = False
     pos_resample: str = "bilinear"
     pos_resample_square: bool = False
     naflex: bool = False
@@ -165,6 +189,19 @@ class ViTConfig:
             raise UsageError(f"rope must be one of {ROPES}, got {self.rope!r}")
         if self.rope and (self.embed_dim // self.num_heads) % 4:
             raise UsageError(f"rope needs a head width divisible by 4, got {self.embed_dim // self.num_heads}")
+        if self.rope_indexing not in ROPE_INDEXING:
+            raise UsageError(f"rope_indexing must be one of {ROPE_INDEXING}, got {self.rope_indexing!r}")
+        if self.rope == "mixed" and self.rope_half:
+            raise UsageError("rope='mixed' (learned frequencies) rotates adjacent channel pairs: rope_half=False")
+        if self.norm not in NORMS:
+            raise UsageError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.fc_norm and not self.final_norm:
+            raise UsageError("fc_norm replaces the final norm (it normalises after pooling): final_norm=False with it "
+                             "means no norm at all; set fc_norm=False")
+        if (self.pool_heads or self.pool_mlp_dim or self.pool_prefix) and self.classifier != "map":
+            raise UsageError("pool_heads, pool_mlp_dim and pool_prefix are the attention pooling's (classifier='map')")
+        if self.pool_heads and self.embed_dim % self.pool_heads:
+            raise UsageError(f"embed_dim {self.embed_dim} is not divisible by pool_heads {self.pool_heads}")
         if self.reg_tokens < 0:
             raise UsageError(f"reg_tokens must be >= 0, got {self.reg_tokens}")
         if self.reg_tokens and self.distilled:
@@ -212,7 +249,10 @@ class ViTConfig:
               "pre-norm" if self.pre_norm else "", "qk-norm" if self.qk_norm else "",
               "attention sub-norm" if self.attn_norm else "",
               ("SwiGLU with a norm" if self.mlp_norm else "SwiGLU") if self.mlp_layer == "swiglu" else "",
-              "2-D RoPE" if self.rope else "", "no key bias" if not self.k_bias else "",
+              {"eva": "2-D RoPE", "mixed": "2-D RoPE, learned frequencies", "dinov3": "DINOv3 RoPE"}.get(self.rope, ""),
+              "no key bias" if not self.k_bias else "", "RMSNorm" if self.norm == "rmsnorm" else "",
+              "patch norm" if self.patch_norm else "", "no projection biases" if not self.proj_bias else "",
+              "no final norm" if not self.final_norm else "",
               "MAP head" if self.classifier == "map" else "", "quick GELU" if self.act == "quick_gelu" else "",
               "distillation token" if self.distilled else ""]
         return [o for o in on if o]

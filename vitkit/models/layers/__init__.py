@@ -5,7 +5,7 @@ from .drop_path import DropPath
 from .layer_scale import LayerScale
 from .linear import Linear
 from .mlp import Mlp, SwiGLU
-from .norm import LayerNorm
+from .norm import LayerNorm, RMSNorm, make_norm
 from .patch_embed import PatchEmbed
 from .pos_embed import (
     LearnedPosEmbed1d,
@@ -18,6 +18,6 @@ from .rope import RotaryEmbedding2d
 from .std_conv import StdConv2d, pad_same
 
 __all__ = [
-    "Attention", "AttentionPool", "RelativePositionBias", "DropPath", "LayerScale", "SwiGLU", "RotaryEmbedding2d", "LayerNorm", "Linear", "Mlp", "PatchEmbed", "LearnedPosEmbed1d",
+    "Attention", "AttentionPool", "RelativePositionBias", "DropPath", "LayerScale", "SwiGLU", "RotaryEmbedding2d", "LayerNorm", "RMSNorm", "make_norm", "Linear", "Mlp", "PatchEmbed", "LearnedPosEmbed1d",
     "LearnedPosEmbed2d", "NoPosEmbed", "SinCosPosEmbed2d", "resample_pos_embed_grid", "StdConv2d", "pad_same",
 ]

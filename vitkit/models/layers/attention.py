@@ -119,6 +119,9 @@ class Attention(nn.Module):
         norm_eps: float = 1e-6,
         rope_prefix: int = 0,
         k_bias: bool = True,
+        proj_bias: bool = True,
+        rope_half: bool = False,
+        norm_layer=None,
         impl: str = "auto",
     ) -> None:
         super().__init__()
@@ -133,13 +136,15 @@ class Attention(nn.Module):
         self.q_bias = nn.Parameter(torch.zeros(dim)) if split_bias else None
         self.v_bias = nn.Parameter(torch.zeros(dim)) if split_bias else None
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = Linear(dim, dim, bias=proj_bias)  # AIMv2: no bias
         self.proj_drop = nn.Dropout(proj_drop)
         self.rel_pos = rel_pos
-        self.q_norm = LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else None
-        self.k_norm = LayerNorm(self.head_dim, eps=norm_eps) if qk_norm else None
-        self.norm = LayerNorm(dim, eps=norm_eps) if inner_norm else None
+        norm_layer = norm_layer or (lambda n: LayerNorm(n, eps=norm_eps))
+        self.q_norm = norm_layer(self.head_dim) if qk_norm else None
+        self.k_norm = norm_layer(self.head_dim) if qk_norm else None
+        self.norm = norm_layer(dim) if inner_norm else None
         self.rope_prefix = rope_prefix  # tokens in front of the patch grid: not rotated
+        self.rope_half = rope_half  # the rotary embedding's channel layout (`rope.apply_rope`)
         self.impl = check_impl(impl)
         self.reset_parameters()
 
@@ -152,7 +157,8 @@ class Attention(nn.Module):
             if self.qkv.bias is not None:
                 self.qkv.bias.zero_()
         nn.init.xavier_uniform_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
+        if self.proj.bias is not None:
+            nn.init.zeros_(self.proj.bias)
 
     def _explicit_is_faster(self, q: torch.Tensor, tokens: int) -> bool:
         """On CPU in bf16 with native bf16 matmuls, plain matmul + softmax beats the fused kernel up to ~600 tokens
@@ -175,8 +181,9 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None = None):
         """x: (B, T, D) -> (B, T, D); with `return_attention`, also the softmax weights (B, H, T, T).
         grid: the patch grid of this input, when it is not the model's (dynamic_img_size; the relative bias).
-        rope: (sin, cos), each (N, head_dim) (or (B, 1, N, head_dim) for a packed batch), rotating the patch tokens'
-            queries and keys (`rope.py`).
+        rope: (sin, cos), each (N, head_dim) (or (B, 1, N, head_dim) for a packed batch; (heads, N, head_dim), or
+            (B, heads, N, head_dim), of ROPE-ViT-Mixed's learned frequencies), rotating the patch tokens' queries and
+            keys (`rope.py`).
         mask: (B, 1, 1, T) bool, the keys each row may read (a packed batch's `packing.key_mask`); None: all.
 
         queries: only the first `queries` tokens attend (keys and values still come from all T tokens), and
@@ -196,8 +203,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             p = self.rope_prefix
-            q = torch.cat([q[:, :, :p], apply_rope(q[:, :, p:], *rope)], dim=2)
-            k = torch.cat([k[:, :, :p], apply_rope(k[:, :, p:], *rope)], dim=2)
+            q = torch.cat([q[:, :, :p], apply_rope(q[:, :, p:], *rope, half=self.rope_half)], dim=2)
+            k = torch.cat([k[:, :, :p], apply_rope(k[:, :, p:], *rope, half=self.rope_half)], dim=2)
         if queries is not None:  # the other tokens' q costs one D x D matmul of a block's twelve: kept, so that
             q = q[:, :, :queries]  # the projection stays one (packable) Linear; (B, H, Q, hd)
         Q = q.shape[2]

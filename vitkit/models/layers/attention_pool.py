@@ -20,14 +20,14 @@ from .norm import LayerNorm
 
 class AttentionPool(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_dim: int, *, act: str = "gelu", norm_eps: float = 1e-6,
-                 qkv_bias: bool = True) -> None:
+                 qkv_bias: bool = True, norm_layer=None) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.latent = nn.Parameter(torch.randn(1, 1, dim) * dim**-0.5)
         self.q = Linear(dim, dim, bias=qkv_bias)
         self.kv = Linear(dim, 2 * dim, bias=qkv_bias)
         self.proj = Linear(dim, dim)
-        self.norm = LayerNorm(dim, eps=norm_eps)
+        self.norm = norm_layer(dim) if norm_layer else LayerNorm(dim, eps=norm_eps)
         self.mlp = Mlp(dim, mlp_dim, act=act)
 
     def forward(self, x: torch.Tensor, return_attention: bool = False, valid: torch.Tensor | None = None):

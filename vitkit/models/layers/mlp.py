@@ -35,13 +35,13 @@ def make_act(act: str) -> nn.Module:
 
 
 class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, *, act: str = "gelu", drop: float = 0.0) -> None:
+    def __init__(self, dim: int, hidden: int, *, act: str = "gelu", drop: float = 0.0, bias: bool = True) -> None:
         super().__init__()
-        self.fc1 = Linear(dim, hidden)
+        self.fc1 = Linear(dim, hidden, bias=bias)
         self.act = make_act(act)
         self.act_name = act
         self.drop1 = nn.Dropout(drop)
-        self.fc2 = Linear(hidden, dim)
+        self.fc2 = Linear(hidden, dim, bias=bias)
         self.drop2 = nn.Dropout(drop)
         self.reset_parameters()
 
@@ -49,7 +49,8 @@ class Mlp(nn.Module):
         # Official init: xavier-uniform kernels, biases normal(1e-6).
         for fc in (self.fc1, self.fc2):
             nn.init.xavier_uniform_(fc.weight)
-            nn.init.normal_(fc.bias, std=1e-6)
+            if fc.bias is not None:
+                nn.init.normal_(fc.bias, std=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1.forward_act(x, self.act_name, self.act)  # (B, T, M); inference on oneDNN: GELU in the GEMM
@@ -57,23 +58,25 @@ class Mlp(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """The gated MLP of EVA-02 and DINOv2-g (Shazeer 2020): fc2(SiLU(fc1_g x) * fc1_x x), with an optional
-    LayerNorm on the hidden units (EVA-02's `scale_mlp`, NormFormer's). Names as timm's `SwiGLU`; the packed
+    """The gated MLP of EVA-02, DINOv2-g, DINOv3-H+ and AIMv2 (Shazeer 2020): fc2(SiLU(fc1_g x) * fc1_x x), with an
+    optional norm on the hidden units (EVA-02's `scale_mlp`, NormFormer's) and without biases (AIMv2). Names as timm's `SwiGLU`; the packed
     layouts (timm's GluMlp `fc1`, DINOv2's `w12`, HF's `weights_in`) are the gate's rows then the value's."""
 
-    def __init__(self, dim: int, hidden: int, *, norm: bool = False, norm_eps: float = 1e-6, drop: float = 0.0) -> None:
+    def __init__(self, dim: int, hidden: int, *, norm: bool = False, norm_eps: float = 1e-6, drop: float = 0.0,
+                 bias: bool = True, norm_layer=None) -> None:
         super().__init__()
 
-        self.fc1_g = Linear(dim, hidden)
-        self.fc1_x = Linear(dim, hidden)
+        self.fc1_g = Linear(dim, hidden, bias=bias)
+        self.fc1_x = Linear(dim, hidden, bias=bias)
         self.act = nn.SiLU()
         self.drop1 = nn.Dropout(drop)
-        self.norm = LayerNorm(hidden, eps=norm_eps) if norm else nn.Identity()
-        self.fc2 = Linear(hidden, dim)
+        self.norm = (norm_layer or (lambda n: LayerNorm(n, eps=norm_eps)))(hidden) if norm else nn.Identity()
+        self.fc2 = Linear(hidden, dim, bias=bias)
         self.drop2 = nn.Dropout(drop)
         for fc in (self.fc1_g, self.fc1_x, self.fc2):
             nn.init.xavier_uniform_(fc.weight)
-            nn.init.zeros_(fc.bias)
+            if fc.bias is not None:
+                nn.init.zeros_(fc.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.fc1_g(x)) * self.fc1_x(x)  # (B, T, M)

@@ -1,4 +1,5 @@
-"""LayerNorm that keeps a low-precision token stream in its dtype under CUDA autocast."""
+"""The normalisation layers: LayerNorm (the paper's; it keeps a low-precision token stream in its dtype under
+CUDA autocast) and RMSNorm (AIMv2: no centring, no bias)."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .tracing import is_fx_tracing
+
+NORMS = ("layernorm", "rmsnorm")
 
 
 class LayerNorm(nn.LayerNorm):
@@ -24,3 +27,15 @@ class LayerNorm(nn.LayerNorm):
             with torch.autocast("cuda", enabled=False):
                 return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
         return super().forward(x)
+
+
+class RMSNorm(nn.RMSNorm):
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019; AIMv2): timm's `RmsNorm`, transformers'
+    `Aimv2RMSNorm`; one parameter, `weight`."""
+
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """The model's norm layer of width `dim`: "layernorm" or "rmsnorm" (`NORMS`)."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    return LayerNorm(dim, eps=eps)

@@ -34,6 +34,7 @@ class PatchEmbed(FastGemm, nn.Module):
         embed_dim: int,
         backbone: nn.Module | None = None,
         bias: bool = True,
+        norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.img_size, self.patch_size, self.in_chans = img_size, patch_size, in_chans
@@ -54,6 +55,7 @@ class PatchEmbed(FastGemm, nn.Module):
         lecun_normal_(self.proj.weight)
         if bias:
             nn.init.zeros_(self.proj.bias)
+        self.norm = norm if norm is not None else nn.Identity()  # AIMv2: an RMSNorm on every patch token
         self.dynamic = False  # any H x W divisible by the patch size (dynamic_img_size), not img_size alone
 
     def check_input(self, x: torch.Tensor) -> None:
@@ -84,9 +86,9 @@ class PatchEmbed(FastGemm, nn.Module):
             x = x.contiguous(memory_format=torch.channels_last)
             x = self.backbone(x)  # (B, C, H, W) -> (B, C', H/s, W/s)
         if not tracing and x.device.type == "cpu":
-            return self._patches_matmul(x)
+            return self.norm(self._patches_matmul(x))
         x = self.proj(x)  # (B, D, gh, gw)
-        return x.flatten(2).transpose(1, 2)  # (B, D, gh, gw) -> (B, N, D)
+        return self.norm(x.flatten(2).transpose(1, 2))  # (B, D, gh, gw) -> (B, N, D)
 
     def embed_patches(self, patches: torch.Tensor) -> torch.Tensor:
         """Flattened pixel patches (B, L, ph*pw*C), channel fastest (a packed batch's, timm NaFlex's and SigLIP 2's
@@ -100,7 +102,7 @@ class PatchEmbed(FastGemm, nn.Module):
             raise UsageError(f"patches of {n} values, expected {kh}x{kw}x{c} = {kh * kw * c} (ph, pw, C)")
         x = patches.reshape(B, L, kh, kw, c).permute(0, 1, 4, 2, 3).reshape(B, L, c * kh * kw)  # (ph, pw, C) -> (C, ph, pw)
         w = self.proj.weight
-        return self._linear(x, w, w.reshape(w.shape[0], -1), self.proj.bias)  # (B, L, D)
+        return self.norm(self._linear(x, w, w.reshape(w.shape[0], -1), self.proj.bias))  # (B, L, D)
 
     def _patches_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The same map as `proj` (kernel = stride), as the paper writes Eq. 1: cut the image (or a hybrid's feature

@@ -6,7 +6,8 @@ default (`dynamic_batch=False` fixes it at one image). With a dynamic size, a Vi
 of its patch size: the position embedding is resampled inside the graph (bilinear with aligned corners, the official
 method; an ONNX Resize), so one file serves every size. Every export is run against eager PyTorch on the batch sizes
 and resolutions it accepts (two of each where dynamic); the worst difference is reported, and
-above the tolerance the export fails and its file is removed. The ONNX file carries the model's config
+above the tolerance the export fails and its file is removed. A model with LoRA adapters (`vitkit.models.lora`) is
+exported with them merged into its weights, and checked against the model with its adapters. The ONNX file carries the model's config
 (preprocessing, class names) in its metadata, so `vitkit serve --backend onnx` needs nothing else.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..machine import aoti
 from ..machine.engine_probe import EngineError, openvino_core
 from ..machine.engine_probe import openvino_compile as compile_
 from ..models.layers.packing import PackedBatch, pack
+from ..models.lora import lora_layers, merge_lora
 from ..safety import check_regular
 
 FORMATS = ("onnx", "torch-export", "openvino", "aoti")
@@ -76,14 +78,24 @@ def check_shapes(model: nn.Module, dynamic_batch: bool, dynamic_size: bool) -> l
     return [(b, c.in_chans, sh, sw) for b in batches for sh, sw in sizes]
 
 
-def _prepare(model: nn.Module, dynamic_size: bool) -> nn.Module:
+def _prepare(model: nn.Module, dynamic_size: bool, merge: bool = True) -> nn.Module:
+    """The model as exported: a float32 CPU copy in eval mode, LoRA adapters merged into its weights (the graph holds
+    plain weights, as every peer reads them; `merge=False`: the reference the export is checked against), no
+    packed-weight caches."""
     m = copy.deepcopy(model).float().cpu().eval()
+    if merge:
+        merge_lora(m)
     if dynamic_size and hasattr(m, "set_dynamic_img_size"):
         m.set_dynamic_img_size(True)
     for mod in m.modules():  # packed MKL weights are an inference cache of eager mode, not part of a graph
         if hasattr(mod, "packable"):
             mod.packable, mod._packed = False, None
     return m
+
+
+def _reference(model: nn.Module, exported: nn.Module, dynamic_size: bool) -> nn.Module:
+    """What an export is checked against: the model as it is, adapters unmerged (a LoRA model's), else `exported`."""
+    return _prepare(model, dynamic_size, merge=False) if lora_layers(model) else exported
 
 
 def _dynamic_shapes(model: nn.Module, dynamic_batch: bool, dynamic_size: bool) -> dict | None:
@@ -153,8 +165,8 @@ def _export_packed(model: nn.Module, out: Path, format: str, opset: int, toleran
     except Exception as e:  # noqa: BLE001 - the exporters raise many types; all mean "this model did not export"
         out.unlink(missing_ok=True)
         raise ExportError(f"exporting {type(model).__name__} with packed inputs failed: {type(e).__name__}: {e}") from e
-    _check_packed(m, lambda p, c, v: sess.run(None, {"patches": p.numpy(), "coords": c.numpy(), "valid": v.numpy()})[0],
-                  report)
+    _check_packed(PackedInputs(_reference(model, m.model, False)),
+                  lambda p, c, v: sess.run(None, {"patches": p.numpy(), "coords": c.numpy(), "valid": v.numpy()})[0], report)
     _hold(report, tolerance, "packed ONNX", (out,))
     return report
 
@@ -192,7 +204,7 @@ def _export_packed_aoti(model: nn.Module, out: Path, tolerance: float, precision
     except Exception as e:  # noqa: BLE001 - the exporter and compiler raise many types; all mean "did not export"
         out.unlink(missing_ok=True)
         raise ExportError(f"compiling {type(model).__name__} with packed inputs failed: {type(e).__name__}: {e}") from e
-    _check_packed(m, lambda p, c, v: run(p, c, v).numpy(), report)
+    _check_packed(PackedInputs(_reference(model, m.model, False)), lambda p, c, v: run(p, c, v).numpy(), report)
     _hold(report, tolerance, "packed aoti", (out,))
     return report
 
@@ -302,10 +314,11 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
         if format == "openvino":
             out.with_suffix(".bin").unlink(missing_ok=True)
         raise ExportError(f"exporting {type(model).__name__} to {format} failed: {type(e).__name__}: {e}") from e
+    reference = _reference(model, m, dynamic_size)
     for shape in check_shapes(m, dynamic_batch, dynamic_size):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
         with torch.no_grad():
-            ref = m(x).numpy()
+            ref = reference(x).numpy()
         got = run(x.numpy())
         report.checks.append({"shape": list(shape), "max_abs_diff": float(np.abs(got - ref).max()),
                               "max_abs_logit": float(np.abs(ref).max())})

@@ -4,6 +4,11 @@
         .metadata                    rank 0 the index; model, optimizer and EMA tensors, keyed by parameter name
         meta.json                    step, best, elapsed time, the run's config and the model's, the world size
 
+A LoRA run's folder holds each model (the weights, the EMA) twice over where the adapters touch it: under "model"
+(and "ema") the plain weights with the adapters merged in, what `vitkit.load` (convert, eval, export) reads of
+a step folder; under "model_lora" (and "ema_lora") each adapted layer's frozen weight, lora_A and lora_B, from which
+a resumed run continues exactly.
+
 A step's folder is written as `step-N.tmp` and renamed once every rank has finished, and only then is the
 previous step's folder removed: a killed run always leaves one complete checkpoint. DCP reshards on load, so a
 run saved by 2 processes resumes in 1 (or 8), and `vitkit convert` reads a step folder into one .safetensors.
@@ -22,6 +27,7 @@ import torch
 from torch import nn
 
 from .config import flatten_config
+from ..models.lora import adapter_keys, merged_state_dict
 from .distributed import Dist
 from ..checkpoints.io import read_meta
 
@@ -89,6 +95,27 @@ def _tensors(model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None
     return state
 
 
+def _split_lora(state: dict, model: nn.Module, merged: bool) -> dict:
+    """A LoRA model's entries ("model", "ema") split in two: the adapted layers' keys under "<entry>_lora", and
+    under the entry itself the rest, with (`merged`, for writing) the adapted weights merged in: a plain model."""
+    keys = adapter_keys(model)
+    if not keys:
+        return state
+    for entry in ("model", "ema"):
+        if entry in state:
+            sd = state[entry]
+            state[f"{entry}_lora"] = {k: v for k, v in sd.items() if k in keys}
+            state[entry] = merged_state_dict(model, sd) if merged else {k: v for k, v in sd.items() if k not in keys}
+    return state
+
+
+def _join_lora(state: dict) -> dict:
+    for entry in ("model", "ema"):
+        if f"{entry}_lora" in state:
+            state[entry] = {**state[entry], **state.pop(f"{entry}_lora")}
+    return state
+
+
 def save(out: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None, meta: dict,
          dist: Dist) -> Path:
     """Write step `step` (every rank calls this); returns its folder. The previous step's folder goes only after."""
@@ -104,7 +131,7 @@ def save(out: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, ema
         tmp.mkdir(parents=True)
     dist.barrier()
     with single_process_quiet():
-        dcp.save(_tensors(model, opt, ema), checkpoint_id=str(tmp))
+        dcp.save(_split_lora(_tensors(model, opt, ema), model, merged=True), checkpoint_id=str(tmp))
     dist.barrier()
     if dist.main:
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": dist.world}, indent=1))
@@ -124,8 +151,9 @@ def load(step_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, ema: nn.M
 
     from ..checkpoints.run import dcp_load
 
-    state = _tensors(model, opt, ema)
+    state = _split_lora(_tensors(model, opt, ema), model, merged=False)
     dcp_load(state, step_dir)
+    state = _join_lora(state)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if ema is not None:
         ema.load_state_dict(state["ema"])

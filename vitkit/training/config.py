@@ -63,6 +63,14 @@ class ModelConfig:
     linear_probe: train only the head (frozen backbone).
     objective: "classify" (labels), or "mpp": masked patch prediction (Sec. 4.6), self-supervised pre-training
         that predicts corrupted patches' 3-bit mean colour; its checkpoints fine-tune like any other.
+    lora: LoRA's rank r (Hu et al. 2021; `vitkit.models.lora`): the weights stay frozen and only low-rank adapters on
+        the projections named by lora_targets train, with the head; the run's weight files are written with the
+        adapters merged in (plain models). None: off (every weight trains, or the head alone with linear_probe).
+    lora_alpha: the adapters' update is scaled by lora_alpha / lora; None: lora (a scale of 1).
+    lora_dropout: dropout on the adapters' input.
+    lora_targets: what gets adapters: qkv (the fused query-key-value projection, one adapter over it whole), or
+        some of q, k, v (its row blocks alone, each with its own adapter: [q, v] is the LoRA paper's choice), proj
+        (attention output), mlp (fc1 and fc2; SwiGLU's fc1_g, fc1_x and fc2).
     """
 
     name: str = "vit_ti16"
@@ -71,6 +79,10 @@ class ModelConfig:
     resample: str | None = None
     linear_probe: bool = False
     objective: str = "classify"
+    lora: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q", "v"])
 
 
 @dataclass

@@ -16,6 +16,7 @@ from ..checkpoints import save
 from ..data.datasets import load_batches, eval_index_batches
 from ..evaluation import EvalResult, evaluate
 from ..evaluation.fewshot import fewshot
+from ..models.lora import lora_layers, merged_state_dict
 from . import checkpoint
 from .distill import distilled_loss
 from .distributed import full_state_dict, gradient_sync
@@ -141,8 +142,11 @@ def write_checkpoint(run: Run, step: int, best: float, elapsed: float) -> None:
 
 
 def save_weights(run: Run, module: nn.Module, path: Path, metadata: dict | None = None) -> None:
-    """The whole weights of `module` (gathered from the shards under FSDP2) as a vitkit checkpoint, by rank 0."""
+    """The whole weights of `module` (gathered from the shards under FSDP2) as a vitkit checkpoint, by rank 0; a
+    LoRA run's with the adapters merged in: a plain model that every reader loads."""
     sd = module.state_dict() if module is run.ema else full_state_dict(run.model, run.dist)
+    if sd is not None and lora_layers(run.model):
+        sd = merged_state_dict(run.model, sd)
     if run.dist.main:
         save(run.model, path, metadata=metadata, state_dict=sd)
 

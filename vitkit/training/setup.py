@@ -5,6 +5,7 @@ rank before anything is written. `prepare_run` returns the `Run` the loop (`loop
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from ..evaluation import check_tta
 from ..machine import precision as precision_mod
 from . import compile as compile_mod
 from ..machine.fast_linear import pack_linears
+from ..models import lora
 from ..models.stats import count_flops
 from .config import TrainConfig
 from .distill import load_teacher
@@ -129,6 +131,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
         raise UsageError("run.ema with run.strategy=fsdp is not supported: the EMA would need its own shards; use ddp")
     if d.batch_size % dist.world:
         raise UsageError(f"data.batch_size {d.batch_size} (the global batch) does not split over {dist.world} processes")
+    check_lora(cfg, strategy)
     dist.check_same("config", cfg.to_dict())
     torch.manual_seed(r.seed)
 
@@ -145,6 +148,8 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     if cfg.model.linear_probe:
         for n_, p in model.named_parameters():
             p.requires_grad = n_.startswith(("head.", "fc_norm."))
+    if cfg.model.lora:
+        _add_lora(cfg, model, dist)
     if r.activation_checkpointing:
         model.set_grad_checkpointing(True)
     precision = _choose_precision(cfg, model, dist, resumed_precision)
@@ -183,6 +188,53 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
                strategy, opt, ema, torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
                None if strategy == "fsdp" else amp,  # FSDP2 computes in low precision by its policy instead
                teacher, fewshot_data, steps_per_epoch, total, warmup)
+
+
+# what trains beside the adapters in a LoRA run: the head (new for the data's classes), a distilled model's second
+# head, and the norm in front of a pooled head
+LORA_TRAINED = ("head.", "head_dist.", "fc_norm.")
+
+
+def check_lora(cfg: TrainConfig, strategy: str) -> None:
+    """model.lora and its settings, and what they cannot combine with, checked before any work."""
+    m = cfg.model
+    if m.lora is None:
+        return
+    if isinstance(m.lora, bool) or not isinstance(m.lora, int) or m.lora < 1:
+        raise UsageError(f"model.lora={m.lora!r}: LoRA's rank must be a positive integer (e.g. 8); null turns LoRA off")
+    if m.lora_alpha is not None and not (math.isfinite(m.lora_alpha) and m.lora_alpha > 0):
+        raise UsageError(f"model.lora_alpha={m.lora_alpha!r}: must be positive (the update is scaled by alpha / rank; "
+                         f"null: the rank)")
+    if not 0.0 <= m.lora_dropout < 1.0:
+        raise UsageError(f"model.lora_dropout={m.lora_dropout!r}: must be in [0, 1)")
+    try:
+        m.lora_targets = list(lora.check_targets(m.lora_targets))
+    except UsageError as e:
+        raise UsageError(f"model.lora_targets={m.lora_targets!r}: {e}") from None
+    if m.linear_probe:
+        raise UsageError("model.lora and model.linear_probe are exclusive: linear_probe trains the head alone, lora "
+                         "trains low-rank adapters and the head; set one of them (model.linear_probe=false or "
+                         "model.lora=null)")
+    if m.objective != "classify":
+        raise UsageError(f"model.lora fine-tunes a classifier; model.objective={m.objective} pre-trains every weight")
+    if strategy == "fsdp":
+        raise UsageError("model.lora with run.strategy=fsdp is not supported: LoRA's trained state is small, so "
+                         "run.strategy=ddp (or auto) holds it on every process at little cost")
+
+
+def _add_lora(cfg: TrainConfig, model: nn.Module, dist: Dist) -> None:
+    """Adapters on the targeted projections; only they and the head train."""
+    m = cfg.model
+    adapted = lora.apply_lora(model, m.lora, alpha=m.lora_alpha, dropout=m.lora_dropout, targets=m.lora_targets)
+    trained = lora.mark_only_lora_trainable(model, keep=LORA_TRAINED)
+    total = sum(p.numel() for p in model.parameters())
+    if dist.main:
+        print(f"vitkit: LoRA rank {m.lora} (alpha {m.lora_alpha or m.lora:g}) on {', '.join(m.lora_targets)}: "
+              f"{len(adapted)} Linears adapted; {trained / 1e6:.3g}M of {total / 1e6:.3g}M parameters train "
+              f"({100 * trained / total:.2f}%: the adapters and the head)", file=sys.stderr, flush=True)
+    if not m.checkpoint and dist.main:
+        print("vitkit: model.lora without model.checkpoint adapts randomly initialised weights", file=sys.stderr,
+              flush=True)
 
 
 def _choose_precision(cfg: TrainConfig, model: nn.Module, dist: Dist, resumed: str | None) -> str:

@@ -524,7 +524,8 @@ def test_timm_api_sweep(name):
     for k in ("interpolation", "crop_pct", "crop_mode", "num_classes"):
         assert cfg[k] == theirs[k], k
     assert list(cfg["mean"]) == theirs["mean"] and list(cfg["std"]) == theirs["std"]
-    assert cfg["fixed_input_size"] == {"vit": True, "resnetv2": False, "swin": True}[c.arch]
+    assert cfg["fixed_input_size"] == {"vit": not getattr(c, "dynamic_img_size", False), "resnetv2": False,
+                                       "swin": True}[c.arch]
     m.get_submodule(cfg["first_conv"])  # vitkit's module names
     assert isinstance(m.get_submodule(cfg["first_conv"]), torch.nn.Conv2d)
     assert cfg["classifier"] == "head"
@@ -534,7 +535,7 @@ def test_timm_api_sweep(name):
         flat = [n for g in groups.values() for n in g]
         assert sorted(flat) == sorted(names) and len(flat) == len(set(flat))
         first, last = groups[0], groups[max(groups)]
-        assert all(n.startswith(("patch_embed.", "stem.", "cls_token", "pos_embed.", "reg_token", "norm_pre."))
+        assert all(n.startswith(("patch_embed.", "stem.", "cls_token", "pos_embed.", "reg_token", "norm_pre.", "rope."))
                    for n in first), first
         head = _HEAD_NAMES + (("norm.",) if coarse and c.arch != "vit" else ())  # timm's coarse stages: no norm pattern
         assert "head.weight" in last and all(n.startswith(head) for n in last), last

@@ -141,6 +141,100 @@ register("clip_l14", "CLIP ViT-L/14", "vit", **vit("L", 14, **_CLIP))
 alias("vit_base_patch16_clip_quickgelu_224", "clip_b16")
 alias("vit_large_patch14_clip_quickgelu_224", "clip_l14")
 
+# ---- the backbones of 2025-26: the same encoder, with the options of `vit.py`'s docstring ----------------------
+_IMAGENET = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), interpolation="bicubic")
+# DINOv3 (Simeoni et al. 2025, arXiv 2508.10104): patch 16, a class token and 4 registers, LayerScale, no absolute
+# position embedding but rotary embeddings on coordinates normalised to [-1, 1] (periods 100^(i / (d/4)), rotate-half),
+# LayerNorm eps 1e-5, any image size; no classifier. The authors' image feature is the class token; timm's names pool
+# the mean of the patches (its default), and its `_qkvb` ones have query and value biases (zero in the release).
+_DINOV3 = dict(patch_size=16, img_size=256, class_token=True, reg_tokens=4, init_values=1e-5, pos_embed="none",
+               rope="dinov3", rope_temperature=100.0, rope_half=True, qkv_bias=False, norm_eps=1e-5,
+               dynamic_img_size=True, num_classes=0, crop_pct=1.0, **_IMAGENET)
+_DINOV3_SIZES = {  # name: (paper size, timm's size, table); H+ and 7B have SwiGLU (timm's hidden widths)
+    "s16": ("S/16", "small", VIT_SIZES["S"]),
+    "s16plus": ("S+/16", "small_plus", dict(VIT_SIZES["S"], mlp_layer="swiglu")),
+    "b16": ("B/16", "base", VIT_SIZES["B"]),
+    "l16": ("L/16", "large", VIT_SIZES["L"]),
+    "h16plus": ("H+/16", "huge_plus", dict(embed_dim=1280, depth=32, num_heads=20, mlp_dim=5120, mlp_layer="swiglu")),
+    "7b16": ("7B/16", "7b", dict(embed_dim=4096, depth=40, num_heads=32, mlp_dim=8192, mlp_layer="swiglu")),
+}
+for _k, (_paper, _timm, _sz) in _DINOV3_SIZES.items():
+    register(f"dinov3_{_k}", f"DINOv3 ViT-{_paper}", "vit", **_sz, **_DINOV3)
+    alias(f"vit_{_timm}_patch16_dinov3", f"dinov3_{_k}", classifier="gap")
+    if _k != "7b16":
+        alias(f"vit_{_timm}_patch16_dinov3_qkvb", f"dinov3_{_k}", classifier="gap", qkv_bias=True, k_bias=False)
+
+# The Perception Encoder (Bolya et al. 2025, arXiv 2504.13181): a LayerNorm before the blocks and no patch bias (as
+# CLIP), LayerNorm eps 1e-5, a learned position embedding plus axial rotary embeddings (column first, counted from 1,
+# on a reference grid). PE-Core pools every token by attention (8 heads) into CLIP's embedding (the head); the
+# language- and spatially-aligned towers (PE-Lang, PE-Spatial) end without a final norm. The gigantic ones have no
+# class token (and count from 0).
+_PE = dict(class_token=True, pre_norm=True, patch_bias=False, norm_eps=1e-5, rope="eva", rope_indexing="xy", rope_offset=1.0,
+           num_classes=0, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), interpolation="bicubic", crop_pct=1.0)
+_PE_G = dict(embed_dim=1536, depth=50, num_heads=16, mlp_dim=8960, class_token=False, rope_offset=0.0)
+_PE_MODELS = {  # name: (paper name, timm's name, size, patch, resolution, reference grid, extra)
+    "pe_core_t16": ("PE-Core-T/16", "vit_pe_core_tiny_patch16_384", VIT_SIZES["Ti"], 16, 384, 24, {}),
+    "pe_core_s16": ("PE-Core-S/16", "vit_pe_core_small_patch16_384", VIT_SIZES["S"], 16, 384, 24, {}),
+    "pe_core_b16": ("PE-Core-B/16", "vit_pe_core_base_patch16_224", VIT_SIZES["B"], 16, 224, 14, {}),
+    "pe_core_l14": ("PE-Core-L/14", "vit_pe_core_large_patch14_336", VIT_SIZES["L"], 14, 336, 24, {}),
+    "pe_core_g14": ("PE-Core-G/14", "vit_pe_core_gigantic_patch14_448", _PE_G, 14, 448, 32, {}),
+    "pe_lang_l14": ("PE-Lang-L/14", "vit_pe_lang_large_patch14_448", dict(VIT_SIZES["L"], depth=23), 14, 448, 32,
+                    dict(init_values=0.1)),
+    "pe_lang_g14": ("PE-Lang-G/14", "vit_pe_lang_gigantic_patch14_448", dict(_PE_G, depth=47), 14, 448, 32,
+                    dict(init_values=0.1)),
+    "pe_spatial_t16": ("PE-Spatial-T/16", "vit_pe_spatial_tiny_patch16_512", VIT_SIZES["Ti"], 16, 512, 32, {}),
+    "pe_spatial_s16": ("PE-Spatial-S/16", "vit_pe_spatial_small_patch16_512", VIT_SIZES["S"], 16, 512, 32, {}),
+    "pe_spatial_b16": ("PE-Spatial-B/16", "vit_pe_spatial_base_patch16_512", VIT_SIZES["B"], 16, 512, 32, {}),
+    "pe_spatial_l14": ("PE-Spatial-L/14", "vit_pe_spatial_large_patch14_448", VIT_SIZES["L"], 14, 448, 32, {}),
+    "pe_spatial_g14": ("PE-Spatial-G/14", "vit_pe_spatial_gigantic_patch14_448", _PE_G, 14, 448, 32,
+                       dict(init_values=0.1)),
+}
+for _k, (_paper, _timm, _sz, _p, _res, _ref, _extra) in _PE_MODELS.items():
+    _pool_mlp = 4 * _sz["embed_dim"]  # the pooling's MLP ratio is 4 where the blocks' is not (G)
+    _head = (dict(classifier="map", pool_heads=8, pool_prefix=True,
+                  pool_mlp_dim=_pool_mlp if _pool_mlp != _sz.get("mlp_dim", _pool_mlp) else None)
+             if "core" in _k else dict(classifier="gap", final_norm=False))
+    register(_k, _paper, "vit", **{**_PE, **_sz, **_head, **_extra, "patch_size": _p, "img_size": _res,
+                                   "rope_ref_grid": (_ref, _ref)})
+    alias(_timm, _k)
+
+# AIMv2 (Fini et al. 2024, arXiv 2411.14402): no class token, the mean of the tokens after the final norm, RMSNorm
+# (eps 1e-5) everywhere and on the patch tokens, a bias-free SwiGLU and attention, a learned position embedding.
+_AIMV2 = dict(patch_size=14, class_token=False, classifier="gap", qkv_bias=False, proj_bias=False, norm="rmsnorm",
+              patch_norm=True, norm_eps=1e-5, mlp_layer="swiglu", num_classes=0, mean=(0.48145466, 0.4578275, 0.40821073),
+              std=(0.26862954, 0.26130258, 0.27577711), interpolation="bicubic", crop_pct=1.0)
+_AIMV2_SIZES = {"l14": ("L/14", "large", dict(embed_dim=1024, depth=24, num_heads=8, mlp_dim=2816)),
+                "h14": ("H/14", "huge", dict(embed_dim=1536, depth=24, num_heads=12, mlp_dim=4096)),
+                "1b14": ("1B/14", "1b", dict(embed_dim=2048, depth=24, num_heads=16, mlp_dim=5632)),
+                "3b14": ("3B/14", "3b", dict(embed_dim=3072, depth=24, num_heads=24, mlp_dim=8192))}
+for _k, (_paper, _timm, _sz) in _AIMV2_SIZES.items():
+    register(f"aimv2_{_k}", f"AIMv2-{_paper}", "vit", **_sz, **_AIMV2)
+    for _res in (224, 336, 448):
+        alias(f"aimv2_{_timm}_patch14_{_res}", f"aimv2_{_k}", img_size=_res)
+
+# ROPE-ViT (Heo et al. 2024, arXiv 2403.13298), DeiT-III recipes on ImageNet-1k: axial rotary embeddings (column first,
+# base 100) instead of the position embedding, or learned per-head, per-block frequencies ("mixed", base 10); the
+# "ape" ones keep a learned position embedding over the patches too.
+_ROPEVIT = dict(class_token=True, init_values=1e-5, pos_embed="none", rope="eva", rope_indexing="xy",
+                rope_temperature=100.0, crop_pct=0.9, **_IMAGENET)
+for _s, _timm in [("S", "small"), ("B", "base"), ("L", "large")]:
+    for _kind, _extra in [("", {}), ("_mixed", dict(rope="mixed", rope_temperature=10.0))]:
+        for _ape, _pos in [("", {}), ("_ape", dict(pos_embed="learned_1d", no_embed_class=True))]:
+            _name = f"ropevit_{_s.lower()}16{_kind}{_ape}"
+            _paper = f"ROPE-ViT-{_s}/16 {'Mixed' if _kind else 'Axial'}{' + APE' if _ape else ''}"
+            register(_name, _paper, "vit", **vit(_s, 16, **{**_ROPEVIT, **_extra, **_pos}))
+            alias(f"vit_{_timm}_patch16_rope{_kind}{_ape}_224", _name)
+
+# TIPSv2 (Google 2026): DINOv2's layout with one register and LayerScale initialised at 1, at 448; the g/14 has
+# DINOv2-g's SwiGLU. No classifier; inputs in [0, 1] (no normalisation).
+_TIPSV2 = dict(patch_size=14, img_size=448, init_values=1.0, reg_tokens=1, no_embed_class=True, num_classes=0,
+               mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0), interpolation="bicubic", crop_pct=1.0)
+for _k, _paper, _timm, _sz in [("b14", "B/14", "base", VIT_SIZES["B"]), ("l14", "L/14", "large", VIT_SIZES["L"]),
+                               ("so400m14", "So400m/14", "so400m", dict(embed_dim=1152, depth=27, num_heads=16, mlp_dim=4304)),
+                               ("g14", "g/14", "giant", _G)]:
+    register(f"tipsv2_{_k}", f"TIPSv2 ViT-{_paper}", "vit", **_sz, **_TIPSV2)
+    alias(f"vit_{_timm}_patch14_reg1_tipsv2", f"tipsv2_{_k}")
+
 # Swin Transformer (Liu et al. 2021, Table 1): C, depths, heads; patch 4, window 7 at 224 (12 at 384).
 SWIN_SIZES = {"T": dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
               "S": dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),

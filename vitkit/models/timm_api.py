@@ -25,7 +25,7 @@ VIT_POOL_NAMES = {v: k for k, v in VIT_POOLS.items()}
 # `training/optim.py`, by the same substrings): learned tokens, position embeddings and relative-position tables, the
 # attention-pooling probe. Norm weights and biases are left out by their shape (ndim <= 1), in timm and in vitkit.
 NO_WEIGHT_DECAY = ("pos_embed", "cls_token", "dist_token", "reg_token", "mask_token", "rel_pos", "attn_pool.latent",
-                   "relative_position_bias_table")
+                   "relative_position_bias_table", "rope.freqs")
 
 # timm's group_matcher: a group's ordinal suffix that merges it into the group before (the final norm into the last
 # block)

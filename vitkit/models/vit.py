@@ -435,8 +435,11 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
             raise UsageError("global_pool='token': this model normalises after pooling (fc_norm, timm's default for "
                              "'avg'), which vitkit applies to the mean alone; create the model with "
                              "global_pool='token'")
-        dataclasses.replace(c, classifier=new)  # the config's own checks, before anything changes
+        pool = dict(pool_heads=None, pool_mlp_dim=None, pool_prefix=False)  # the attention pooling's, gone with it
+        dataclasses.replace(c, classifier=new, **pool)  # the config's own checks, before anything changes
         c.classifier = new
+        for k, v in pool.items():
+            setattr(c, k, v)
         self.attn_pool = None
 
     def set_img_size(self, img_size: int | tuple[int, int], method: str | None = None) -> None:
@@ -514,8 +517,9 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
 
     def group_matcher(self, coarse: bool = False) -> dict:
         """timm's parameter groups for layer-wise LR decay (`timm_api.layer_groups`): the embeddings (patch
-        embedding, a hybrid's ResNet, the tokens, the position embedding, the pre-norm) first, then one group per
+        embedding, a hybrid's ResNet, the tokens, the position embedding, ROPE-ViT's learned frequencies, the
+        pre-norm) first, then one group per
         block, the final norm with the last block, the pooling and head last (no pattern). `coarse` changes nothing
         (as in timm's ViT)."""
-        return dict(stem=r"^(?:cls_token|reg_token|dist_token|mask_token|pos_embed|patch_embed|norm_pre)",
+        return dict(stem=r"^(?:cls_token|reg_token|dist_token|mask_token|pos_embed|patch_embed|norm_pre|rope\.)",
                     blocks=[(r"^blocks\.(\d+)\.", None), (r"^norm\.", (99999,))])

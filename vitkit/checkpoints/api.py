@@ -12,7 +12,7 @@ from torch import nn
 from ..models import ResNetV2Config, SwinConfig, ViTConfig, build_model
 from ..models.layers.patch_embed import to_2tuple
 from ..models.registry import config_with
-from . import bit, hf, hf_vision, official, swin, timm, torchvision
+from . import bit, hf, hf_backbones, hf_vision, official, swin, timm, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
 from .swin import infer_swin_config
 from .io import CheckpointError, read_hf_dir, read_meta, read_npz, read_safetensors, read_torch, sniff
@@ -31,10 +31,12 @@ NATIVE_VERSION = "1"
 STATE_DICT_FORMATS = (
     ("hf-swin", swin.is_hf_swin, swin.hf_to_vitkit),
     ("swin", swin.is_swin, swin.to_vitkit),
+    ("hf-backbones", lambda keys: hf_backbones.family(keys) is not None, hf_backbones.to_vitkit),
     ("hf-vision", lambda keys: hf_vision.family(keys) is not None, hf_vision.to_vitkit),
     ("hf", hf.is_hf, hf.to_vitkit),
     ("torchvision", torchvision.is_torchvision, torchvision.to_vitkit),
     ("timm-naflex", timm.is_timm_naflex, timm.naflex_to_vitkit),
+    ("dinov3-release", timm.is_dinov3_release, timm.dinov3_release_to_vitkit),
     ("timm-vit", timm.is_timm_vit, timm.vit_to_vitkit),
     ("timm-resnetv2", timm.is_timm_resnetv2, timm.resnetv2_to_vitkit),
     ("official-npz", official.is_official, official.to_vitkit),
@@ -187,6 +189,13 @@ def _convert_folder(path: Path, raw: dict[str, torch.Tensor], hub_config: dict):
             raise CheckpointError(f"{path}: a timm folder ({hub_config['architecture']}) that is not a ViT or BiT "
                                   f"vitkit recognises (first keys: {sorted(keys)[:6]})")
         facts = {**facts, **named}
+    elif hf_backbones.family(raw, hub_config) is not None:  # DINOv3, AIMv2
+        fam = hf_backbones.family(raw, hub_config)
+        sd, facts, unused = hf_backbones.to_vitkit(raw, hub_config)
+        pre = path / hf.PREPROCESSOR_FILE
+        if pre.exists():
+            facts.update(hf.preprocessing_facts(_json_file(pre)))
+        fmt = f"hf-{fam}"
     elif hf_vision.family(raw, hub_config) is not None or hf.is_hf(raw):
         fam = hf_vision.family(raw, hub_config)
         sd, facts, unused = hf_vision.to_vitkit(raw, hub_config) if fam else hf.to_vitkit(raw, hub_config)
@@ -425,6 +434,9 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
         if fam is None:
             out, hf_config = hf.from_vitkit(sd, c)
             back, facts, _ = hf.to_vitkit(out, hf_config)
+        elif fam in ("dinov3", "aimv2"):
+            out, hf_config = hf_backbones.from_vitkit(_tensors(model), c, fam)
+            back, facts, _ = hf_backbones.to_vitkit(out, hf_config)
         else:
             out, hf_config = hf_vision.from_vitkit(sd, c, fam)
             back, facts, _ = hf_vision.to_vitkit(out, hf_config)
@@ -449,8 +461,13 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
 
 
 def hf_family(c) -> str | None:
-    """The transformers model class a ViT exports to: None (ViTForImageClassification, the paper's ViT), 'siglip'
-    (attention pooling), 'clip' (a pre-norm), 'dinov2' (LayerScale, registers or SwiGLU)."""
+    """The transformers model class a ViT exports to: None (ViTForImageClassification, the paper's ViT), 'dinov3'
+    (DINOv3's rotary embedding), 'aimv2' (RMSNorm), 'siglip' (attention pooling), 'clip' (a pre-norm), 'dinov2'
+    (LayerScale, registers or SwiGLU)."""
+    if c.rope == "dinov3":
+        return "dinov3"
+    if c.norm == "rmsnorm":
+        return "aimv2"
     if c.classifier == "map":
         return "siglip"
     if c.pre_norm:

@@ -179,12 +179,17 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
 
 
 def eva_style(config) -> bool:
-    """Whether timm holds this model as an `Eva` (rotary embeddings, SwiGLU, norms inside attention or the MLP)."""
-    return bool(config.rope or config.mlp_layer == "swiglu" or config.attn_norm or config.mlp_norm)
+    """Whether timm holds this model as an `Eva` (rotary embeddings, SwiGLU, norms inside attention or the MLP,
+    PE's pooling of every token); AIMv2's RMSNorm and bias-free SwiGLU are timm's VisionTransformer."""
+    if getattr(config, "norm", "layernorm") == "rmsnorm":
+        return False
+    return bool(config.rope or config.mlp_layer == "swiglu" or config.attn_norm or config.mlp_norm
+                or getattr(config, "pool_prefix", False) or not getattr(config, "final_norm", True))
 
 
 def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    if config.pos_embed != "learned_1d":
+    none_ok = config.pos_embed == "none" and (eva_style(config) or config.norm == "rmsnorm")  # Eva, AIMv2: optional
+    if config.pos_embed != "learned_1d" and not none_ok:
         raise CheckpointError(f"timm's ViT holds a learned 1-D position embedding, not {config.pos_embed!r}")
     if config.representation_size:
         raise CheckpointError("timm's ViT has no pre-logits layer (representation_size); export to vitkit or npz")
@@ -202,12 +207,8 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
             k = "patch_embed.backbone." + k[len("patch_embed.backbone.stem."):]  # timm's stem-only backbone
         elif eva and m and m.group(2) in ("ls1.gamma", "ls2.gamma"):
             k = m.group(1) + ("gamma_1" if m.group(2) == "ls1.gamma" else "gamma_2")
-        elif eva and m and m.group(2) == "attn.qkv.bias":
-            qb, kb, vb = v.chunk(3)
-            if config.k_bias and kb.abs().max() > 0 and (config.rope or config.qk_norm):
-                raise CheckpointError("timm's Eva has no key bias, and with rotary embeddings or qk-norm this model's "
-                                      "non-zero one changes its outputs: build it with k_bias=False (as EVA-02 is)")
-            # without rotation or qk-norm a key bias adds q.b to every logit of a query: no softmax changes
+        elif eva and m and m.group(2) == "attn.qkv.bias" and not config.k_bias:
+            qb, _, vb = v.chunk(3)  # EvaAttention: query and value biases apart
             out[m.group(1) + "attn.q_bias"], out[m.group(1) + "attn.v_bias"] = qb, vb
             continue
         elif eva and not config.mlp_norm and m and m.group(2).startswith("mlp.fc1_g."):  # GluMlp: one packed fc1
@@ -278,6 +279,8 @@ def folder_config(c) -> dict:
                               f"this model has pre_norm={c.pre_norm} and patch_bias={c.patch_bias}")
     if eva_style(c):
         return _eva_folder_config(c, cfg)
+    if c.norm == "rmsnorm":
+        return _aimv2_folder_config(c, cfg)
     mlp_ratio = c.mlp_dim / c.embed_dim
     args: dict = {"img_size": list(c.img_size), "embed_dim": c.embed_dim, "depth": c.depth, "num_heads": c.num_heads,
                   "mlp_ratio": mlp_ratio, "qkv_bias": c.qkv_bias, "class_token": c.class_token, "in_chans": c.in_chans,
@@ -356,17 +359,49 @@ def naflex_folder_config(c) -> dict:
     return cfg
 
 
+def _aimv2_folder_config(c, cfg: dict) -> dict:
+    """timm's VisionTransformer arguments for an AIMv2-style model (RMSNorm eps 1e-5, on the patch tokens too, a
+    bias-free SwiGLU): the `aimv2_*` architecture, whose norms these are, with the sizes in model_args."""
+    if not c.patch_norm or c.mlp_layer != "swiglu" or c.norm_eps != 1e-5 or c.classifier not in ("gap", "token"):
+        raise CheckpointError("timm holds RMSNorm ViTs as AIMv2 (eps 1e-5, a norm on the patch tokens, SwiGLU, token "
+                              "or average pooling): this model differs")
+    ratio = c.mlp_dim / c.embed_dim
+    if int(c.embed_dim * ratio) != c.mlp_dim:
+        raise CheckpointError(f"timm computes the MLP width as int(D * mlp_ratio), which cannot give {c.mlp_dim}")
+    pool = "token" if c.classifier == "token" else "avg"
+    args = {"img_size": list(c.img_size), "patch_size": list(c.patch_size), "in_chans": c.in_chans,
+            "embed_dim": c.embed_dim, "depth": c.depth, "num_heads": c.num_heads, "mlp_ratio": ratio,
+            "qkv_bias": c.qkv_bias, "proj_bias": c.proj_bias, "class_token": c.class_token, "global_pool": pool,
+            "fc_norm": c.fc_norm, "final_norm": c.final_norm, "init_values": c.init_values, "reg_tokens": c.reg_tokens,
+            "no_embed_class": c.no_embed_class, "pre_norm": c.pre_norm, "qk_norm": c.qk_norm,
+            "pos_embed": "learn" if c.pos_embed == "learned_1d" else "none", "dynamic_img_size": c.dynamic_img_size}
+    cfg.update(architecture="aimv2_large_patch14_224", num_features=c.embed_dim, global_pool=pool, model_args=args)
+    cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": "patch_embed.proj", "classifier": "head"}
+    return cfg
+
+
+_EVA_ROPE_TYPES = {"eva": "cat", "mixed": "mixed", "dinov3": "dinov3"}
+
+
 def _eva_folder_config(c, cfg: dict) -> dict:
-    """timm's `Eva` constructor arguments for a model with rotary embeddings or a SwiGLU MLP (EVA-02)."""
+    """timm's `Eva` constructor arguments for a model with rotary embeddings (EVA-02, ROPE-ViT, PE, DINOv3) or a
+    SwiGLU MLP; the architecture whose LayerNorm eps it has (1e-6: EVA-02's, 1e-5: DINOv3's), every other argument
+    in model_args."""
     hidden = c.mlp_dim
     ratio = hidden / c.embed_dim
     if int(c.embed_dim * ratio) != hidden:
         raise CheckpointError(f"timm's Eva computes its MLP width as int(D * mlp_ratio), which cannot give {hidden}")
-    if c.norm_eps != 1e-6 or (c.act != "gelu" and (c.mlp_layer != "swiglu" or c.classifier == "map")):
-        raise CheckpointError("timm's Eva uses LayerNorm eps 1e-6 and exact GELU: this model differs "
+    if c.norm_eps not in (1e-6, 1e-5) or (c.act != "gelu" and (c.mlp_layer != "swiglu" or c.classifier == "map")):
+        raise CheckpointError("timm's Eva uses LayerNorm eps 1e-6 or 1e-5 and exact GELU: this model differs "
                               f"(norm_eps {c.norm_eps}, act {c.act!r})")
-    if c.hybrid_layers is not None or c.distilled or c.pos_embed != "learned_1d":
+    if c.hybrid_layers is not None or c.distilled or c.pos_embed not in ("learned_1d", "none"):
         raise CheckpointError("timm's Eva has no hybrid backbone, distillation token or other position embedding")
+    if not c.proj_bias or c.patch_norm or (c.patch_bias == c.pre_norm):
+        raise CheckpointError("timm's Eva has projection biases, no norm on the patch tokens, and a patch bias "
+                              "exactly when there is no pre-norm: this model differs")
+    if c.classifier == "map" and not c.pool_prefix:
+        raise CheckpointError("timm's Eva pools every token by attention (pool_prefix=True); this model pools the "
+                              "patches alone")
     pool = {"token": "token", "gap": "avg", "map": "map"}[c.classifier]
     args = {"img_size": list(c.img_size), "patch_size": list(c.patch_size), "in_chans": c.in_chans,
             "embed_dim": c.embed_dim, "depth": c.depth, "num_heads": c.num_heads, "mlp_ratio": ratio,
@@ -374,12 +409,18 @@ def _eva_folder_config(c, cfg: dict) -> dict:
             "scale_attn_inner": c.attn_norm, "qk_norm": c.qk_norm, "init_values": c.init_values,
             "class_token": c.class_token, "num_reg_tokens": c.reg_tokens, "no_embed_class": c.no_embed_class,
             "use_pre_transformer_norm": c.pre_norm, "use_fc_norm": c.fc_norm, "global_pool": pool,
-            "use_rot_pos_emb": c.rope == "eva", "rope_temperature": c.rope_temperature,
+            "use_rot_pos_emb": c.rope is not None, "rope_temperature": c.rope_temperature,
             "ref_feat_shape": list(c.rope_ref_grid) if c.rope_ref_grid else None,
-            "dynamic_img_size": c.dynamic_img_size}
-    if c.classifier == "gap" and not c.fc_norm:
-        args["use_post_transformer_norm"] = True
-    cfg.update(architecture="eva02_tiny_patch14_224", num_features=c.embed_dim, global_pool=pool, model_args=args)
+            "dynamic_img_size": c.dynamic_img_size, "use_abs_pos_emb": c.pos_embed == "learned_1d",
+            "attn_type": "rope" if c.qkv_bias and c.k_bias else "eva", "use_post_transformer_norm": c.final_norm and not c.fc_norm}
+    if c.rope:
+        args.update(rope_type=_EVA_ROPE_TYPES[c.rope], rope_grid_indexing=c.rope_indexing,
+                    rope_grid_offset=c.rope_offset, rope_rotate_half=c.rope_half)
+    if c.classifier == "map":
+        args.update(attn_pool_num_heads=c.pool_heads or c.num_heads,
+                    attn_pool_mlp_ratio=(c.mlp_dim if c.pool_mlp_dim is None else c.pool_mlp_dim) / c.embed_dim)
+    arch = "eva02_tiny_patch14_224" if c.norm_eps == 1e-6 else "vit_small_patch16_dinov3"
+    cfg.update(architecture=arch, num_features=c.embed_dim, global_pool=pool, model_args=args)
     cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": "patch_embed.proj", "classifier": "head"}
     return cfg
 
@@ -633,3 +674,54 @@ def _resnetv2_facts(arch: str, args: dict, pre: dict) -> dict:
         raise CheckpointError(f"timm's {arch} is not a BiT ResNetV2 (StdConv2d, GroupNorm, the 'fixed' stem): "
                               f"vitkit reads the BiT ones only")
     return {"img_size": tuple(pre["input_size"][1:])} if "input_size" in pre else {}
+
+
+# ---- Meta's DINOv3 release (facebookresearch/dinov3 hub files), which timm's checkpoint filter converts ----------
+
+# DINOv3's widths -> heads (the release does not store them): S, S+, B, L, H+, 7B
+DINOV3_HEADS = {384: 6, 768: 12, 1024: 16, 1280: 20, 4096: 32}
+DINOV3_FACTS = {"rope": "dinov3", "rope_temperature": 100.0, "rope_half": True, "pos_embed": "none",
+                "dynamic_img_size": True, "norm_eps": 1e-5, "num_classes": 0, "classifier": "token", "img_size": 256,
+                "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225), "interpolation": "bicubic", "crop_pct": 1.0}
+
+
+def is_dinov3_release(keys) -> bool:
+    return "storage_tokens" in keys or "rope_embed.periods" in keys
+
+
+def dinov3_release_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    """Meta's DINOv3 names -> vitkit's: `storage_tokens` are the registers; `qkv.bias` is q | 0 | v under
+    `qkv.bias_mask` (the keys have no bias: vitkit's k_bias=False, or no bias at all where q and v are zero);
+    SwiGLU's `w1`/`w2`/`w3` are the gate, the value and the output. The rotary periods (stored in bf16) are
+    recomputed in fp32 from their base, as timm and transformers do; the masked-modelling token, the local-crop norm
+    and the projector heads are unused."""
+    sd, unused = {}, []
+    facts = dict(DINOV3_FACTS)
+    for k, v in w.items():
+        m = re.match(r"(blocks\.\d+\.)(.+)$", k)
+        if k == "storage_tokens":
+            sd["reg_token"] = v
+        elif k in ("mask_token", "rope_embed.periods") or k.startswith(("local_cls_norm", "projectors", "head.")):
+            unused.append(k)
+        elif m and m.group(2) in ("attn.qkv.bias_mask", "attn.qkv.bias"):
+            continue  # below, per block
+        elif m and m.group(2).startswith("mlp.w") and m.group(2)[5] in "123":
+            sd[m.group(1) + {"1": "mlp.fc1_g", "2": "mlp.fc1_x", "3": "mlp.fc2"}[m.group(2)[5]] + m.group(2)[6:]] = v
+        else:
+            sd[k] = v
+    biased = False
+    for k in [k for k in w if k.endswith("attn.qkv.bias")]:
+        q, _, v = w[k].chunk(3)
+        mask = w.get(k + "_mask")
+        if mask is not None:
+            mq, _, mv = mask.chunk(3)
+            q, v = q * mq, v * mv
+        if q.any() or v.any():
+            biased = True
+        sd[k[: -len("qkv.bias")] + "q_bias"], sd[k[: -len("qkv.bias")] + "v_bias"] = q, v
+    if not biased:  # every block's query and value biases are zero: the model without them (timm's non-qkvb)
+        sd = {k: v for k, v in sd.items() if not k.endswith(("attn.q_bias", "attn.v_bias"))}
+    width = w["patch_embed.proj.weight"].shape[0] if "patch_embed.proj.weight" in w else None
+    if width in DINOV3_HEADS:
+        facts["num_heads"] = DINOV3_HEADS[width]
+    return sd, facts, unused

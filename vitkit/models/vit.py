@@ -170,7 +170,8 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         self.blocks = nn.ModuleList(make_block(c, dpr[i]) for i in range(c.depth))
         self.norm = norm(c.embed_dim) if c.final_norm and not c.fc_norm else nn.Identity()
         self.fc_norm = norm(c.embed_dim) if c.fc_norm else nn.Identity()
-        self.attn_pool = (AttentionPool(c.embed_dim, c.pool_heads or c.num_heads, c.pool_mlp_dim or c.mlp_dim,
+        self.attn_pool = (AttentionPool(c.embed_dim, c.pool_heads or c.num_heads,
+                                        c.mlp_dim if c.pool_mlp_dim is None else c.pool_mlp_dim,
                                         act=c.act, norm_eps=c.norm_eps, norm_layer=norm)
                           if c.classifier == "map" else None)
         self.pre_logits = PreLogits(c.embed_dim, c.representation_size) if c.representation_size else nn.Identity()

@@ -86,7 +86,7 @@ class ViTConfig:
             MLP (AIMv2: none). final_norm: the norm after the blocks (the Perception Encoder's language- and
             spatial-aligned towers have none).
         pool_heads, pool_mlp_dim: the attention pooling's heads and MLP width ("map"), when not the blocks' (the
-            Perception Encoder's: 8 heads). pool_prefix: the attention pooling reads the prefix tokens too (timm's
+            Perception Encoder's: 8 heads; pool_mlp_dim 0: no MLP, AIMv2's). pool_prefix: the attention pooling reads the prefix tokens too (timm's
             Eva, the Perception Encoder), not the patches alone.
         pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
             learned position grid to each image's: "bilinear" (the official method), "bicubic" (timm's NaFlexVit),

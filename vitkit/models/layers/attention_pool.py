@@ -27,8 +27,9 @@ class AttentionPool(nn.Module):
         self.q = Linear(dim, dim, bias=qkv_bias)
         self.kv = Linear(dim, 2 * dim, bias=qkv_bias)
         self.proj = Linear(dim, dim)
-        self.norm = norm_layer(dim) if norm_layer else LayerNorm(dim, eps=norm_eps)
-        self.mlp = Mlp(dim, mlp_dim, act=act)
+        # the residual MLP (none with mlp_dim 0: AIMv2's pooling ends at the projection)
+        self.norm = (norm_layer(dim) if norm_layer else LayerNorm(dim, eps=norm_eps)) if mlp_dim else None
+        self.mlp = Mlp(dim, mlp_dim, act=act) if mlp_dim else None
 
     def forward(self, x: torch.Tensor, return_attention: bool = False, valid: torch.Tensor | None = None):
         """Tokens (B, N, D) -> pooled (B, D); with `return_attention`, also the probe's weights (B, H, 1, N).
@@ -47,5 +48,6 @@ class AttentionPool(nn.Module):
         else:
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, 1, hd)
         a = self.proj(a.transpose(1, 2).reshape(B, 1, D))  # (B, 1, D)
-        a = a + self.mlp(self.norm(a))
+        if self.mlp is not None:
+            a = a + self.mlp(self.norm(a))
         return (a[:, 0], attn) if return_attention else a[:, 0]

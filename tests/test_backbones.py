@@ -1,0 +1,216 @@
+"""The backbones of 2025-26 (DINOv3, the Perception Encoder, AIMv2, ROPE-ViT, TIPSv2): parity with the outputs timm and
+transformers computed themselves (tests/fixtures/backbones, made by make_backbone_fixtures.py) at the native size and
+a non-square one, Meta's DINOv3 release layout, the real sizes against timm's, and the peers reading vitkit's exports."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vitkit
+from vitkit.errors import UsageError
+from vitkit.models.registry import build_config, build_model
+from vitkit.models.stats import count_flops, count_params
+
+F = Path(__file__).resolve().parent / "fixtures" / "backbones"
+TOL = 1e-4
+TIMM = sorted(p.name for p in F.iterdir() if p.is_dir() and p.name.startswith("timm_"))
+HF = sorted(p.name for p in F.iterdir() if p.is_dir() and p.name.startswith("hf_"))
+
+
+def _np(folder: Path, name: str) -> np.ndarray:
+    return np.load(folder / f"{name}.npy")
+
+
+def _close(ours: torch.Tensor, expected: np.ndarray) -> None:
+    assert tuple(ours.shape) == expected.shape
+    err = np.abs(ours.detach().float().numpy() - expected).max()
+    assert err <= TOL, err
+
+
+def _meta(d: Path) -> dict:
+    return json.loads((d / "meta.json").read_text())
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_timm_folder_parity_native_and_non_square(name):
+    """timm's hub folder (`save_for_hf`) -> timm's features, pooled features and logits; at a non-square size the
+    rotary coordinates of each family at the new grid and, where there is one, the learned grid resampled as timm's
+    `set_input_size` does (DINOv3 takes any size as it is)."""
+    d = F / name
+    m = vitkit.load(d)
+    x = torch.from_numpy(_np(d, "input"))
+    with torch.no_grad():
+        feats = m.forward_features(x)
+        _close(feats, _np(d, "features"))
+        _close(m.forward_head(feats, pre_logits=True), _np(d, "pre_logits"))
+        _close(m(x), _np(d, "logits"))
+    xw = torch.from_numpy(_np(d, "input_wide"))
+    mw = m if m.config.dynamic_img_size else vitkit.load(d, img_size=tuple(xw.shape[-2:]))
+    with torch.no_grad():
+        _close(mw.forward_features(xw), _np(d, "features_wide"))
+        _close(mw(xw), _np(d, "logits_wide"))
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_timm_state_dict_by_architecture_name(name):
+    """The bare model.safetensors named by its architecture, as timm users load one (`pretrained_cfg_overlay`),
+    with what they changed: the head count and the size."""
+    d = F / name
+    meta = _meta(d)
+    kw = meta["kwargs"]
+    x = torch.from_numpy(_np(d, "input"))
+    extra = {"global_pool": kw["global_pool"]} if "global_pool" in kw else {}
+    m = vitkit.load(d / "model.safetensors", architecture=meta["architecture"], num_heads=kw["num_heads"],
+                    img_size=tuple(x.shape[-2:]), **({"classifier": "token"} if extra.get("global_pool") == "token" else {}))
+    with torch.no_grad():
+        _close(m(x), _np(d, "logits"))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in TIMM if (F / n / "release.pth").exists()))
+def test_dinov3_release_layout(name):
+    """Meta's own DINOv3 files (facebookresearch/dinov3: `storage_tokens`, `rope_embed.periods`, `qkv.bias_mask`,
+    `ls1.gamma`, SwiGLU's `w1`/`w2`/`w3`), as timm's converter read them when the fixture was made: the features and
+    the pooled features of timm's model (the release has no head)."""
+    d = F / name
+    m = vitkit.load(d / "release.pth", num_heads=_meta(d)["kwargs"]["num_heads"])
+    assert m.load_report["format"] == "dinov3-release"
+    assert m.config.rope == "dinov3" and m.config.num_classes == 0 and m.config.dynamic_img_size
+    assert "mask_token" in m.load_report["unused"]
+    m.reset_classifier(0, "avg" if _meta(d).get("global_pool", "avg") == "avg" else "token")
+    for suffix in ("", "_wide"):
+        x = torch.from_numpy(_np(d, "input" + suffix))
+        with torch.no_grad():
+            feats = m.forward_features(x)
+            _close(feats, _np(d, "features" + suffix))
+            _close(m.forward_head(feats), _np(d, "pre_logits" + suffix))
+
+
+SIZES = json.loads((F / "timm_sizes.json").read_text())["models"]
+# timm's own ROPE baseline (Searching for Better Baselines): loaded from its files, not in vitkit's registry
+UNREGISTERED = {"vit_base_patch16_rope_reg1_gap_256"}
+
+
+def test_every_fixture_family_is_registered():
+    from vitkit.models.registry import lookup
+
+    missing = set()
+    for arch in SIZES:
+        try:
+            lookup(arch)
+        except UsageError:
+            missing.add(arch)
+    assert missing == UNREGISTERED
+
+
+@pytest.mark.parametrize("arch", sorted(set(SIZES) - UNREGISTERED))
+def test_real_sizes_match_timm(arch):
+    """timm's name builds vitkit's entry at timm's parameter count and FLOPs (the same counter), registered size and
+    head."""
+    r = SIZES[arch]
+    config = build_config(arch, num_classes=r["num_classes"])
+    assert list(config.img_size) == r["img_size"]
+    with torch.device("meta"):
+        model = build_model(config)
+    assert count_params(model) == r["params"]
+    assert count_flops(model, config.img_size) == r["flops"]
+    with torch.device("meta"):
+        assert count_params(build_model(build_config(arch, num_classes=0))) == r["params_0"]
+
+
+def test_models_lists_the_new_families_with_timm_s_sizes(capsys):
+    from vitkit.cli import main
+
+    main(["models", "--pattern", "dinov3_*"])
+    out = capsys.readouterr().out
+    for name in ("dinov3_s16", "dinov3_l16", "dinov3_h16plus"):
+        assert name in out
+    main(["models", "--pattern", "aimv2_l14"])
+    assert "aimv2_l14" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", [n for n in HF if n != "hf_aimv2_native"])
+def test_transformers_folder_parity(name):
+    """`DINOv3ViTModel` and `Aimv2VisionModel` folders (`save_pretrained`), and their bare model.safetensors:
+    transformers' last_hidden_state and pooler_output; DINOv3 also at a non-square size, as it takes any."""
+    d = F / name
+    for src in (d, d / "model.safetensors"):
+        m = vitkit.load(src, **({} if src.is_dir() else {"num_heads": 4}))
+        for suffix in ("", "_wide"):
+            if not (d / f"input{suffix}.npy").exists():
+                continue
+            x = torch.from_numpy(_np(d, "input" + suffix))
+            with torch.no_grad():
+                if (d / f"last_hidden_state{suffix}.npy").exists():
+                    _close(m.forward_features(x), _np(d, "last_hidden_state" + suffix))
+                if (d / f"pooler_output{suffix}.npy").exists():
+                    _close(m(x), _np(d, "pooler_output" + suffix))
+
+
+def test_dinov3_backbone_feature_maps_are_forward_intermediates():
+    """`DINOv3ViTBackbone(out_indices=[1, 2])`: the chosen layers' patch tokens after the final norm, as maps; vitkit's
+    `forward_intermediates(..., patch_grid=True, norm=True)` (stage i is block i - 1's output)."""
+    d = F / "hf_dinov3_backbone"
+    m = vitkit.load(d)
+    for suffix in ("", "_wide"):
+        x = torch.from_numpy(_np(d, "input" + suffix))
+        with torch.no_grad():
+            out = m.forward_intermediates(x, layers=[0, 1], attention=False, patch_grid=True, norm=True)
+        for j, i in enumerate((0, 1)):
+            _close(out["patch_grid"][i], _np(d, f"feature_maps_{j}" + suffix))
+
+
+def test_aimv2_native_resolution_tower_is_refused():
+    with pytest.raises(vitkit.CheckpointError, match="is_native"):
+        vitkit.load(F / "hf_aimv2_native")
+
+
+def _manifest(file: Path) -> dict:
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    return {k: [list(v.shape), hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest()]
+            for k, v in sorted(load_file(file).items())}
+
+
+READBACK = F / "readback"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in READBACK.iterdir() if p.is_dir()))
+def test_peers_read_vitkit_exports(name, tmp_path):
+    """timm (`create_model("local-dir:...")`) and transformers (`AutoModel.from_pretrained`) read these exports when
+    make_backbone_readback.py ran: exporting the same model again writes the same config.json and tensors, and
+    vitkit's outputs are what the peers computed from them."""
+    d, rb = F / name, READBACK / name
+    m = vitkit.load(d).eval()
+    x = torch.from_numpy(_np(d, "input"))
+    if (rb / "timm").exists():
+        out = vitkit.export(m, tmp_path / "timm", to="timm")
+        assert json.loads((out / "config.json").read_text()) == json.loads((rb / "timm" / "config.json").read_text())
+        assert _manifest(out / "model.safetensors") == json.loads((rb / "timm" / "tensors.json").read_text())
+        with torch.no_grad():
+            _close(m(x), _np(rb, "timm_output"))
+    if (rb / "hf").exists():
+        if m.config.rope == "dinov3":
+            m.reset_classifier(0, "token")
+        else:
+            m.reset_classifier(0)
+        out = vitkit.export(m, tmp_path / "hf", to="hf")
+        assert json.loads((out / "config.json").read_text()) == json.loads((rb / "hf" / "config.json").read_text())
+        assert _manifest(out / "model.safetensors") == json.loads((rb / "hf" / "tensors.json").read_text())
+        with torch.no_grad():
+            _close(m.forward_features(x), _np(rb, "hf_last_hidden_state"))
+            if (rb / "hf_pooler_output.npy").exists():
+                _close(m(x), _np(rb, "hf_pooler_output"))
+
+
+def test_every_family_is_read_back_by_a_peer():
+    report = json.loads((READBACK / "report.json").read_text())["models"]
+    for name in TIMM:
+        assert isinstance(report[name]["timm"], dict), name  # every timm folder goes back to timm
+    for name in ("hf_dinov3", "timm_dinov3_s16", "timm_dinov3_hplus16", "hf_aimv2_head", "timm_aimv2_l14"):
+        assert isinstance(report[name]["hf"], dict), name

@@ -214,3 +214,35 @@ def test_every_family_is_read_back_by_a_peer():
         assert isinstance(report[name]["timm"], dict), name  # every timm folder goes back to timm
     for name in ("hf_dinov3", "timm_dinov3_s16", "timm_dinov3_hplus16", "hf_aimv2_head", "timm_aimv2_l14"):
         assert isinstance(report[name]["hf"], dict), name
+
+
+@pytest.mark.parametrize("name", ["timm_dinov3_s16", "timm_rope_mixed_s16", "timm_pe_core_b16"])
+def test_a_packed_batch_of_two_sizes_is_each_image_alone(name):
+    """Images of different sizes in one packed forward (each family's rotary angles per image, at its own grid;
+    PE's position grid resampled per image): each row is what the image alone gives at its size."""
+    d = F / name
+    x, xw = torch.from_numpy(_np(d, "input"))[:1], torch.from_numpy(_np(d, "input_wide"))[:1]
+    m = vitkit.load(d)
+    with torch.no_grad():
+        packed = m([x[0], xw[0]])
+        alone = m(x)
+        wide = (m if m.config.dynamic_img_size else vitkit.load(d, img_size=tuple(xw.shape[-2:])))(xw)
+    assert (packed[0] - alone[0]).abs().max() <= TOL
+    assert (packed[1] - wide[0]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("name", ["timm_dinov3_s16", "timm_rope_mixed_s16"])
+def test_onnx_export_of_the_rotary_families(name, tmp_path):
+    """ONNX (ONNX Runtime) gives the model's outputs: DINOv3 at any size (its grid a graph input's shape), ROPE-ViT's
+    learned frequencies as weights of the graph."""
+    import onnxruntime as ort
+    from vitkit.inference.export import export_model
+
+    d = F / name
+    m = vitkit.load(d)
+    report = export_model(m, tmp_path / "m.onnx", format="onnx", dynamic_size=m.config.dynamic_img_size)
+    s = ort.InferenceSession(str(report.path))
+    for suffix in ("", "_wide") if m.config.dynamic_img_size else ("",):
+        x = _np(d, "input" + suffix)
+        y = s.run(None, {s.get_inputs()[0].name: x})[0]
+        assert np.abs(y - _np(d, "logits" + suffix)).max() <= TOL

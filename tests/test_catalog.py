@@ -340,3 +340,23 @@ def test_downloads_of_one_file_at_once_take_turns(tmp_path):
         httpd.server_close()
     assert got == [dest] * 4 and dest.read_bytes() == data and seen == [None]
     assert [p.name for p in dest.parent.iterdir()] == ["f.bin"]
+
+
+def test_a_dinov3_hub_repository_loads_through_huggingface_hub(hub, home):
+    """transformers' DINOv3ViTModel as the hub serves it (gated on the real hub: the same requests with a token):
+    fetched with huggingface_hub and loaded to transformers' pooled output; the catalog names the real ones."""
+    from vitkit.checkpoints.catalog import CATALOG, register_hub
+
+    src = Path(__file__).resolve().parent / "fixtures" / "backbones" / "hf_dinov3"
+    for f in ("config.json", "model.safetensors"):
+        HubHandler.files[("test-org/dinov3-tiny", f)] = (src / f).read_bytes()
+    register_hub("test-org/dinov3-tiny", "hf", "a stand-in", files=("config.json", "model.safetensors"))
+    m = vitkit.load("test-org/dinov3-tiny")
+    assert m.load_report["format"] == "hf-dinov3" and m.config.rope == "dinov3"
+    with torch.no_grad():
+        out = m(torch.from_numpy(np.load(src / "input.npy")))
+    assert np.abs(out.numpy() - np.load(src / "pooler_output.npy")).max() <= 1e-4
+    for repo in ("facebook/dinov3-vitb16-pretrain-lvd1689m", "timm/vit_base_patch16_dinov3.lvd1689m",
+                 "timm/vit_pe_core_base_patch16_224.fb", "timm/aimv2_large_patch14_224.apple_pt",
+                 "timm/vit_base_patch16_rope_mixed_224.naver_in1k", "timm/vit_base_patch14_reg1_tipsv2.webli"):
+        assert CATALOG[repo].repo == repo

@@ -155,6 +155,31 @@ for _r, _d in [
     ("openai/clip-vit-base-patch16", "OpenAI CLIP ViT-B/16 (CLIPModel: the image tower is loaded)"),
 ]:
     register_hub(_r, "hf", _d)
+# The backbones of 2025-26 (DINOv3's repositories are gated: accept the licence on the hub, then `hf auth login`).
+for _r, _d in [
+    ("timm/vit_small_patch16_dinov3.lvd1689m", "DINOv3 ViT-S/16, LVD-1689M (backbone; timm pools the patch mean)"),
+    ("timm/vit_base_patch16_dinov3.lvd1689m", "DINOv3 ViT-B/16, LVD-1689M (backbone)"),
+    ("timm/vit_large_patch16_dinov3.lvd1689m", "DINOv3 ViT-L/16, LVD-1689M (backbone)"),
+    ("timm/vit_large_patch16_dinov3.sat493m", "DINOv3 ViT-L/16, satellite SAT-493M (backbone)"),
+    ("timm/vit_huge_plus_patch16_dinov3.lvd1689m", "DINOv3 ViT-H+/16 (SwiGLU), LVD-1689M (backbone)"),
+    ("timm/vit_pe_core_base_patch16_224.fb", "Perception Encoder PE-Core-B/16 image tower (CLIP embedding head)"),
+    ("timm/vit_pe_core_large_patch14_336.fb", "Perception Encoder PE-Core-L/14 at 336"),
+    ("timm/vit_pe_spatial_base_patch16_512.fb", "Perception Encoder PE-Spatial-B/16 at 512 (dense features)"),
+    ("timm/vit_pe_lang_large_patch14_448.fb", "Perception Encoder PE-Lang-L/14 at 448"),
+    ("timm/aimv2_large_patch14_224.apple_pt", "AIMv2-L/14, 224 (backbone)"),
+    ("timm/aimv2_huge_patch14_336.apple_pt", "AIMv2-H/14, 336 (backbone)"),
+    ("timm/vit_base_patch16_rope_224.naver_in1k", "ROPE-ViT-B/16 axial, ImageNet-1k"),
+    ("timm/vit_base_patch16_rope_mixed_224.naver_in1k", "ROPE-ViT-B/16 mixed (learned frequencies), ImageNet-1k"),
+    ("timm/vit_base_patch14_reg1_tipsv2.webli", "TIPSv2 ViT-B/14 image tower, 448"),
+]:
+    register_hub(_r, "timm", _d)
+for _r, _d in [
+    ("facebook/dinov3-vits16-pretrain-lvd1689m", "DINOv3 ViT-S/16 (transformers DINOv3ViTModel; gated)"),
+    ("facebook/dinov3-vitb16-pretrain-lvd1689m", "DINOv3 ViT-B/16 (transformers DINOv3ViTModel; gated)"),
+    ("facebook/dinov3-vitl16-pretrain-lvd1689m", "DINOv3 ViT-L/16 (transformers DINOv3ViTModel; gated)"),
+    ("apple/aimv2-large-patch14-224", "AIMv2-L/14 at 224 (transformers Aimv2VisionModel)"),
+]:
+    register_hub(_r, "hf", _d)
 # Swin (Liu et al. 2021): timm's and transformers' hub copies, and the official release (microsoft/Swin-Transformer).
 for _r, _d in [("timm/swin_tiny_patch4_window7_224.ms_in1k", "Swin-T, ImageNet-1k, 224"),
                ("timm/swin_small_patch4_window7_224.ms_in1k", "Swin-S, ImageNet-1k, 224"),

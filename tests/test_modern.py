@@ -149,6 +149,9 @@ def test_new_options_are_off_by_default():
     assert (c.init_values, c.reg_tokens, c.no_embed_class, c.pre_norm, c.qk_norm, c.attn_norm, c.mlp_layer,
             c.mlp_norm, c.rope, c.patch_bias, c.k_bias, c.classifier) == (None, 0, False, False, False, False, "mlp",
                                                                              False, None, True, True, "token")
+    assert (c.norm, c.patch_norm, c.proj_bias, c.final_norm, c.pool_heads, c.pool_mlp_dim, c.pool_prefix,
+            c.rope_indexing, c.rope_offset, c.rope_half) == ("layernorm", False, True, True, None, None, False,
+                                                              "ij", 0.0, False)
     keys = set(vitkit.create_model("vit_ti16", depth=1).state_dict())
     assert not [k for k in keys if any(s in k for s in ("ls1", "reg_token", "norm_pre", "q_norm", "attn_pool", "fc1_g",
                                                          "q_bias"))]
@@ -158,7 +161,12 @@ ONE_OPTION = [dict(init_values=0.1), dict(reg_tokens=2), dict(reg_tokens=2, no_e
               dict(patch_bias=False), dict(qk_norm=True), dict(attn_norm=True), dict(mlp_layer="swiglu"),
               dict(mlp_layer="swiglu", mlp_norm=True), dict(rope="eva"), dict(rope="eva", rope_ref_grid=(8, 8)),
               dict(k_bias=False), dict(act="quick_gelu"), dict(classifier="map", class_token=False),
-              dict(classifier="gap", fc_norm=True)]
+              dict(classifier="gap", fc_norm=True),
+              # the backbones of 2025-26 (tests/test_backbones.py has their parity)
+              dict(rope="dinov3", rope_half=True, pos_embed="none"), dict(rope="mixed", rope_indexing="xy"),
+              dict(rope="eva", rope_indexing="xy", rope_offset=1.0, rope_ref_grid=(6, 6)),
+              dict(norm="rmsnorm", patch_norm=True, proj_bias=False), dict(classifier="gap", final_norm=False),
+              dict(classifier="map", pool_heads=4, pool_mlp_dim=0, pool_prefix=True)]
 
 
 @pytest.mark.parametrize("opts", ONE_OPTION, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))

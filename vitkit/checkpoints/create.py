@@ -114,8 +114,6 @@ _FIXED = {
     "cache_dir": (None, "vitkit's catalog caches in $VITKIT_HOME and the Hugging Face cache (HF_HOME)"),
     "patch_drop_rate": (0.0, "vitkit has no patch dropout"),
     "dynamic_img_pad": (False, "vitkit has no padding to the patch size: use a size divisible by it"),
-    "final_norm": (True, "vitkit's ViT always has the final norm"),
-    "proj_bias": (True, "vitkit's attention and MLP projections always have a bias"),
     "pool_include_prefix": (False, "vitkit's 'avg' pooling averages the patch tokens alone"),
     "fix_init": (False, "vitkit's initialisation is the official JAX one"),
     "drop_block_rate": (0.0, "vitkit's BiT has no DropBlock"),

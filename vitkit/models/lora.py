@@ -86,7 +86,7 @@ class LoRALinear(Linear):
         if self.slices is None:
             return F.linear(h, self.lora_B)  # (..., out)
         out = {i: F.linear(h[..., a], self.lora_B[b]) for i, a, b in self._blocks()}  # each (..., p)
-        zeros = h.new_zeros(*h.shape[:-1], self.part) if len(out) < self.parts else None
+        zeros = torch.zeros_like(next(iter(out.values()))) if len(out) < self.parts else None  # the rows left alone
         return torch.cat([out.get(i, zeros) for i in range(self.parts)], dim=-1)  # (..., out)
 
     def delta_weight(self, lora_A: torch.Tensor | None = None, lora_B: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .layers import Attention, AttentionPool, Linear, Mlp, SwiGLU
+from .layers.tracing import is_fx_tracing
 from .swin import WindowAttention
 
 TARGETS = ("qkv", "q", "k", "v", "proj", "mlp")  # "qkv": a fused projection whole; "q"/"k"/"v": its row blocks
@@ -102,8 +103,17 @@ class LoRALinear(Linear):
         return dw
 
     def _linear(self, x: torch.Tensor, param: torch.Tensor, w2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # every call of the base GEMM (forward, an attention's own-bias path) gets the adapters' update
-        return super()._linear(x, param, w2d, bias) + self.lora_delta(x)
+        """Every call of the base GEMM (the forward, an attention's own-bias path) with the adapters' update added
+        into its output's rows in place: no (..., out) temporaries beside it (the GEMM's backward keeps its input
+        and weight, not its output)."""
+        y = super()._linear(x, param, w2d, bias)  # (..., out)
+        if is_fx_tracing():  # proxies: the out-of-place sum is what a traced graph records
+            return y + self.lora_delta(x)
+        h = F.linear(self.lora_dropout(x), self.lora_A) * self.scale  # (..., S r)
+        for i, a, b in self._blocks():
+            rows = y if self.slices is None else y.narrow(-1, i * self.part, self.part)  # (..., p)
+            rows.add_(F.linear(h[..., a], self.lora_B[b]))
+        return y
 
     def _linear_act(self, *args, **kwargs) -> None:
         return None  # no fused GELU: the caller applies act(self(x)), adapters included

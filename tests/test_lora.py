@@ -208,6 +208,12 @@ def test_lora_in_bf16_with_the_low_precision_stream(tmp_path, base_ckpt):
     assert not any("lora" in k for k in load_file(tmp_path / "bf16" / "final.safetensors"))
 
 
+def test_targets_given_as_a_string_are_the_same_config(tmp_path):
+    cfg = tiny_cfg(tmp_path, **{"model.lora": 8, "model.lora_targets": "q, v"})
+    assert cfg.model.lora_targets == ["q", "v"]  # as config.yaml records it: a resume with either spelling matches
+    assert tiny_cfg(tmp_path, **{"model.lora_targets": "[qkv,mlp]"}).model.lora_targets == ["qkv", "mlp"]
+
+
 @pytest.mark.parametrize("args,says", [
     (["model.lora=0"], "model.lora=0: LoRA's rank must be a positive integer"),
     (["model.lora=-4"], "model.lora=-4: LoRA's rank must be a positive integer"),

@@ -271,6 +271,8 @@ def _coerce(value: Any, tp: Any, key: str = "a config value") -> Any:
         return int(value)
     if base is str:
         return str(value)
+    if typing.get_origin(base) is list and typing.get_args(base) == (str,) and isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]  # model.lora_targets=q,v as [q, v]
     if typing.get_origin(base) is tuple and isinstance(value, (list, tuple)):
         inner = typing.get_args(base)
         return tuple(float(v) if inner and inner[0] is float else v for v in value)

@@ -246,3 +246,87 @@ def test_onnx_export_of_the_rotary_families(name, tmp_path):
         x = _np(d, "input" + suffix)
         y = s.run(None, {s.get_inputs()[0].name: x})[0]
         assert np.abs(y - _np(d, "logits" + suffix)).max() <= TOL
+
+
+def _folder_copy(tmp_path: Path, name: str, **model_args) -> Path:
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(F / name, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_args"].update(model_args)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_what_vitkit_does_not_implement_is_refused_not_ignored(tmp_path):
+    """timm arguments that change the model are refused where vitkit does not read them: a rope_type it lacks, an
+    average that includes the prefix tokens, Eva's rotary arguments on another class (NaFlexVit)."""
+    for i, (args, match) in enumerate([(dict(rope_type="base"), "rope_type='base'"),
+                                       (dict(rope_type="mrope"), "rope_type='mrope'")]):
+        with pytest.raises(vitkit.CheckpointError, match=match):
+            vitkit.load(_folder_copy(tmp_path / str(i), "timm_rope_axial_s16", **args))
+    d = _folder_copy(tmp_path / "pip", "timm_tipsv2_b14", pool_include_prefix=True, global_pool="avg")
+    with pytest.raises(vitkit.CheckpointError, match="pool_include_prefix"):
+        vitkit.load(d)
+    naflex = Path(__file__).resolve().parent / "fixtures" / "naflex" / "timm_gap"
+    import shutil
+
+    shutil.copytree(naflex, tmp_path / "nf")
+    cfg = json.loads((tmp_path / "nf" / "config.json").read_text())
+    cfg["model_args"]["rope_type"] = "axial"
+    (tmp_path / "nf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(vitkit.CheckpointError, match="rope_type='axial'"):
+        vitkit.load(tmp_path / "nf")
+
+
+def test_unfused_rope_attention_keeps_its_key_bias(tmp_path):
+    """timm's AttentionRope with qkv_fused=False has a key bias (ROPE-ViT, PE): the same model as the fused one, so the
+    fixture's outputs; a dropped key bias would change them (the rotation makes q.b_k differ per key)."""
+    from safetensors.torch import load_file, save_file
+
+    d = _folder_copy(tmp_path, "timm_rope_axial_s16", qkv_fused=False)
+    sd = load_file(d / "model.safetensors")
+    for k in [k for k in sd if k.endswith("attn.qkv.weight") or k.endswith("attn.qkv.bias")]:
+        leaf = k.rsplit(".", 1)[1]
+        for n, t in zip("qkv", sd.pop(k).chunk(3)):
+            sd[k.replace(f"qkv.{leaf}", f"{n}_proj.{leaf}")] = t
+    assert sd["blocks.0.attn.k_proj.bias"].abs().max() > 0
+    save_file(sd, d / "model.safetensors")
+    m = vitkit.load(d)
+    assert m.config.k_bias
+    with torch.no_grad():
+        _close(m(torch.from_numpy(_np(d, "input"))), _np(d, "logits"))
+
+
+def test_a_bare_rotary_state_dict_needs_its_architecture():
+    """No position table in the file and no architecture named: refused (its rotary embedding is not in the file),
+    not loaded as a model without positions; ROPE-ViT-Mixed's frequencies say what it is (column first)."""
+    d = F / "timm_dinov3_s16"
+    with pytest.raises(vitkit.CheckpointError, match="architecture="):
+        vitkit.load(d / "model.safetensors", num_heads=4, img_size=64)
+    d = F / "timm_rope_mixed_s16"
+    m = vitkit.load(d / "model.safetensors", img_size=64)
+    assert m.config.rope == "mixed" and m.config.rope_indexing == "xy" and m.config.num_heads == 4
+    with torch.no_grad():
+        _close(m(torch.from_numpy(_np(d, "input"))), _np(d, "logits"))
+
+
+def test_training_after_an_inference_mode_call():
+    """The rotary cache keeps nothing made under inference_mode: a fine-tuning step after it has its gradients."""
+    m = vitkit.create_model("dinov3_s16", img_size=32, embed_dim=32, depth=1, num_heads=2, mlp_dim=64, num_classes=3)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        m.eval()(x)
+    m.train()(x).sum().backward()
+    assert m.patch_embed.proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(rope="mixed", rope_offset=1.0), "rope='mixed'"), (dict(rope="mixed", rope_ref_grid=(4, 4)), "rope='mixed'"),
+    (dict(rope="dinov3", rope_ref_grid=(4, 4)), "rope='dinov3'"), (dict(final_norm=False, classifier="gap", fc_norm=True),
+                                                                    "fc_norm"),
+    (dict(pool_mlp_dim=0), "classifier='map'"), (dict(norm="batchnorm"), "norm must be")])
+def test_settings_no_model_has_are_refused(opts, match):
+    with pytest.raises(UsageError, match=match):
+        vitkit.ViTConfig(img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, mlp_dim=64, **opts)

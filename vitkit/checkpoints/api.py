@@ -145,6 +145,14 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
                 raise UsageError(f"architecture={architecture!r} names a timm architecture; {path} is a {fmt} file")
             facts = {**facts, **timm.architecture_facts(architecture)}
             timm.check_architecture_sizes(architecture, sd, hints)
+        elif fmt == "timm-vit" and not {"pos_embed.weight", "pos_embed.row", "blocks.0.attn.rel_pos.table",
+                                        "rope.freqs"} & set(sd) \
+                and "rope" not in {**facts, **hints} and "pos_embed" not in hints:
+            raise CheckpointError(
+                f"{path}: a timm state dict with no position embedding: its positions are a rotary embedding the file "
+                f"does not record (DINOv3, ROPE-ViT, the Perception Encoder, timm's ROPE ViTs). Name the architecture "
+                f"as timm does, architecture='vit_base_patch16_dinov3' say, or give rope=... (pos_embed='none': "
+                f"a model without positions)")
     if architecture is not None and kind in ("dir", "npz"):
         raise UsageError(f"architecture={architecture!r} is for a bare timm state dict; {path} records its own")
     config = _infer_config(sd, {**facts, **hints}, img_size_if_unknown, what=str(path))

@@ -62,7 +62,7 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         cfg["proj_bias"] = "blocks.0.attn.proj.bias" in sd
     cfg["patch_norm"] = "patch_embed.norm.weight" in sd
     if "rope.freqs" in sd:  # ROPE-ViT-Mixed's learned frequencies (2, depth, heads, head_dim / 2): the head count
-        cfg["rope"] = "mixed"
+        cfg["rope"], cfg["rope_indexing"] = "mixed", "xy"  # (x, y) as ROPE-ViT and every timm mixed model
         hints.setdefault("num_heads", sd["rope.freqs"].shape[2])
     # LayerScale: the value it was initialised with is not in the file (and changes nothing once trained)
     stated_init = hints.pop("init_values", None)
@@ -79,6 +79,8 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
                          "token" if cfg["class_token"] and not cfg["fc_norm"] else "gap")
     if "attn_pool.mlp.fc1.weight" in sd and sd["attn_pool.mlp.fc1.weight"].shape[0] != cfg["mlp_dim"]:
         cfg["pool_mlp_dim"] = sd["attn_pool.mlp.fc1.weight"].shape[0]
+    elif "attn_pool.latent" in sd and "attn_pool.mlp.fc1.weight" not in sd:
+        cfg["pool_mlp_dim"] = 0  # a pooling without its MLP (AIMv2's)
     cfg["representation_size"] = sd["pre_logits.fc.weight"].shape[0] if "pre_logits.fc.weight" in sd else None
     cfg["num_classes"] = sd["head.weight"].shape[0] if "head.weight" in sd else 0
     # hybrid: ResNet stages and width; the embedding kernel sits on the backbone's feature map

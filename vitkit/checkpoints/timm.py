@@ -160,6 +160,10 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
         if (blk, "attn.q_proj.weight") in split:
             sd[q + "qkv.weight"] = torch.cat([split[(blk, f"attn.{n}_proj.weight")] for n in "qkv"])
             qb, vb = split.get((blk, "attn.q_proj.bias")), split.get((blk, "attn.v_proj.bias"))
+            kb = split.get((blk, "attn.k_proj.bias"))
+            if kb is not None:  # AttentionRope unfused: a key bias too, so one fused qkv bias (k_bias=True)
+                sd[q + "qkv.bias"] = torch.cat([qb, kb, vb])
+                continue
         else:
             qb, vb = split.get((blk, "attn.q_bias")), split.get((blk, "attn.v_bias"))
         if qb is not None:  # vitkit's k_bias=False attention has the same two parameters
@@ -374,13 +378,12 @@ def _aimv2_folder_config(c, cfg: dict) -> dict:
             "qkv_bias": c.qkv_bias, "proj_bias": c.proj_bias, "class_token": c.class_token, "global_pool": pool,
             "fc_norm": c.fc_norm, "final_norm": c.final_norm, "init_values": c.init_values, "reg_tokens": c.reg_tokens,
             "no_embed_class": c.no_embed_class, "pre_norm": c.pre_norm, "qk_norm": c.qk_norm,
+            "scale_attn_norm": c.attn_norm, "scale_mlp_norm": c.mlp_norm,
             "pos_embed": "learn" if c.pos_embed == "learned_1d" else "none", "dynamic_img_size": c.dynamic_img_size}
     cfg.update(architecture="aimv2_large_patch14_224", num_features=c.embed_dim, global_pool=pool, model_args=args)
     cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": "patch_embed.proj", "classifier": "head"}
     return cfg
 
-
-_EVA_ROPE_TYPES = {"eva": "cat", "mixed": "mixed", "dinov3": "dinov3"}
 
 
 def _eva_folder_config(c, cfg: dict) -> dict:
@@ -414,7 +417,7 @@ def _eva_folder_config(c, cfg: dict) -> dict:
             "dynamic_img_size": c.dynamic_img_size, "use_abs_pos_emb": c.pos_embed == "learned_1d",
             "attn_type": "rope" if c.qkv_bias and c.k_bias else "eva", "use_post_transformer_norm": c.final_norm and not c.fc_norm}
     if c.rope:
-        args.update(rope_type=_EVA_ROPE_TYPES[c.rope], rope_grid_indexing=c.rope_indexing,
+        args.update(rope_type={v: k for k, v in _ROPE_TYPES.items()}[c.rope], rope_grid_indexing=c.rope_indexing,
                     rope_grid_offset=c.rope_offset, rope_rotate_half=c.rope_half)
     if c.classifier == "map":
         args.update(attn_pool_num_heads=c.pool_heads or c.num_heads,
@@ -471,8 +474,8 @@ def _arch_facts(arch: str) -> dict:
 
 
 _UNSUPPORTED_NAMES = re.compile(r"naflexvit_.*(parfac|radio)")
-# timm's rope_type -> vitkit's rope (`layers/rope.py`); 'base' is the same axial embedding as 'cat'
-_ROPE_TYPES = {"cat": "eva", "": "eva", "base": "eva", "mixed": "mixed", "dinov3": "dinov3"}
+# timm's rope_type -> vitkit's rope (`layers/rope.py`) and back; 'base' (a pixel grid and bands) and 'mrope' are others
+_ROPE_TYPES = {"cat": "eva", "mixed": "mixed", "dinov3": "dinov3"}
 # timm constructor arguments -> vitkit config fields (VisionTransformer's, Eva's and NaFlexVit's names)
 _MODEL_ARGS = {"init_values": "init_values", "reg_tokens": "reg_tokens", "num_reg_tokens": "reg_tokens",
                "no_embed_class": "no_embed_class", "pre_norm": "pre_norm", "use_pre_transformer_norm": "pre_norm",
@@ -488,7 +491,11 @@ _ONLY_DEFAULT = {"embed_layer": None, "block_fn": None, "use_naflex": False, "us
                  "attn_gated": False, "input_norm_layer": None, "embed_proj_type": "linear", "rope_mrope_section": None,
                  "rope_ref_feat_shape": None, "weight_init": "",
                  "dynamic_img_pad": False, "pos_embed_use_grid_sample": False, "use_key_only_attn_mask": False}
-_SAME = {"pos_embed": ("learn", "learned", "none"), "attn_type": ("eva", "standard", "rope"),
+# Arguments vitkit reads from timm's Eva only (its rotary embeddings, PE's pooling): elsewhere (NaFlexVit) refused
+_EVA_ONLY = {"rope_type": "cat", "rope_grid_offset": 0.0, "rope_grid_indexing": "ij", "rope_rotate_half": False,
+             "attn_pool_num_heads": None, "attn_pool_mlp_ratio": None, "use_abs_pos_emb": True,
+             "rope_shift_coords": None, "rope_jitter_coords": None, "rope_rescale_coords": None}
+_SAME = {"pos_embed": ("learn", "learned", "none"), "rope_type": ("cat", ""), "attn_pool_mlp_ratio": (None,), "attn_type": ("eva", "standard", "rope"),
          "weight_init": ("", "skip")}
 # timm's MLP layers that are the paper's MLP or a SwiGLU vitkit reads from the tensors
 _MLP_LAYERS = {None, "Mlp", "SwiGLUPacked", "SwiGLU"}
@@ -602,7 +609,11 @@ def folder_facts(cfg: dict) -> dict:
                                   f"hybrids have a BiT ResNetV2 (the paper's)")
         args = {k: v for k, v in args.items() if k != "embed_layer"}
         facts.update(TIMM_HYBRID_NUMERICS)
-    for key, default in _ONLY_DEFAULT.items():
+    if args.get("pool_include_prefix") and facts["classifier"] != "map":
+        raise CheckpointError(f"timm's {arch} averages the prefix tokens with the patches (pool_include_prefix), "
+                              f"which vitkit does not implement (its 'avg' pools the patches alone)")
+    only_default = _ONLY_DEFAULT if eva else {**_ONLY_DEFAULT, **_EVA_ONLY}  # what vitkit reads from an Eva alone
+    for key, default in only_default.items():
         value = args.get(key, default)
         if value != default and value not in _SAME.get(key, ()):
             raise CheckpointError(f"timm's {arch} sets {key}={value!r}, which vitkit does not implement")
@@ -617,9 +628,10 @@ def _eva_rope_facts(arch: str, args: dict) -> dict:
     kind = _ROPE_TYPES.get(rope_type)
     if kind is None:
         raise CheckpointError(f"timm's {arch} sets rope_type={rope_type!r}, which vitkit does not implement "
-                              f"(vitkit: {sorted(k for k in _ROPE_TYPES if k)})")
+                              f"(vitkit: {sorted(_ROPE_TYPES)})")
     facts = {"rope": kind, "rope_indexing": args.get("rope_grid_indexing", "ij"),
-             "rope_offset": float(args.get("rope_grid_offset", 0.0)), "rope_half": bool(args.get("rope_rotate_half"))}
+             "rope_offset": 0.0 if kind == "mixed" else float(args.get("rope_grid_offset", 0.0)),  # mixed: timm ignores it
+             "rope_half": bool(args.get("rope_rotate_half"))}
     ref = args.get("ref_feat_shape")
     if kind != "eva" or ref is None:  # timm's dinov3 and mixed embeddings take no reference grid
         facts["rope_ref_grid"] = (EVA02_ROPE["rope_ref_grid"] if kind == "eva" and "ref_feat_shape" not in args
@@ -686,7 +698,9 @@ DINOV3_FACTS = {"rope": "dinov3", "rope_temperature": 100.0, "rope_half": True, 
 
 
 def is_dinov3_release(keys) -> bool:
-    return "storage_tokens" in keys or "rope_embed.periods" in keys
+    """DINOv3's RoPE periods buffer, or its registers beside the masked qkv bias (other `storage_tokens` files,
+    Sapiens2's, are not this layout)."""
+    return "rope_embed.periods" in keys or ("storage_tokens" in keys and any(k.endswith("qkv.bias_mask") for k in keys))
 
 
 def dinov3_release_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
@@ -701,7 +715,13 @@ def dinov3_release_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torc
         m = re.match(r"(blocks\.\d+\.)(.+)$", k)
         if k == "storage_tokens":
             sd["reg_token"] = v
-        elif k in ("mask_token", "rope_embed.periods") or k.startswith(("local_cls_norm", "projectors", "head.")):
+        elif k == "rope_embed.periods":  # T^(i / (d/4)), i < d/4: its base must be the one vitkit uses
+            p = v.double().flatten()
+            if len(p) > 1 and abs(float(p[-1]) ** (len(p) / (len(p) - 1)) / 100.0 - 1) > 0.02:
+                raise CheckpointError(f"DINOv3 release with rotary periods {p.tolist()}: not the base-100 periods of "
+                                      f"DINOv3's models (rope_temperature=...)")
+            unused.append(k)
+        elif k == "mask_token" or k.startswith(("local_cls_norm", "projectors", "head.")):
             unused.append(k)
         elif m and m.group(2) in ("attn.qkv.bias_mask", "attn.qkv.bias"):
             continue  # below, per block
@@ -716,6 +736,8 @@ def dinov3_release_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torc
         if mask is not None:
             mq, _, mv = mask.chunk(3)
             q, v = q * mq, v * mv
+        elif w[k].chunk(3)[1].any():
+            raise CheckpointError(f"{k}: a key bias with no bias_mask; DINOv3's keys have none (vitkit's k_bias=False)")
         if q.any() or v.any():
             biased = True
         sd[k[: -len("qkv.bias")] + "q_bias"], sd[k[: -len("qkv.bias")] + "v_bias"] = q, v

@@ -191,14 +191,19 @@ class ViTConfig:
             raise UsageError(f"rope needs a head width divisible by 4, got {self.embed_dim // self.num_heads}")
         if self.rope_indexing not in ROPE_INDEXING:
             raise UsageError(f"rope_indexing must be one of {ROPE_INDEXING}, got {self.rope_indexing!r}")
-        if self.rope == "mixed" and self.rope_half:
-            raise UsageError("rope='mixed' (learned frequencies) rotates adjacent channel pairs: rope_half=False")
+        if self.rope is None:  # the rotary settings mean nothing without a rotary embedding: their defaults
+            self.rope_ref_grid, self.rope_indexing, self.rope_offset, self.rope_half = None, "ij", 0.0, False
+        if self.rope == "mixed" and (self.rope_half or self.rope_offset or self.rope_ref_grid):
+            raise UsageError("rope='mixed' (ROPE-ViT's learned frequencies) rotates adjacent channel pairs of the "
+                             "plain patch indices: no rope_half, rope_offset or rope_ref_grid")
+        if self.rope == "dinov3" and self.rope_ref_grid:
+            raise UsageError("rope='dinov3' normalises the coordinates of every grid to [-1, 1]: no rope_ref_grid")
         if self.norm not in NORMS:
             raise UsageError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.fc_norm and not self.final_norm:
             raise UsageError("fc_norm replaces the final norm (it normalises after pooling): final_norm=False with it "
                              "means no norm at all; set fc_norm=False")
-        if (self.pool_heads or self.pool_mlp_dim or self.pool_prefix) and self.classifier != "map":
+        if (self.pool_heads or self.pool_mlp_dim is not None or self.pool_prefix) and self.classifier != "map":
             raise UsageError("pool_heads, pool_mlp_dim and pool_prefix are the attention pooling's (classifier='map')")
         if self.pool_heads and self.embed_dim % self.pool_heads:
             raise UsageError(f"embed_dim {self.embed_dim} is not divisible by pool_heads {self.pool_heads}")

@@ -31,7 +31,15 @@ class LayerNorm(nn.LayerNorm):
 
 class RMSNorm(nn.RMSNorm):
     """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019; AIMv2): timm's `RmsNorm`, transformers'
-    `Aimv2RMSNorm`; one parameter, `weight`."""
+    `Aimv2RMSNorm`; one parameter, `weight`. A bf16/fp16 input (`lowp_stream` under autocast) is normed in its dtype
+    with the weight cast to it, so the fused kernel runs (it accumulates in fp32), as `LayerNorm` does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_fx_tracing():
+            return super().forward(x)
+        if x.dtype in (torch.bfloat16, torch.float16) and self.weight is not None and self.weight.dtype != x.dtype:
+            return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+        return super().forward(x)
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:

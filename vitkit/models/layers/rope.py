@@ -113,8 +113,11 @@ class RotaryEmbedding2d(nn.Module):
     def forward(self, grid: tuple[int, int] | None = None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         grid = tuple(grid or self.grid_size)
         key = (grid, str(device))
-        learned = self.per_block  # angles of learned frequencies: recomputed every call (they train)
-        hit = None if learned or torch.compiler.is_compiling() else self._cache.get(key)
+        # angles of learned frequencies are recomputed every call (they train); none are cached under inference_mode
+        # (inference tensors would then reach a later training step's autograd)
+        learned = self.per_block
+        keep = not (learned or torch.compiler.is_compiling() or torch.is_inference_mode_enabled())
+        hit = self._cache.get(key) if keep else None
         if hit is None:
             dev = self.freqs.device if learned else device
             rows, cols = torch.meshgrid(torch.arange(grid[0], dtype=torch.float32, device=dev),
@@ -123,7 +126,7 @@ class RotaryEmbedding2d(nn.Module):
             hit = self._sincos(self._angles(c))
             if not learned:
                 hit = (hit[0].to(device), hit[1].to(device))
-                if not torch.compiler.is_compiling():
+                if keep:
                     self._cache[key] = hit
         return hit
 

@@ -2,6 +2,7 @@
 the final epoch's test accuracy over 3 seeds, with each arm's learning rate chosen on held-out training images.
 
     python benchmarks/lora.py [--tag zen4] [--seeds 0 1 2] [--out-dir runs/lora-bench] [--threads 1] [--smoke]
+    python benchmarks/lora.py --tag zen4 --steps-only [--rounds 7]   # the speeds again, the runs kept
 
 1. Upstream: a plain ViT (patch 4 on 28x28: 49 tokens + the class token, D 96, depth 4, 4 heads, MLP 192) trained
    from scratch on classes 0-4 (T-shirt, trouser, pullover, dress, coat; 30,000 images, 3 epochs, the fashion-mnist
@@ -13,7 +14,8 @@ the final epoch's test accuracy over 3 seeds, with each arm's learning rate chos
    seed 0); the test set is not looked at. Then 3 seeds per arm on all 10,000 images; the test top-1 of the final
    weights (the last epoch, not the best), mean +- std (sample std) over the seeds.
 4. Per arm, in child processes: trainable parameters; img/s of the trainer's own training step (`loop.train_step`:
-   augmentation, forward, backward, clipping, AdamW; median of 5 rounds of 20 steps, the arms' rounds alternating);
+   augmentation, forward, backward, clipping, AdamW; median of 5 rounds of 20 steps, the arms' rounds alternating,
+   and the median of each round's ratio to full fine-tuning's step, as the machine's load drifts between rounds);
    the step's peak memory: the growth of resident memory (VmHWM, reset before the step) over one step after two
    warm-up steps, in a child whose glibc serves every block over 128 KiB by mmap so that resident memory follows
    the live tensors (as benchmarks/train_step.py measures it); the optimizer's state, counted. Each training run's
@@ -246,6 +248,8 @@ def main() -> None:
     p.add_argument("--size-model", default="vit_s16", help="the larger model whose step is measured too")
     p.add_argument("--size-batch", type=int, default=8)
     p.add_argument("--smoke", action="store_true", help="a minute's check of the script itself: tiny runs, no results")
+    p.add_argument("--steps-only", action="store_true", help="measure the steps, the larger model and the export "
+                   "again, keeping the runs of benchmarks/results/lora_TAG.json (a quieter machine's speeds)")
     p.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.smoke:
@@ -280,39 +284,45 @@ def main() -> None:
     log(f"== {record['date']}: {cpu}, torch {torch.__version__}, run.threads={args.threads}; load average "
         f"{os.getloadavg()[0]:.2f} at the start (other jobs share the CPU)")
 
-    up = run_train(out / "upstream", UPSTREAM, args.threads)
-    record["upstream_result"] = up
-    log(f"upstream (classes 0-4, from scratch): test top-1 {up['acc1']:.4f} in {up['wall_s']:.0f} s "
-        f"({up['logged_img_per_s']:.0f} img/s logged)")
-    m = vitkit.load(out / "upstream" / "final.safetensors")
-    m.reset_classifier(0)  # the backbone: downstream fine-tuning puts a new head on it
-    backbone = out / "backbone.safetensors"
-    vitkit.save(m, backbone)
-    base = [f"model.checkpoint={backbone}", *DOWNSTREAM]
+    if args.steps_only:
+        kept = json.loads(json_path.read_text())
+        record.update({k: kept[k] for k in ("upstream_result", "tuning", "lr", "runs")}, runs_date=kept["date"])
+        backbone, chosen, runs = out / "backbone.safetensors", kept["lr"], kept["runs"]
+        log(f"the runs of {kept['date']} kept; steps, the larger model and the export measured again")
+    else:
+        up = run_train(out / "upstream", UPSTREAM, args.threads)
+        record["upstream_result"] = up
+        log(f"upstream (classes 0-4, from scratch): test top-1 {up['acc1']:.4f} in {up['wall_s']:.0f} s "
+            f"({up['logged_img_per_s']:.0f} img/s logged)")
+        m = vitkit.load(out / "upstream" / "final.safetensors")
+        m.reset_classifier(0)  # the backbone: downstream fine-tuning puts a new head on it
+        backbone = out / "backbone.safetensors"
+        vitkit.save(m, backbone)
+        base = [f"model.checkpoint={backbone}", *DOWNSTREAM]
 
-    chosen, tuning = {}, {}
-    for arm, extra in ARMS.items():
-        tuning[arm] = {}
-        for lr in LRS[arm]:
-            r = run_train(out / f"tune-{arm}-{lr:g}", [*base, *extra, f"optim.lr={lr}", "data.val_split=0.1",
-                                                       "run.seed=0"], args.threads)
-            tuning[arm][lr] = r["val_acc1"]
-            log(f"tuning {arm:<8} lr {lr:<6g} val top-1 {r['val_acc1']:.4f} ({r['wall_s']:.0f} s)")
-        chosen[arm] = max(tuning[arm], key=tuning[arm].get)
-        log(f"  {arm}: lr {chosen[arm]:g}")
-    record.update(tuning=tuning, lr=chosen)
-    json_path.write_text(json.dumps(record, indent=1))
-
-    runs: dict = {arm: [] for arm in ARMS}
-    for seed in args.seeds:
+        chosen, tuning = {}, {}
         for arm, extra in ARMS.items():
-            r = run_train(out / f"{arm}-s{seed}", [*base, *extra, f"optim.lr={chosen[arm]}", f"run.seed={seed}"],
-                          args.threads)
-            runs[arm].append({"seed": seed, **r})
-            log(f"{arm:<8} seed {seed}: test top-1 {r['acc1']:.4f} (final epoch), {r['wall_s']:.0f} s, peak RSS "
-                f"{r['peak_rss_mb']:.0f} MB, {r['logged_img_per_s']:.0f} img/s logged")
-            record["runs"] = runs
-            json_path.write_text(json.dumps(record, indent=1))
+            tuning[arm] = {}
+            for lr in LRS[arm]:
+                r = run_train(out / f"tune-{arm}-{lr:g}", [*base, *extra, f"optim.lr={lr}", "data.val_split=0.1",
+                                                           "run.seed=0"], args.threads)
+                tuning[arm][lr] = r["val_acc1"]
+                log(f"tuning {arm:<8} lr {lr:<6g} val top-1 {r['val_acc1']:.4f} ({r['wall_s']:.0f} s)")
+            chosen[arm] = max(tuning[arm], key=tuning[arm].get)
+            log(f"  {arm}: lr {chosen[arm]:g}")
+        record.update(tuning=tuning, lr=chosen)
+        json_path.write_text(json.dumps(record, indent=1))
+
+        runs: dict = {arm: [] for arm in ARMS}
+        for seed in args.seeds:
+            for arm, extra in ARMS.items():
+                r = run_train(out / f"{arm}-s{seed}", [*base, *extra, f"optim.lr={chosen[arm]}", f"run.seed={seed}"],
+                              args.threads)
+                runs[arm].append({"seed": seed, **r})
+                log(f"{arm:<8} seed {seed}: test top-1 {r['acc1']:.4f} (final epoch), {r['wall_s']:.0f} s, peak RSS "
+                    f"{r['peak_rss_mb']:.0f} MB, {r['logged_img_per_s']:.0f} img/s logged")
+                record["runs"] = runs
+                json_path.write_text(json.dumps(record, indent=1))
 
     steps: dict = {arm: {"img_per_s": []} for arm in ARMS}
     for arm in ARMS:
@@ -322,6 +332,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         for arm in (list(ARMS) if rnd % 2 == 0 else list(ARMS)[::-1]):
             steps[arm]["img_per_s"].append(child(arm, backbone, chosen[arm], args.threads, "speed")["img_per_s"])
+        log(f"round {rnd + 1}: " + ", ".join(f"{arm} {steps[arm]['img_per_s'][-1]:.0f} img/s" for arm in ARMS))
     record["steps"] = steps
     sizes = {}
     for arm in ARMS:
@@ -338,6 +349,8 @@ def main() -> None:
         row = {"arm": arm, "lr": chosen[arm], "trainable_params": s["trainable_params"],
                "trainable_pct": 100 * s["trainable_params"] / s["total_params"],
                "step_img_per_s": statistics.median(s["img_per_s"]), "step_peak_mb": s["step_peak_mb"],
+               # the load drifts between rounds: each round's ratio to full fine-tuning's step in the same round
+               "step_vs_full": statistics.median(a / f for a, f in zip(s["img_per_s"], steps["full"]["img_per_s"])),
                "weights_mb": s["weights_mb"], "optimizer_state_mb": s["optimizer_state_mb"],
                "run_peak_rss_mb": max(r["peak_rss_mb"] for r in runs[arm]),
                "acc1_mean": statistics.mean(accs), "acc1_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
@@ -351,11 +364,11 @@ def main() -> None:
     json_path.write_text(json.dumps(record, indent=1))
 
     log(f"\n{cpu}; torch {torch.__version__}; run.threads={args.threads}; fp32, eager")
-    log(f"{'arm':<9} {'lr':>6} {'trainable':>10} {'%':>6} {'step img/s':>10} {'step peak MB':>12} {'opt MB':>6} "
+    log(f"{'arm':<9} {'lr':>6} {'trainable':>10} {'%':>6} {'step img/s':>10} {'vs full':>7} {'step peak MB':>12} {'opt MB':>6} "
         f"{'run RSS MB':>10} {'test top-1 (final epoch, ' + str(len(args.seeds)) + ' seeds)':>34}")
     for r in rows:
         log(f"{r['arm']:<9} {r['lr']:>6g} {r['trainable_params']:>10,} {r['trainable_pct']:>6.2f} "
-            f"{r['step_img_per_s']:>10.0f} {r['step_peak_mb']:>12.1f} {r['optimizer_state_mb']:>6.2f} "
+            f"{r['step_img_per_s']:>10.0f} {r['step_vs_full']:>6.2f}x {r['step_peak_mb']:>12.1f} {r['optimizer_state_mb']:>6.2f} "
             f"{r['run_peak_rss_mb']:>10.0f} {100 * r['acc1_mean']:>27.2f} +- {100 * r['acc1_std']:.2f}")
     for arm, r in sizes.items():
         log(f"{args.size_model} batch {args.size_batch} at 224 px, {arm:<8}: {r['trainable_params']:>11,} trainable, "

@@ -230,3 +230,24 @@ def test_bad_lora_configs_are_one_line_errors(tmp_path, capsys, args, says):
     err = capsys.readouterr().err
     assert code == 2 and not out.exists(), err
     assert (says or "model.lora with run.strategy=fsdp is not supported") in err
+
+
+def test_save_and_export_of_an_unmerged_adapter_model_write_plain_weights(tmp_path):
+    """`vitkit.save` and `vitkit.export` of a model with adapters (not merged by hand) write the merged weights: the
+    files load as plain models to the adapter model's features."""
+    import vitkit
+    from vitkit.models.lora import apply_lora
+
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, mlp_dim=64,
+                            num_classes=3).eval()
+    apply_lora(m, 4)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+        x = torch.randn(2, 3, 32, 32)
+        f = m.forward_features(x)
+        for path in (vitkit.save(m, tmp_path / "a.safetensors"), vitkit.export(m, tmp_path / "t", to="timm")):
+            back = vitkit.load(path)
+            assert not [k for k in back.state_dict() if "lora" in k]
+            assert (back.forward_features(x) - f).abs().max() <= 1e-5

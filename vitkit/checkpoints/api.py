@@ -11,6 +11,7 @@ from torch import nn
 
 from ..models import ResNetV2Config, SwinConfig, ViTConfig, build_model
 from ..models.layers.patch_embed import to_2tuple
+from ..models.lora import merged_state_dict
 from ..models.registry import config_with
 from . import bit, hf, hf_backbones, hf_vision, official, swin, timm, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
@@ -338,9 +339,14 @@ def _swin_method(resample: str | None) -> str:
     return "bicubic_noaa" if resample in (None, "bilinear") else resample
 
 
+def _plain(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with LoRA adapters (`vitkit.models.lora`) merged into its weights: what every format holds."""
+    return merged_state_dict(model, sd) if any(k.endswith(".lora_A") for k in sd) else sd
+
+
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous().clone()
-            for k, v in model.state_dict().items()}
+            for k, v in _plain(model, model.state_dict()).items()}
 
 
 def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = None,
@@ -353,7 +359,7 @@ def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = N
     path = Path(path)
     meta = {"format": NATIVE_FORMAT, "version": NATIVE_VERSION, "config": json.dumps(model.config.to_dict())}
     meta.update(metadata or {})
-    sd = model.state_dict() if state_dict is None else state_dict
+    sd = _plain(model, model.state_dict() if state_dict is None else state_dict)
     tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous().clone()
                for k, v in sd.items()}
     atomic_write(path, lambda p: safetensors.torch.save_file(tensors, str(p), metadata=meta))

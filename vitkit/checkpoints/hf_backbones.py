@@ -16,6 +16,7 @@ import re
 
 import torch
 
+from .hf_vision import _vision_config
 from .io import CheckpointError
 
 FAMILIES = {"dinov3_vit": "dinov3", "aimv2_vision_model": "aimv2", "aimv2": "aimv2"}
@@ -32,11 +33,6 @@ def family(keys, hf_config: dict | None = None) -> str | None:
     if "embeddings.rms_norm.weight" in keys and "encoder.layers.0.ffn.gate_proj.weight" in keys:
         return "aimv2"
     return None
-
-
-def _vision_config(hf_config: dict | None) -> dict:
-    c = dict(hf_config or {})
-    return c.get("vision_config") or c
 
 
 _DINOV3_BLOCK = {"norm1": "norm1", "norm2": "norm2", "attention.o_proj": "attn.proj", "mlp.down_proj": "mlp.fc2",

@@ -94,7 +94,6 @@ def run_train(out: Path, overrides: list[str], threads: int) -> dict:
 def step_child(arm: str, backbone: str, lr: float, threads: int, what: str) -> dict:
     """In this (child) process: the arm's run set up as the trainer does it (`setup.prepare_run`), then its
     training step timed (`what`="speed") or its peak memory measured ("memory")."""
-    from vitkit.bench import PeakMemory
     from vitkit.data.datasets import iterate_batches
     from vitkit.training import apply_overrides, get_preset
     from vitkit.training.distributed import Dist
@@ -122,16 +121,21 @@ def step_child(arm: str, backbone: str, lr: float, threads: int, what: str) -> d
 
     one(), one()  # warm-up: packed weights, the optimizer's state
     out = {"arm": arm, "trainable_params": trainable, "total_params": total, **state_mb(run.model, run.opt)}
+    return {**out, **_measure(one, what, 20, cfg.data.batch_size)}
+
+
+def _measure(one, what: str, steps: int, batch: int) -> dict:
+    """One step's peak memory ("memory"), or img/s over `steps` steps of `batch` images."""
+    from vitkit.bench import PeakMemory
+
     if what == "memory":
         with PeakMemory(torch.device("cpu")) as mem:
             one()
-        out["step_peak_mb"] = mem.peak / 2**20
-    else:
-        t0 = time.perf_counter()
-        for _ in range(20):
-            one()
-        out["img_per_s"] = 20 * cfg.data.batch_size / (time.perf_counter() - t0)
-    return out
+        return {"step_peak_mb": mem.peak / 2**20}
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        one()
+    return {"img_per_s": steps * batch / (time.perf_counter() - t0)}
 
 
 def state_mb(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
@@ -148,7 +152,6 @@ def size_child(arm: str, name: str, batch: int, threads: int, what: str) -> dict
     import torch.nn.functional as F
 
     import vitkit
-    from vitkit.bench import PeakMemory
     from vitkit.machine.fast_linear import pack_linears
     from vitkit.models.lora import apply_lora, mark_only_lora_trainable
     from vitkit.training.config import OptimConfig
@@ -174,16 +177,7 @@ def size_child(arm: str, name: str, batch: int, threads: int, what: str) -> dict
     out = {"arm": arm, "model": name, "batch": batch, **state_mb(model, opt),
            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "total_params": sum(p.numel() for p in model.parameters())}
-    if what == "memory":
-        with PeakMemory(torch.device("cpu")) as mem:
-            one()
-        out["step_peak_mb"] = mem.peak / 2**20
-    else:
-        t0 = time.perf_counter()
-        for _ in range(3):
-            one()
-        out["img_per_s"] = 3 * batch / (time.perf_counter() - t0)
-    return out
+    return {**out, **_measure(one, what, 3, batch)}
 
 
 def child(arm: str, backbone: Path, lr: float, threads: int, what: str) -> dict:

@@ -225,8 +225,9 @@ def test_the_budget_scales_with_the_size_and_reads_the_knobs(monkeypatch):
     monkeypatch.setenv("VITKIT_FETCH_DEADLINE_S", "5")
     monkeypatch.setenv("VITKIT_FETCH_MIN_RATE", "1000")
     assert fetch_budget(10_000) == 15.0
-    monkeypatch.setenv("VITKIT_FETCH_DEADLINE_S", "nonsense")
-    assert fetch_budget() == 60.0
+    monkeypatch.setenv("VITKIT_FETCH_DEADLINE_S", "nonsense")  # refused by name (was: 60 s, silently)
+    with pytest.raises(UsageError, match=r"^VITKIT_FETCH_DEADLINE_S='nonsense': must be a finite number"):
+        fetch_budget()
 
 
 if sys.platform != "linux":  # the device and socket cases assume Linux's /dev and AF_UNIX

@@ -22,7 +22,9 @@ from typing import Any, Callable
 
 def cache_dir() -> Path:
     """`$VITKIT_HOME`, by default `~/.cache/vitkit`: read at every call, so a test or a user can move it."""
-    return Path(os.environ.get("VITKIT_HOME", Path.home() / ".cache" / "vitkit")).expanduser()
+    from . import env  # the knob's one parser (vitkit.env); imported here, where it is used
+
+    return env.get("VITKIT_HOME")
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:

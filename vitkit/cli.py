@@ -16,7 +16,7 @@ from typing import Literal
 import safetensors.torch
 import yaml
 
-from . import __version__
+from . import __version__, env
 from ._cli_util import add_function
 from .analysis.commands import explain_images, inspect_model
 from .bench import bench
@@ -260,7 +260,7 @@ def serve(
     _serve(checkpoint, host, port, backend, Limits(max_upload_mb=max_upload_mb, max_pixels=max_pixels, timeout_s=timeout_s,
                                                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
                                                    max_patches=max_patches, max_batch_patches=max_batch_patches), threads,
-           precision, api_key or os.environ.get("VITKIT_API_KEY"))
+           precision, api_key or env.get("VITKIT_API_KEY"))
     return 0
 
 
@@ -743,6 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     args.pop("command")
     debug = args.pop("debug")
     try:
+        env.check_all()  # every VITKIT_* knob that is set, before any work (`vitkit.env`)
         ret = fn(**args)
     except (VitkitError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         # an expected failure (bad input, a missing file, a config that cannot work): its message is the answer

@@ -16,8 +16,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from . import env
 from .errors import CheckpointError
-from .safety import Deadline, open_regular, open_url
+from .safety import Deadline, fetch_budget, open_regular, open_url
 
 
 # Servers that publish a checksum with every file, and how: "gcs" (Google Cloud Storage: the object's MD5 in
@@ -83,6 +84,7 @@ def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 3
     on the folder itself, no file left behind): the first downloads, the others then find the file."""
     if dest.exists():
         return dest
+    fetch_budget(), env.get("VITKIT_MAX_DOWNLOAD_BYTES")  # the knobs this reads: a bad value is named before anything
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl  # fcntl: POSIX only
@@ -118,11 +120,11 @@ def _download(url: str, dest: Path, sha256: str | None, timeout: float, md5: str
                 if length and length.isdigit():
                     deadline.expect(int(length))  # the whole fetch within VITKIT_FETCH_DEADLINE_S + its size's share
                 with open(part, "ab" if resumed else "wb") as f:
-                    written = f.tell()
+                    written, cap = f.tell(), env.get("VITKIT_MAX_DOWNLOAD_BYTES")
                     while chunk := r.read(1 << 20):
                         written += len(chunk)
-                        if written > MAX_DOWNLOAD_BYTES:  # a server that sends without end (or lies in its header)
-                            raise CheckpointError(f"{url}: more than {MAX_DOWNLOAD_BYTES:,} bytes: refused "
+                        if written > cap:  # a server that sends without end (or lies in its header)
+                            raise CheckpointError(f"{url}: more than {cap:,} bytes: refused "
                                                   f"(VITKIT_MAX_DOWNLOAD_BYTES)")
                         f.write(chunk)
                 deadline.check()  # a body cut short by the deadline ends like a complete one
@@ -150,16 +152,13 @@ def _download(url: str, dest: Path, sha256: str | None, timeout: float, md5: str
     return dest
 
 
-MAX_DOWNLOAD_BYTES = int(os.environ.get("VITKIT_MAX_DOWNLOAD_BYTES", 64 << 30))
-
-
 def _check_download_size(url: str, length: str | None, folder: Path) -> None:
     """A download whose declared size is over the limit or over the disk's free space is refused before it starts."""
     if length is None or not length.isdigit():
         return
-    n, free = int(length), shutil.disk_usage(folder).free
-    if n > MAX_DOWNLOAD_BYTES:
-        raise CheckpointError(f"{url} declares {n:,} bytes, over the limit of {MAX_DOWNLOAD_BYTES:,} "
+    n, free, cap = int(length), shutil.disk_usage(folder).free, env.get("VITKIT_MAX_DOWNLOAD_BYTES")
+    if n > cap:
+        raise CheckpointError(f"{url} declares {n:,} bytes, over the limit of {cap:,} "
                               f"(VITKIT_MAX_DOWNLOAD_BYTES): refused")
     if n > free:
         raise CheckpointError(f"{url} declares {n:,} bytes; {folder} has {free:,} free: refused before downloading")

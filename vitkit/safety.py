@@ -40,24 +40,29 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
+from . import env
 from .errors import CheckpointError, UsageError, VitkitError
 import dataclasses
 import yaml
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
+# The limits are environment knobs (`vitkit.env`: VITKIT_MAX_TENSOR_BYTES, VITKIT_MAX_TEXT_BYTES, VITKIT_MAX_NESTING,
+# VITKIT_MAX_NODES, VITKIT_MAX_COMPRESSION_RATIO, VITKIT_MAX_SAMPLE_BYTES), each read where it is used: a bad value is
+# a UsageError naming it then, never an error at import. `safety.MAX_TENSOR_BYTES` and the like still read them.
+_KNOB_CONSTANTS = {"MAX_TENSOR_BYTES": "VITKIT_MAX_TENSOR_BYTES", "MAX_TEXT_BYTES": "VITKIT_MAX_TEXT_BYTES",
+                   "MAX_NESTING": "VITKIT_MAX_NESTING", "MAX_NODES": "VITKIT_MAX_NODES",
+                   "MAX_COMPRESSION_RATIO": "VITKIT_MAX_COMPRESSION_RATIO",
+                   "MAX_SAMPLE_BYTES": "VITKIT_MAX_SAMPLE_BYTES", "FETCH_DEADLINE_S": "VITKIT_FETCH_DEADLINE_S",
+                   "FETCH_MIN_RATE": "VITKIT_FETCH_MIN_RATE"}
 
 
-MAX_TENSOR_BYTES = _env_int("VITKIT_MAX_TENSOR_BYTES", 1 << 30)  # one array, as float32 once read
-MAX_TEXT_BYTES = _env_int("VITKIT_MAX_TEXT_BYTES", 16 << 20)  # a config.json / YAML / index.json / JSON body
-MAX_NESTING = _env_int("VITKIT_MAX_NESTING", 64)  # lists and mappings inside each other
-MAX_NODES = _env_int("VITKIT_MAX_NODES", 1_000_000)  # values in one document (YAML aliases can multiply them)
-MAX_COMPRESSION_RATIO = _env_int("VITKIT_MAX_COMPRESSION_RATIO", 200)  # for zip entries over 16 MiB
-MAX_SAMPLE_BYTES = _env_int("VITKIT_MAX_SAMPLE_BYTES", 64 << 20)  # one image of a dataset shard
+def __getattr__(name: str) -> Any:
+    """The former module constants (MAX_TENSOR_BYTES, ...): the knob's value now."""
+    if name in _KNOB_CONSTANTS:
+        return env.get(_KNOB_CONSTANTS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own limit
 
 
@@ -101,20 +106,21 @@ def check_tensor(name: str, shape: tuple, itemsize: int, what: str) -> int:
     with a negative or non-integer dimension."""
     if not all(isinstance(d, int) and d >= 0 for d in shape):
         raise CheckpointError(f"{what}: tensor {name!r} has an invalid shape {shape}")
-    nbytes = math.prod(shape) * max(itemsize, 4)
-    if nbytes > MAX_TENSOR_BYTES:
+    nbytes, limit = math.prod(shape) * max(itemsize, 4), env.get("VITKIT_MAX_TENSOR_BYTES")
+    if nbytes > limit:
         raise CheckpointError(f"{what}: tensor {name!r} claims shape {tuple(shape)} ({gib(nbytes)}), over the limit of "
-                              f"{gib(MAX_TENSOR_BYTES)} for one tensor (no published ViT has one that large; "
+                              f"{gib(limit)} for one tensor (no published ViT has one that large; "
                               f"VITKIT_MAX_TENSOR_BYTES raises it)")
     return nbytes
 
 
 def check_zip_entry(info, what: str) -> None:
     """A zip entry whose uncompressed size is far beyond its compressed one: a decompression bomb."""
-    if info.file_size > 16 << 20 and info.file_size > MAX_COMPRESSION_RATIO * max(info.compress_size, 1):
+    ratio = env.get("VITKIT_MAX_COMPRESSION_RATIO")
+    if info.file_size > 16 << 20 and info.file_size > ratio * max(info.compress_size, 1):
         raise CheckpointError(f"{what}: entry {info.filename!r} expands from {gib(info.compress_size)} to "
                               f"{gib(info.file_size)} ({info.file_size // max(info.compress_size, 1)}x): refused as a "
-                              f"decompression bomb (real checkpoints compress less than {MAX_COMPRESSION_RATIO}x; "
+                              f"decompression bomb (real checkpoints compress less than {ratio}x; "
                               f"VITKIT_MAX_COMPRESSION_RATIO raises it)")
 
 
@@ -122,14 +128,15 @@ def check_tree(obj: Any, what: str, error: type[VitkitError] = UsageError) -> An
     """A parsed JSON/YAML document within MAX_NESTING levels and MAX_NODES values (shared YAML aliases count every
     time they are reached, as a walk over the document would reach them)."""
     stack, nodes = [(obj, 1)], 0
+    max_nodes, max_nesting = env.get("VITKIT_MAX_NODES"), env.get("VITKIT_MAX_NESTING")
     while stack:
         node, depth = stack.pop()
         nodes += 1
-        if nodes > MAX_NODES:
-            raise error(f"{what}: more than {MAX_NODES:,} values (YAML aliases can multiply a small file): refused")
+        if nodes > max_nodes:
+            raise error(f"{what}: more than {max_nodes:,} values (YAML aliases can multiply a small file): refused")
         if isinstance(node, (dict, list, tuple)):
-            if depth > MAX_NESTING:
-                raise error(f"{what}: nested more than {MAX_NESTING} levels deep: refused")
+            if depth > max_nesting:
+                raise error(f"{what}: nested more than {max_nesting} levels deep: refused")
             children = list(node.keys()) + list(node.values()) if isinstance(node, dict) else node
             stack.extend((c, depth + 1) for c in children)
     return obj
@@ -178,10 +185,11 @@ def check_regular(path: str | Path, what: str | None = None, error: type[VitkitE
     return Path(path)
 
 
-def read_bytes(path: str | Path, what: str | None = None, limit: int = MAX_TEXT_BYTES,
+def read_bytes(path: str | Path, what: str | None = None, limit: int | None = None,
                error: type[VitkitError] = UsageError, knob: str = "VITKIT_MAX_TEXT_BYTES") -> bytes:
     """A small file's bytes (a config, an index), a regular file only (`open_regular`), refused from its size
-    before it is read."""
+    before it is read: over `limit` bytes, by default the value of the environment knob `knob`."""
+    limit = env.get(knob) if limit is None else limit
     with open_regular(path, what, error) as f:
         size = os.fstat(f.fileno()).st_size
         data = f.read(limit + 1) if size <= limit else b""
@@ -193,24 +201,12 @@ def read_bytes(path: str | Path, what: str | None = None, limit: int = MAX_TEXT_
 
 # ---- network fetches: an overall deadline besides the per-read timeout ---------------------------------------
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(name, default))
-    except ValueError:
-        return default
-    return value if math.isfinite(value) and value > 0 else default
-
-
-FETCH_DEADLINE_S = 60.0  # every fetch may take this long in all (connect, headers, body), whatever its size ...
-FETCH_MIN_RATE = 100_000  # ... plus its size at this many bytes per second
-
-
 def fetch_budget(nbytes: int | None = None) -> float:
     """Seconds a fetch of `nbytes` may take in all: VITKIT_FETCH_DEADLINE_S (default 60) plus `nbytes` at
     VITKIT_FETCH_MIN_RATE bytes per second (default 100 kB/s: a 350 MB ViT-B in an hour). Read from the
     environment at each fetch."""
-    floor = _env_float("VITKIT_FETCH_DEADLINE_S", FETCH_DEADLINE_S)
-    return floor + max(nbytes or 0, 0) / _env_float("VITKIT_FETCH_MIN_RATE", FETCH_MIN_RATE)
+    floor = env.get("VITKIT_FETCH_DEADLINE_S")
+    return floor + max(nbytes or 0, 0) / env.get("VITKIT_FETCH_MIN_RATE")
 
 
 class Deadline:
@@ -264,7 +260,8 @@ class Deadline:
                 self._timer.cancel()
 
     def _arm(self) -> None:
-        self._timer = threading.Timer(max(self.remaining(), 0.0) + 0.01, self._fire)
+        # at most a day at a time (a long budget re-arms in _fire): a Timer past threading.TIMEOUT_MAX would raise
+        self._timer = threading.Timer(min(max(self.remaining(), 0.0), 86400.0) + 0.01, self._fire)
         self._timer.daemon = True
         self._timer.start()
 
@@ -286,8 +283,7 @@ class Deadline:
             raise self.exceeded()
 
     def exceeded(self, error: type[Exception] = TimeoutError) -> Exception:
-        floor = _env_float("VITKIT_FETCH_DEADLINE_S", FETCH_DEADLINE_S)
-        rate = _env_float("VITKIT_FETCH_MIN_RATE", FETCH_MIN_RATE)
+        floor, rate = env.get("VITKIT_FETCH_DEADLINE_S"), env.get("VITKIT_FETCH_MIN_RATE")
         size = f", plus {self.expected:,} bytes at VITKIT_FETCH_MIN_RATE={rate:,.0f} B/s" if self.expected else ""
         return error(f"{self.url}: no complete answer within the fetch's deadline of {self.seconds:.3g} s "
                      f"(VITKIT_FETCH_DEADLINE_S={floor:g}{size}): the server sends too slowly or has stalled; cut off "
@@ -374,8 +370,9 @@ def open_url(url: str | urllib.request.Request, deadline: Deadline, timeout: flo
 
 def parse_json(data: str | bytes, what: str, error: type[VitkitError] = UsageError) -> Any:
     """JSON from untrusted bytes: size, nesting and values bounded; any failure is `error` naming `what`."""
-    if len(data) > MAX_TEXT_BYTES:
-        raise error(f"{what}: {gib(len(data))} of JSON, over the limit of {gib(MAX_TEXT_BYTES)} "
+    limit = env.get("VITKIT_MAX_TEXT_BYTES")
+    if len(data) > limit:
+        raise error(f"{what}: {gib(len(data))} of JSON, over the limit of {gib(limit)} "
                     f"(VITKIT_MAX_TEXT_BYTES)")
     with untrusted(what, error):
         return check_tree(json.loads(data), what, error)
@@ -383,8 +380,9 @@ def parse_json(data: str | bytes, what: str, error: type[VitkitError] = UsageErr
 
 def parse_yaml(text: str, what: str, error: type[VitkitError] = UsageError) -> Any:
     """YAML with the safe loader (no Python tags): size, nesting and values bounded."""
-    if len(text) > MAX_TEXT_BYTES:
-        raise error(f"{what}: {gib(len(text))} of YAML, over the limit of {gib(MAX_TEXT_BYTES)} "
+    limit = env.get("VITKIT_MAX_TEXT_BYTES")
+    if len(text) > limit:
+        raise error(f"{what}: {gib(len(text))} of YAML, over the limit of {gib(limit)} "
                     f"(VITKIT_MAX_TEXT_BYTES)")
     with untrusted(what, error):
         try:

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import env
 from ..errors import CheckpointError
-from ..safety import (MAX_SAFETENSORS_HEADER, MAX_TENSOR_BYTES, check_alloc, check_regular, check_tensor,
+from ..safety import (MAX_SAFETENSORS_HEADER, check_alloc, check_regular, check_tensor,
                       check_zip_entry, gib, open_regular, parse_json, read_bytes, untrusted)
 from safetensors import safe_open
 
@@ -137,7 +138,7 @@ def read_torch(path: Path) -> dict[str, torch.Tensor]:
                 total = 0
                 for info in z.infolist():
                     check_zip_entry(info, what)
-                    if info.file_size > MAX_TENSOR_BYTES:
+                    if info.file_size > env.get("VITKIT_MAX_TENSOR_BYTES"):
                         raise CheckpointError(f"{what}: entry {info.filename!r} holds {gib(info.file_size)}, over "
                                               f"the limit for one tensor's storage (VITKIT_MAX_TENSOR_BYTES)")
                     total += info.file_size

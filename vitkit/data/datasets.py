@@ -18,7 +18,6 @@ import dataclasses
 import gzip
 import io
 import math
-import os
 import pickle
 import random
 import struct
@@ -38,7 +37,8 @@ from ..download import download as fetch
 from ..errors import CheckpointError, UsageError, VitkitError
 from ..models.layers.packing import resize_to_patches
 from ..models.layers.patch_embed import to_2tuple
-from ..safety import MAX_TENSOR_BYTES, open_regular
+from .. import env
+from ..safety import open_regular
 from .image import (_PIL_INTERP, BadSample, DecodedFiles, ImageDecodeError, load_image, replicate_channels, resize_float,
                     sample_geometry, to_uint8_tensor)
 from .shards import ShardDataset, fetch_small
@@ -209,7 +209,7 @@ def aspect_crops(images: torch.Tensor, labels: torch.Tensor, classes: list[str],
 def data_roots(data_dir: str | Path | None, name: str) -> list[Path]:
     """Where to look for a named dataset: --data-dir, $VITKIT_DATA, Debian's /usr/share/datasets, the cache."""
     roots = []
-    for base in (data_dir, os.environ.get("VITKIT_DATA")):
+    for base in (data_dir, env.get("VITKIT_DATA")):
         if base:
             roots += [Path(base) / name, Path(base)]
     roots += [Path("/usr/share/datasets") / name]
@@ -222,9 +222,10 @@ def _read_idx(path: Path) -> np.ndarray:
     try:
         with open_regular(path, error=DatasetError) as raw, (gzip.GzipFile(fileobj=raw) if path.suffix == ".gz"
                                                              else contextlib.nullcontext(raw)) as f:
-            data = f.read(MAX_TENSOR_BYTES + 1)  # a gzip bomb stops here, not at the memory's end
-        if len(data) > MAX_TENSOR_BYTES:
-            raise DatasetError(f"{path}: decompresses to more than {MAX_TENSOR_BYTES:,} bytes (VITKIT_MAX_TENSOR_BYTES)")
+            cap = env.get("VITKIT_MAX_TENSOR_BYTES")
+            data = f.read(cap + 1)  # a gzip bomb stops here, not at the memory's end
+        if len(data) > cap:
+            raise DatasetError(f"{path}: decompresses to more than {cap:,} bytes (VITKIT_MAX_TENSOR_BYTES)")
         magic, = struct.unpack(">I", data[:4])
         ndim = magic & 0xFF
         if (magic >> 8) != 0x08:
@@ -323,7 +324,7 @@ class FileDataset(DecodedFiles, Dataset):
     evaluation geometry (`vitkit.data.image.resize_crop`: shorter side to img_size / crop_pct, centre crop), or
     for training with `with_train_crop` random-resized crops of the full-resolution image (`sample_geometry`).
 
-    A file that cannot be decoded (or declares more than `image.MAX_IMAGE_PIXELS`) gives None and is counted by
+    A file that cannot be decoded (or declares more than VITKIT_MAX_IMAGE_PIXELS) gives None and is counted by
     the collate function, unless `strict`. `configured(model_config)` sets the size and geometry from a model.
     """
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
+from .. import env
 from ..errors import UsageError, VitkitError
 from ..safety import open_regular
 
@@ -29,7 +30,8 @@ _PIL_INTERP = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": 
 
 # Images with more pixels than this are refused before they are decoded (a decompression bomb: a tiny PNG that
 # declares 20000 x 20000 would take 1.2 GB as RGB). 64 Mpx: an 8192 x 8192 image, or a 48 Mpx photo, passes.
-MAX_IMAGE_PIXELS = int(os.environ.get("VITKIT_MAX_IMAGE_PIXELS", 64 * 1024 * 1024))
+def max_image_pixels() -> int:
+    return env.get("VITKIT_MAX_IMAGE_PIXELS")  # VITKIT_MAX_IMAGE_PIXELS, read at each use (`vitkit.env`)
 
 
 class BadSample(NamedTuple):
@@ -46,9 +48,9 @@ class ImageDecodeError(VitkitError, ValueError):
 def load_image(source: str | Path | np.ndarray | Image.Image, in_chans: int = 3, max_pixels: int | None = None) -> Image.Image:
     """Open an image file (or wrap an array) as a PIL image in RGB (in_chans 3) or L (in_chans 1).
 
-    A file that declares more than `max_pixels` (default MAX_IMAGE_PIXELS) is refused from its header,
+    A file that declares more than `max_pixels` (default VITKIT_MAX_IMAGE_PIXELS) is refused from its header,
     before any pixel is decoded."""
-    limit = MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    limit = max_image_pixels() if max_pixels is None else max_pixels
     if isinstance(source, Image.Image):
         img = source
     elif isinstance(source, np.ndarray):

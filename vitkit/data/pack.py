@@ -13,7 +13,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import UsageError
-from ..safety import MAX_SAMPLE_BYTES, read_bytes
+from ..safety import read_bytes
 from .datasets import FileDataset, InMemoryDataset, csv_list, load_dataset
 from .shards import FORMAT
 
@@ -83,7 +83,7 @@ def pack(src: str, out: str | Path, shard_size: int = 1000, data_dir: str | None
                        for i in range(len(labels)))
             chans = ds.in_chans
         elif isinstance(ds, FileDataset):
-            samples = ((read_bytes(p, limit=MAX_SAMPLE_BYTES, knob="VITKIT_MAX_SAMPLE_BYTES"),
+            samples = ((read_bytes(p, knob="VITKIT_MAX_SAMPLE_BYTES"),
                         Path(p).suffix.lower().lstrip(".") or "jpg", lab) for p, lab in ds.samples)
             chans = ds.in_chans
         else:

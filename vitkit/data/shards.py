@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ..errors import UsageError, VitkitError
-from ..safety import (MAX_SAMPLE_BYTES, MAX_TEXT_BYTES, Deadline, http_connection, open_regular, open_url, parse_json,
+from .. import env
+from ..safety import (Deadline, http_connection, open_regular, open_url, parse_json,
                       read_bytes, untrusted)
 from .image import BadSample, DecodedFiles, ImageDecodeError, load_image, sample_geometry, to_uint8_tensor
 
@@ -94,9 +95,11 @@ class _Bytes:
 READ_TIMEOUT_S = 60  # for each read of a shard server; each fetch as a whole has its deadline (safety.Deadline)
 
 
-def fetch_small(url: str, limit: int = MAX_TEXT_BYTES) -> bytes:
+def fetch_small(url: str, limit: int | None = None) -> bytes:
     """A small file (index.json, a .idx.npy) from a folder or URL, refused over `limit` bytes without reading more;
-    over HTTP within its deadline (`safety.Deadline`), a folder's a regular file only (`safety.open_regular`)."""
+    over HTTP within its deadline (`safety.Deadline`), a folder's a regular file only (`safety.open_regular`).
+    `limit` None: VITKIT_MAX_TEXT_BYTES."""
+    limit = env.get("VITKIT_MAX_TEXT_BYTES") if limit is None else limit
     if url.startswith(("http://", "https://")):
         deadline = Deadline(url)
         try:
@@ -189,7 +192,7 @@ class ShardDataset(DecodedFiles, torch.utils.data.Dataset):
         """A shard's (offset, size, class) rows: nsamples of them (when given), classes in range, offsets and sizes
         >= 0; a row whose bytes lie past the tar or over the per-sample cap is refused when it is read."""
         url = _join(location, shard[:-4] + ".idx.npy")
-        limit = 4096 + 24 * nsamples if nsamples is not None else MAX_TEXT_BYTES
+        limit = 4096 + 24 * nsamples if nsamples is not None else None
         with untrusted(url, UsageError):
             rows = np.load(io.BytesIO(fetch_small(url, limit)), allow_pickle=False)
         if rows.dtype.kind not in "iu" or rows.ndim != 2 or rows.shape[1] != 3 or (
@@ -220,9 +223,10 @@ class ShardDataset(DecodedFiles, torch.utils.data.Dataset):
         if s not in self._idx:
             self._idx[s] = self._read_idx(self.location, self.shard_names[s], self.counts[s], len(self.classes))
         offset, size, label = self._idx[s][g - self._starts[s]]
-        if size > MAX_SAMPLE_BYTES:
+        cap = env.get("VITKIT_MAX_SAMPLE_BYTES")
+        if size > cap:
             raise ImageDecodeError(f"{self.shard_names[s]}: sample {i} claims {size:,} bytes, over the per-sample limit "
-                                   f"of {MAX_SAMPLE_BYTES:,} (VITKIT_MAX_SAMPLE_BYTES)")
+                                   f"of {cap:,} (VITKIT_MAX_SAMPLE_BYTES)")
         return self._bytes.read(_join(self.location, self.shard_names[s]), int(offset), int(size)), int(label)
 
     def __getitem__(self, i: int):

@@ -20,7 +20,6 @@ $VITKIT_HOME/gemm/<cpu>[-caps-<ISA caps>]-<torch>-t<threads>.json, so each shape
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .. import env
 from ..cache import cache_dir, read_json_cache, write_json_cache
 from . import cpu
 from .device import sync
@@ -38,7 +38,17 @@ WGRAD_PATHS = ("mkl", "onednn")  # the weight gradient dW = dY^T X: both operand
 _CHOICES: dict[tuple, str] = {}
 _RATES: dict[tuple, dict[str, float]] = {}
 _LOADED = False
-FORCE = os.environ.get("VITKIT_GEMM")  # "mkl" | "mkl-packed" | "onednn-packed": skip the measurement (tests, A/Bs)
+# "mkl" | "mkl-packed" | "onednn-packed": skip the measurement (tests, A/Bs); None: measure; FROM_ENV (the default):
+# VITKIT_GEMM's value when `choose` runs (`vitkit.env`). Tests set this attribute; any other value is refused by name.
+FROM_ENV = "from VITKIT_GEMM"
+FORCE: str | None = FROM_ENV
+
+
+def forced() -> str | None:
+    """The path FORCE (or VITKIT_GEMM) forces, or None; a value that is not one of PATHS is a UsageError."""
+    if FORCE == FROM_ENV:
+        return env.get("VITKIT_GEMM")
+    return None if FORCE is None else env.parse("VITKIT_GEMM", str(FORCE))
 
 
 def available(path: str) -> bool:
@@ -168,10 +178,11 @@ def choose(k: int, n: int, rows: int, kind: str = "linear") -> str:
     """The fastest path for y = x W^T + b with x (rows, k), W (n, k) (kind "linear", one of PATHS), or for its
     weight gradient dW = dY^T X (kind "wgrad", one of WGRAD_PATHS); measured once per machine, shape and thread
     count (row counts grouped by powers of two)."""
-    if kind == "linear" and FORCE in PATHS and available(FORCE):
-        return FORCE
-    if kind == "wgrad" and FORCE in PATHS and available(FORCE):
-        return "mkl" if FORCE == "mkl" else "onednn" if wgrad_available("onednn") else "mkl"
+    force = forced()
+    if kind == "linear" and force in PATHS and available(force):
+        return force
+    if kind == "wgrad" and force in PATHS and available(force):
+        return "mkl" if force == "mkl" else "onednn" if wgrad_available("onednn") else "mkl"
     _load()
     key = (kind, k, n, _bucket(rows), torch.get_num_threads())
     if key not in _CHOICES:

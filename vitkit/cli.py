@@ -20,7 +20,7 @@ from . import __version__, env
 from ._cli_util import add_function
 from .analysis.commands import explain_images, inspect_model
 from .bench import bench
-from .cache import atomic_write
+from .cache import atomic_write, check_output
 from .checkpoints import CATALOG, inspect_checkpoint, load, resolve
 from .checkpoints import convert as _convert
 from .data.pack import pack
@@ -275,6 +275,8 @@ def convert(src: str, dst: str, to: str = "vitkit", num_heads: int | None = None
         num_heads: for source formats that do not store it.
     """
     hints = {"num_heads": num_heads} if num_heads else {}
+    if to in ("vitkit", "npz"):  # one file: a FIFO, device, folder or link there is refused before any work
+        check_output(dst)  # (a timm or hf folder's files are checked as each is written: `cache.atomic_write`)
     out = _convert(src, dst, to, **hints)
     print(f"wrote {out} ({to})")
 
@@ -526,6 +528,7 @@ def features(
         device: auto | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 here) | fp32 | bf16 | fp16 (GPU).
     """
+    check_output(out)  # a FIFO, device, folder or link as --out: refused before any work
     dev = resolve_device(device)
     model = load(checkpoint).to(dev)
     if getattr(model.config, "arch", "vit") != "vit":

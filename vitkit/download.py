@@ -148,7 +148,9 @@ def _download(url: str, dest: Path, sha256: str | None, timeout: float, md5: str
             source = "recorded" if (sha256 or md5) else "published by the server"
             raise CheckpointError(f"checksum mismatch for {url}: expected {algo} {want} ({source}), got {got}; "
                                   f"the download was removed")
-    os.replace(part, dest)
+    from .cache import replace_output  # the one rename of an output: a FIFO or device at `dest` is refused, not replaced
+
+    replace_output(part, dest)
     return dest
 
 

@@ -55,7 +55,9 @@ def load_image(source: str | Path | np.ndarray | Image.Image, in_chans: int = 3,
         img = source
     elif isinstance(source, np.ndarray):
         arr = source
-        if arr.dtype != np.uint8:
+        if arr.dtype == np.uint16:  # 16 bits: 0..65535 onto 0..255 (`_eight_bit`), not clipped to white
+            arr = _LUT16[arr]
+        elif arr.dtype != np.uint8:
             arr = np.clip(arr * (255 if arr.max() <= 1.0 else 1), 0, 255).astype(np.uint8)
         img = Image.fromarray(arr)
     else:
@@ -80,9 +82,44 @@ def load_image(source: str | Path | np.ndarray | Image.Image, in_chans: int = 3,
                                    f"decompression bomb (VITKIT_MAX_IMAGE_PIXELS)") from e
         except UnidentifiedImageError as e:
             raise ImageDecodeError(f"cannot decode image {source}: not an image format PIL identifies") from e
+        except MemoryError:
+            raise ImageDecodeError(f"cannot decode image {source}: decoding it ran out of memory") from None
         except (OSError, SyntaxError, ValueError) as e:
             raise ImageDecodeError(f"cannot decode image {source}: {e}") from e
-    return img.convert("L" if in_chans == 1 else "RGB")
+    try:
+        return _eight_bit(img).convert("L" if in_chans == 1 else "RGB")
+    except MemoryError:
+        raise ImageDecodeError(f"cannot convert image {_name(source)}: it ran out of memory") from None
+    except (ValueError, OSError) as e:  # a mode PIL cannot make RGB of (LAB, ...)
+        raise ImageDecodeError(f"cannot convert image {_name(source)} ({img.mode}) to "
+                               f"{'L' if in_chans == 1 else 'RGB'}: {e}") from e
+
+
+# 16-bit values onto 8 bits, rounded (v * 255 / 65535): what a 16-bit image shows on an 8-bit screen
+_LUT16 = np.round(np.arange(65536, dtype=np.float64) * (255 / 65535)).astype(np.uint8)
+
+
+def _name(source) -> str:
+    return "(array)" if isinstance(source, np.ndarray) else "(image)" if isinstance(source, Image.Image) else str(source)
+
+
+def _eight_bit(img: Image.Image) -> Image.Image:
+    """A single-channel image of more than 8 bits as the 8-bit L image it shows (PIL's own `convert` clips such
+    values at 255: a 16-bit image would be solid white). 16-bit (modes I;16, I;16B, I;16L, I;16N, and I, which PIL
+    gives 16-bit PNGs and PGMs): 0..65535 onto 0..255, rounded (values outside clipped). 32-bit float (F, TIFF): as
+    an array is read (`load_image`), [0, 1] scaled to 0..255 when every value lies in it, else clipped to 0..255;
+    NaN is 0. PIL reads 16-bit RGB(A) and LA PNGs as 8-bit RGB(A) itself (the high byte of each value)."""
+    if img.mode.startswith("I;16") or img.mode == "I":
+        arr = np.asarray(img)
+        if arr.dtype != np.uint16:
+            arr = np.clip(arr, 0, 65535).astype(np.uint16)
+        return Image.fromarray(_LUT16[arr], "L")
+    if img.mode == "F":
+        arr = np.nan_to_num(np.asarray(img, dtype=np.float32), nan=0.0, posinf=255.0, neginf=0.0)
+        if arr.size and 0.0 <= float(arr.min()) and float(arr.max()) <= 1.0:
+            arr = arr * 255.0
+        return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), "L")
+    return img
 
 
 def eval_geometry(in_hw: tuple[int, int], img_size: tuple[int, int], crop_pct: float = 1.0
@@ -109,12 +146,27 @@ def eval_geometry(in_hw: tuple[int, int], img_size: tuple[int, int], crop_pct: f
     return (rh, rw), (int(round((rh - h) / 2.0)), int(round((rw - w) / 2.0)))
 
 
+# The most pixels the resize before the centre crop may make. An image of an absurd aspect ratio (1 x 50,000,000
+# pixels, a 97 KB PNG) would be resized to 16 x 800,000,000 before its 16 x 16 centre is cut (38 GB): beyond this,
+# only the crop's own region is resized, straight to the crop (the same pixels within rounding, without the rest).
+MAX_RESIZE_PIXELS = 64 * 1024 * 1024
+
+
 def resize_crop(img: Image.Image, img_size: tuple[int, int], crop_pct: float = 1.0, interpolation: str = "bilinear") -> Image.Image:
-    """The evaluation geometry (`eval_geometry`) applied to a PIL image: an img_size PIL image."""
+    """The evaluation geometry (`eval_geometry`) applied to a PIL image: an img_size PIL image. Memory is bounded
+    by the image and the crop: a resize that would make more than MAX_RESIZE_PIXELS (an absurd aspect ratio)
+    resizes the crop's region of the image alone (PIL's `box`: the crop of the whole resize, computed for the
+    crop's pixels only)."""
     (rh, rw), (top, left) = eval_geometry((img.height, img.width), tuple(img_size), crop_pct)
+    h, w = img_size
+    resample = _PIL_INTERP.get(interpolation, Image.BILINEAR)
+    if rh * rw > MAX_RESIZE_PIXELS:
+        sy, sx = img.height / rh, img.width / rw  # source pixels per resized pixel
+        box = (left * sx, top * sy, min((left + w) * sx, img.width), min((top + h) * sy, img.height))
+        return img.resize((w, h), resample, box=box)
     if (rh, rw) != (img.height, img.width):
-        img = img.resize((rw, rh), _PIL_INTERP.get(interpolation, Image.BILINEAR))
-    return img.crop((left, top, left + img_size[1], top + img_size[0]))
+        img = img.resize((rw, rh), resample)
+    return img.crop((left, top, left + w, top + h))
 
 
 def random_resized_crop_box(height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],

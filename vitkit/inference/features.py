@@ -52,8 +52,9 @@ def extract_features(model: nn.Module, images: list[str | Path], *, dense: bool 
     for path in images:
         try:
             pending.append(transform(decode_for(path, c)[None])[0])
-        except (ImageDecodeError, FileNotFoundError, IsADirectoryError) as e:
-            records.append({"image": str(path), "error": str(e)})
+        except (ImageDecodeError, OSError, MemoryError) as e:  # that image's record; the others go on
+            records.append({"image": str(path), "error": str(e) if not isinstance(e, MemoryError) else
+                            f"{path}: decoding it ran out of memory"})
             continue
         records.append({"image": str(path), "row": rows})
         rows += 1

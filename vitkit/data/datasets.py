@@ -432,12 +432,20 @@ def _csv_rows(path: Path, labels: bool) -> list[tuple[str, str | None]]:
     """(path, label) per row of a CSV list (a header row is allowed); without `labels` a path alone is a row."""
     rows: list[tuple[str, str | None]] = []
     with io.TextIOWrapper(open_regular(path, error=DatasetError), newline="") as f:
-        for row in csv.reader(f):
-            if not row or row[0].strip().lower() in ("path", "file", "filename", "image"):
-                continue
-            if labels and len(row) < 2:
-                raise DatasetError(f"{path}: row {row} is not 'path,label'")
-            rows.append((row[0].strip(), row[1].strip() if len(row) > 1 else None))
+        reader = csv.reader(f)
+        try:
+            for row in reader:
+                if not row or row[0].strip().lower() in ("path", "file", "filename", "image"):
+                    continue
+                if labels and len(row) < 2:
+                    raise DatasetError(f"{path} line {reader.line_num}: row {str(row)[:200]} is not 'path,label'")
+                rows.append((row[0].strip(), row[1].strip() if len(row) > 1 else None))
+        except csv.Error as e:  # a field over csv's limit (128 KiB), a NUL byte
+            raise DatasetError(f"{path} line {reader.line_num}: not a CSV list of image paths "
+                               f"({' '.join(str(e).split())[:200]}): refused") from None
+        except UnicodeDecodeError as e:
+            raise DatasetError(f"{path}: not a CSV list of image paths (not {e.encoding} text: {e.reason}): "
+                               f"refused") from None
     return rows
 
 

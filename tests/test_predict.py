@@ -199,14 +199,15 @@ def test_resume_drops_a_cut_line_and_the_rest_of_its_batch(ckpt, tree, tmp_path,
         assert out.read_bytes() == before  # refused: untouched
         assert "other inputs or another order" in capsys.readouterr().err
     rows = list(csv.reader(io.StringIO((tmp_path / "ref.csv").read_text())))
-    assert rows[0] == ["image", "rank", "index", "label", "probability", "error"]
+    assert rows[0] == ["image", "rank", "index", "label", "probability", "error", "run"]  # run: what made each image's
+    assert rows[1][6].startswith("model=") and rows[2][6] == ""  # rows, on its first row (resume checks it)
     assert rows[1][1:5] == ["1", rows[1][2], CLASSES[int(rows[1][2])], rows[1][4]] and rows[-1][5]  # broken.png last
 
 
 def test_read_done_counts_whole_records_only(tmp_path):
     f = tmp_path / "o.jsonl"
-    recs = [{"image": f"{i}.png", "top": [{"index": 0, "label": "a", "probability": 1.0}]} for i in range(3)]
-    f.write_text("".join(json.dumps(r) + "\n" for r in recs) + json.dumps(recs[0])[:-1] + "}")  # no newline: cut
+    recs = [{"image": f"{i}.png", "top": [{"index": 0, "label": "a", "probability": 1.0}]} for i in range(4)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs[:3]) + json.dumps(recs[3])[:-1] + "}")  # 3.png's, cut
     done = read_done(f, "jsonl", [f"{i}.png" for i in range(5)], 1)
     assert done.count == 3 and done.offset(3) == len(f.read_bytes()) - len(json.dumps(recs[0]))
     f.write_text(json.dumps({"image": "other.png", "error": "x"}) + "\n")

@@ -10,11 +10,14 @@ reads what an earlier run of the same command wrote and carries on after it.
 
 A record: {"image": NAME, "top": [{"index", "label", "probability"}, ...]}, or {"image": NAME, "error": WHY} for an
 input that could not be read. The "top" entries are `top_classes`, the function the service (`vitkit serve`)
-answers with too.
+answers with too. In a file (`out`) of the resumable formats (jsonl, csv) each record also says what made it, its
+"run" (`run_fingerprint`: the model's weights and config, the preprocessing, top-k, TTA, precision, backend, device,
+max_patches), so that `resume` carries on only a file this command wrote with these settings.
 """
 from __future__ import annotations
 
 import csv
+import hashlib
 import http.client
 import io
 import json
@@ -42,6 +45,7 @@ from ..evaluation.metrics import check_tta, tta_log_probs
 from ..machine.device import resolve_device
 from ..machine.precision import autocast
 from ..models.layers.packing import pack
+from ..cache import WriteError, check_output, open_output, write_failure
 from ..safety import open_regular, parse_json, read_bytes
 from .backends import PackageModel, inference_engine, load_for_inference
 
@@ -53,9 +57,12 @@ SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".jsonlines": "jsonl", ".json
 # do not preempt its OpenMP threads, whose barriers would then wait for them (measured: 1,000 640x480 JPEGs into a
 # 28-px model on 2 cores, 2.3 s at the model's priority, 1.7 s at nice 10; model-bound 28-px PNGs 1.5 s -> 1.4 s)
 DECODE_NICE = 10
-CSV_HEADER = ["image", "rank", "index", "label", "probability", "error"]
+CSV_HEADER = ["image", "rank", "index", "label", "probability", "error", "run"]  # run: on each image's first row
 # what reading a shard sample's bytes may raise (as `ShardDataset.__getitem__` catches): that sample's error record
 _SHARD_UNREADABLE = (VitkitError, OSError, ValueError, MemoryError, http.client.HTTPException)
+# what decoding one image may raise: that image's error record, the others go on (MemoryError: an image that asks
+# for more than this process has)
+_UNDECODABLE = (VitkitError, OSError, ValueError, MemoryError)
 
 
 # ---- the record, shared with the service ----------------------------------------------------------------------
@@ -286,8 +293,8 @@ class _Decoder:
             if self.packer is not None:  # its own aspect ratio at the patch budget
                 return self.packer.image(to_uint8_tensor(load_image(src, self.config.in_chans)))
             return decode_for(src, self.config)  # the checkpoint's eval geometry
-        except (ImageDecodeError, OSError) as e:
-            msg = str(e)
+        except _UNDECODABLE as e:
+            msg = str(e) if not isinstance(e, MemoryError) else f"{self.inputs.names[i]}: decoding it ran out of memory"
             return msg.replace(str(src), self.inputs.names[i]) if isinstance(src, io.BytesIO) else msg
 
 
@@ -376,10 +383,12 @@ def resolve_format(fmt: str, out: str | None) -> str:
     return SUFFIXES[suffix]
 
 
-def format_records(fmt: str, records: list[dict], first: bool) -> str:
-    """The text of some records in a format (`first`: the first records of the output, for json's commas)."""
+def format_records(fmt: str, records: list[dict], first: bool, run: str | None = None) -> str:
+    """The text of some records in a format (`first`: the first records of the output, for json's commas). `run`
+    (`run_fingerprint`): what made them, written into each record of the resumable formats (jsonl: a "run" field;
+    csv: the run column of each image's first row)."""
     if fmt == "jsonl":
-        return "".join(json.dumps(r) + "\n" for r in records)
+        return "".join(json.dumps({**r, "run": run} if run is not None else r) + "\n" for r in records)
     if fmt == "json":
         return "".join(("" if first and n == 0 else ",\n") + json.dumps(r) for n, r in enumerate(records))
     if fmt == "csv":
@@ -387,9 +396,10 @@ def format_records(fmt: str, records: list[dict], first: bool) -> str:
         w = csv.writer(buf, lineterminator="\n")
         for r in records:
             if "error" in r:
-                w.writerow([r["image"], "", "", "", "", r["error"]])
+                w.writerow([r["image"], "", "", "", "", r["error"], run or ""])
             for rank, t in enumerate(r.get("top", []), 1):
-                w.writerow([r["image"], rank, t["index"], t["label"], f"{t['probability']:.6f}", ""])
+                w.writerow([r["image"], rank, t["index"], t["label"], f"{t['probability']:.6f}", "",
+                            (run or "") if rank == 1 else ""])
         return buf.getvalue()
     lines = []
     for r in records:
@@ -409,6 +419,66 @@ def _head(fmt: str) -> str:
 
 def _tail(fmt: str, any_records: bool) -> str:
     return ("\n]\n" if any_records else "]\n") if fmt == "json" else ""
+
+
+# ---- what made a file's records ------------------------------------------------------------------------------------
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    with open_regular(path) as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_digest(model: nn.Module) -> str:
+    """16 hex digits of the model's weights and config (`machine.engine.weights_digest`), or of the file of a
+    compiled package (whose weights are in it)."""
+    from ..machine.engine import weights_digest
+
+    path = getattr(model, "path", None)  # a compiled package (`backends.PackageModel`)
+    if isinstance(path, Path) and not any(True for _ in model.parameters()):
+        return _file_digest(path)
+    return weights_digest(model)[:16]
+
+
+def run_fingerprint(model: nn.Module, *, top_k: int, tta: str = "none", precision: str = "fp32",
+                    backend: str = "torch", device: str = "cpu", max_patches: int | None = None,
+                    weights: str | None = None) -> str:
+    """What the records of a run depend on, as one line of `key=value` fields (the "run" of each record in jsonl
+    and csv): `model`, a digest of the weights and config (`machine.engine.weights_digest`; a compiled package's
+    file); `preprocess`, a digest of the checkpoint's input geometry and normalisation (img_size, crop_pct,
+    interpolation, mean, std, channels); then top_k (the classes kept, as `run` clamps it), tta, precision (as
+    resolved), backend, device (its type) and max_patches. `resume` compares it field by field, so that its
+    refusal names what differs. weights: `model_digest(model)`, when it was taken already."""
+    c = model.config
+    weights = weights or model_digest(model)
+    pre = [list(c.img_size), getattr(c, "crop_pct", 1.0), getattr(c, "interpolation", "bilinear"), list(c.mean),
+           list(c.std), c.in_chans]
+    k = max(1, min(int(top_k), c.num_classes))
+    fields = {"model": weights, "preprocess": hashlib.blake2b(json.dumps(pre).encode(), digest_size=4).hexdigest(),
+              "top_k": k, "tta": tta, "precision": precision, "backend": backend, "device": device,
+              "max_patches": max_patches or "none"}
+    return " ".join(f"{key}={str(v).replace(' ', '_')}" for key, v in fields.items())
+
+
+_RUN_WORDS = {"model": "another checkpoint (its weights or config)", "preprocess": "another preprocessing (image "
+              "size, crop, interpolation, mean or std)"}
+
+
+def _run_fields(run: str) -> dict[str, str]:
+    return dict(part.split("=", 1) if "=" in part else (part, "") for part in run.split())
+
+
+def run_differences(theirs: str, ours: str) -> str:
+    """What differs between two `run_fingerprint`s, in words: "top_k 3 there, 2 now; ..."."""
+    a, b = _run_fields(theirs), _run_fields(ours)
+    out = []
+    for key in dict.fromkeys([*b, *a]):
+        if a.get(key) != b.get(key):
+            what = _RUN_WORDS.get(key, key)
+            out.append(f"{what}: {a.get(key, '(none)')} there, {b.get(key, '(none)')} now")
+    return "; ".join(out) or "another run"
 
 
 # ---- resuming -----------------------------------------------------------------------------------------------------
@@ -440,11 +510,14 @@ def _lines(data: bytes) -> list[tuple[str, int, bool]]:
             for n, p in enumerate(parts) if p or n < last]
 
 
-def read_done(path: str | Path, fmt: str, names: Sequence[str], k: int) -> Done:
-    """The records an earlier run wrote to `path` (jsonl or csv), checked against the inputs: record j must be
-    input j's, with `k` classes or an error. A last line cut short (a kill while writing), and with it a record
-    whose rows are not all there, is left out. Anything else that is not such a record is a UsageError: the file is
-    then not this command's output, and nothing is written to it."""
+def read_done(path: str | Path, fmt: str, names: Sequence[str], k: int, run: str | None = None) -> Done:
+    """The records an earlier run wrote to `path` (jsonl or csv), checked against the inputs and what made them:
+    record j must be input j's, with `k` classes or an error, and (given `run`, a `run_fingerprint`) name the same
+    run, which a file of another checkpoint or other settings does not (the refusal names what differs), nor one
+    written before records named their run. A last line cut short (a kill while writing) is left out, and with it a
+    record whose rows are not all there, but only where it is the start of the record this command writes next
+    (the only thing a kill leaves there): a file vitkit did not write is never cut. Anything else that is not such
+    a record is a UsageError: the file is then not this command's output, and nothing is written to it."""
     with open_regular(path) as f:  # the results file is ours, but a FIFO there must not block
         lines = _lines(f.read())
     done = Done()
@@ -459,15 +532,35 @@ def read_done(path: str | Path, fmt: str, names: Sequence[str], k: int) -> Done:
             raise UsageError(f"{path} line {line_no}: the record of {image!r}, where this command's input {j + 1} is "
                              f"{names[j]!r}: other inputs or another order; {again}")
 
+    def check_run(value, line_no: int) -> None:
+        if run is None or value == run:
+            return
+        if not isinstance(value, str) or not value:
+            raise UsageError(f"{path} line {line_no}: a record that does not name the checkpoint and settings that "
+                             f"made it (no run: written by an earlier vitkit, or by another program), so it cannot be "
+                             f"resumed safely; {again}")
+        raise UsageError(f"{path} line {line_no}: written by another checkpoint or with other settings "
+                         f"({run_differences(value, run)}): its records would mix with this command's; {again}")
+
+    def cut(text: str, prefix: str, n: int) -> None:
+        """A last line cut short: left out if it is the start of what this command writes there (`prefix`)."""
+        if not (prefix.startswith(text) or text.startswith(prefix)):
+            raise UsageError(f"{path} line {n}: its last line ({len(text.encode('utf-8', 'surrogateescape')):,} "
+                             f"bytes, no newline) is not the start of a record of this command: not its output, "
+                             f"left as it is; {again}")
+
     offset = 0
     if fmt == "jsonl":
         for n, (text, size, whole) in enumerate(lines, 1):
-            if not whole:
-                break  # the line being written when the run was killed
+            if not whole:  # the line being written when the run was killed, if it starts as input j's record does
+                cut(text, '{"image": ' + json.dumps(names[done.count]) if done.count < len(names) else "\0", n)
+                break
             try:
                 rec = json.loads(text)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 raise UsageError(f"{path} line {n} is not a JSON record: not this command's output; {again}") from None
+            if isinstance(rec, dict):  # first: a record of other settings (another --top-k) is named as such
+                check_run(rec.get("run"), n)
             if not isinstance(rec, dict) or not isinstance(rec.get("image"), str) or not (
                     "error" in rec or (isinstance(rec.get("top"), list) and len(rec["top"]) == k)):
                 raise UsageError(f"{path} line {n} is not a record of this command (an image with {k} classes, or "
@@ -478,31 +571,53 @@ def read_done(path: str | Path, fmt: str, names: Sequence[str], k: int) -> Done:
                 done.failed.append(done.count)
             done.ends.append(offset)
         return done
-    # csv: the header, then per image `k` rows ranked 1..k, or one error row; a row may span lines (a quoted newline)
+    # csv: the header, then per image `k` rows ranked 1..k, or one error row; a row may span lines (a quoted newline);
+    # the first row of each image names the run
     texts = [t for t, _, _ in lines]
     reader = csv.reader(texts)
     consumed, group = 0, []
+    header = ",".join(CSV_HEADER)
+
+    def next_prefix() -> str:  # how the row this command writes next begins
+        if consumed == 0:
+            return header
+        if done.count >= len(names):
+            return "\0"
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="").writerow([names[done.count], ""])
+        return buf.getvalue()
+
     while True:
         try:
             row = next(reader)
         except StopIteration:
             break
-        except csv.Error:
-            break  # a quoted field cut short by a kill
-        if not lines[reader.line_num - 1][2]:
-            break  # its last line was cut short
+        except csv.Error as e:
+            if reader.line_num < len(lines) or lines[-1][2]:  # not at the last line, cut short: not vitkit's CSV
+                raise UsageError(f"{path} line {consumed + 1}: not CSV this command writes ({e}); {again}") from None
+            cut("".join(texts[consumed:]), next_prefix(), consumed + 1)
+            break
+        if not lines[reader.line_num - 1][2]:  # its last line was cut short
+            cut("".join(texts[consumed:]), next_prefix(), consumed + 1)
+            break
         offset += sum(size for _, size, _ in lines[consumed:reader.line_num])
         line_no, consumed = consumed + 1, reader.line_num
         if line_no == 1:
             if row != CSV_HEADER:
-                raise UsageError(f"{path} does not start with the header {','.join(CSV_HEADER)}: not this command's "
-                                 f"output; {again}")
+                old = row == CSV_HEADER[:-1]
+                raise UsageError(f"{path} does not start with the header {header}"
+                                 + (" (an earlier vitkit's, whose records do not name the checkpoint and settings "
+                                    "that made them, so it cannot be resumed safely)" if old else
+                                    ": not this command's output") + f"; {again}")
             done.start = offset
             continue
         if len(row) != len(CSV_HEADER) or (row[5] == "" and row[1] != str(len(group) + 1)) or (
-                group and row[0] != group[0][0]) or (group and row[5] != ""):
+                group and row[0] != group[0][0]) or (group and row[5] != "") or (group and row[6] != ""):
             raise UsageError(f"{path} line {line_no}: not the next row of this command's CSV (ranks 1 to {k} per "
                              f"image, or one error row): another --top-k, or another command's file; {again}")
+        if not group:  # an image's first row: its input, and the run
+            check_run(row[6], line_no)
+            check(row[0], line_no)
         if row[5] != "":  # an error row: the image's whole record
             check(row[0], line_no)
             done.failed.append(done.count)
@@ -653,12 +768,16 @@ class _Blocked:
 def run(model: nn.Module, inputs: Inputs, *, out: str | None = None, fmt: str = "table", resume: bool = False,
         top_k: int = 5, batch_size: int = 32, tta: str = "none", precision: str = "fp32",
         max_patches: int | None = None, num_workers: int = 2, progress: bool = True,
-        stdout: TextIO | None = None) -> Summary:
+        stdout: TextIO | None = None, fingerprint: str | None = None) -> Summary:
     """Classify `inputs` and write their records as they come (to `out`, else stdout) in `fmt`, flushed per batch,
     with a progress line on stderr. resume: keep the records an earlier run of the same command wrote to `out`
     (`read_done`) and carry on after them, so that the file ends as that of a run never stopped (the batch the
-    earlier run was in the middle of is done again whole, at the same batch boundaries). SIGTERM/SIGINT stop it
-    after the batch in hand, its records written (a JSON array is closed)."""
+    earlier run was in the middle of is done again whole, at the same batch boundaries); a file of another
+    checkpoint or other settings is refused, untouched. SIGTERM/SIGINT stop it after the batch in hand, its records
+    written (a JSON array is closed). `out` must be missing or a regular file (`cache.check_output`: a FIFO,
+    device or link is refused before anything is opened); a write the system refuses (a full disk) is a
+    `WriteError`, the records before it kept. fingerprint: the records' run (`run_fingerprint`; by default this
+    model's, on the torch backend at `precision`), written into each record of a jsonl or csv `out`."""
     stdout = stdout or sys.stdout
     if fmt not in FORMATS:
         raise UsageError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -669,34 +788,48 @@ def run(model: nn.Module, inputs: Inputs, *, out: str | None = None, fmt: str = 
     if resume and fmt not in RESUMABLE:
         raise UsageError(f"--resume continues a jsonl or csv file, not {fmt}: write to --out FILE.jsonl or FILE.csv")
     check_tta(tta)
+    if out is not None:
+        check_output(out)  # a FIFO (which would block), a device, a folder or a link: refused before anything
     k = max(1, min(top_k, model.config.num_classes))
-    done = read_done(out, fmt, inputs.names, k) if resume and Path(out).is_file() else None
+    if fingerprint is None and out is not None and fmt in RESUMABLE:
+        device = getattr(model, "device", None) or next(model.parameters(), torch.empty(0)).device
+        fingerprint = run_fingerprint(model, top_k=top_k, tta=tta, precision=precision, device=torch.device(device).type,
+                                      max_patches=max_patches)
+    done = read_done(out, fmt, inputs.names, k, fingerprint) if resume and Path(out).is_file() else None
     start = 0
     if done is not None:
         start = done.count if done.count == len(inputs) else done.count - done.count % batch_size
     failed = [inputs.names[j] for j in (done.failed if done else []) if j < start]
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        if done is not None and (start or done.start):
-            os.truncate(out, done.offset(start))  # a record cut short, and the rest of its batch: done again
-            sink, head = open(out, "a", encoding="utf-8", errors="surrogateescape", newline=""), False
-        else:
-            sink, head = open(out, "w", encoding="utf-8", errors="surrogateescape", newline=""), True
+        # resumed: a record cut short, and the rest of its batch, are cut off and done again
+        keep = done.offset(start) if done is not None and (start or done.start) else 0
+        sink, head = open_output(out, keep), not keep
     else:
         sink, head = stdout, True
     bar = Progress(len(inputs), start, enabled=progress)
     share_terminal = out is None and bar.tty and bool(getattr(stdout, "isatty", lambda: False)())
     summary = Summary(len(inputs), start, 0, failed, 0.0)
     first = True
+    write_failed = False
 
     def write(text: str) -> None:
+        nonlocal write_failed
         if not text:
             return
         with _Blocked():  # a batch's records whole, whatever signal comes
             if share_terminal:
                 bar.clear()
-            sink.write(text)
-            sink.flush()
+            try:
+                sink.write(text)
+                sink.flush()
+            except OSError as e:
+                failed_write = write_failure(e, out) if sink is not stdout else None
+                if failed_write is None:
+                    raise
+                write_failed = True
+                raise WriteError(f"{failed_write}; the records of the {start + summary.done_now:,} images before "
+                                 f"are kept (the same command with --resume carries on)") from e
 
     try:
         with _Signals() as sig:
@@ -706,7 +839,7 @@ def run(model: nn.Module, inputs: Inputs, *, out: str | None = None, fmt: str = 
                 for records in predict_batches(model, inputs, top_k=top_k, batch_size=batch_size, tta=tta,
                                                precision=precision, max_patches=max_patches, start=start,
                                                num_workers=num_workers, stop=sig.stop):
-                    write(format_records(fmt, records, first))
+                    write(format_records(fmt, records, first, fingerprint if out is not None else None))
                     first = False
                     failed.extend(r["image"] for r in records if "error" in r)
                     summary.done_now += len(records)
@@ -727,7 +860,11 @@ def run(model: nn.Module, inputs: Inputs, *, out: str | None = None, fmt: str = 
     finally:
         bar.end()
         if sink is not stdout:
-            sink.close()
+            try:
+                sink.close()
+            except OSError:
+                if not write_failed:  # the text a failed write left in the buffer fails again: said once, above
+                    raise
     summary.seconds = bar.elapsed()
     return summary
 
@@ -741,6 +878,8 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
     stdout) in `format`. The arguments are the command's (`vitkit predict --help`)."""
     fmt = resolve_format(format, out)
     check_tta(tta)
+    if out is not None:
+        check_output(out)  # before the model loads: a FIFO, device, folder or link as --out is refused at once
     if batch_size < 1 or num_workers < 0 or top_k < 1:
         raise UsageError("--batch-size and --top-k must be >= 1, --num-workers >= 0")
     if resume and out is None:
@@ -754,7 +893,16 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
     if max_patches and backend != "torch":
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
     dev = resolve_device("cpu" if isinstance(model, PackageModel) and device == "auto" else device)
+    weights = model_digest(model) if out is not None and fmt in RESUMABLE else None  # on the CPU, before it moves
     model = model.to(dev)
     runner, prec, _ = inference_engine(model, dev, precision, backend, min(len(inputs), batch_size))
+    runs = None
+    if weights is not None:  # what made the records: the model, and the engine and precision it runs on
+        choice = getattr(runner, "choice", None)
+        engine_backend, engine_prec = (choice.backend, choice.precision) if choice is not None else (
+            ("aoti", runner.precision) if isinstance(runner, PackageModel) else ("torch", prec))
+        runs = run_fingerprint(model, top_k=top_k, tta=tta, precision=engine_prec, backend=engine_backend,
+                               device=dev.type, max_patches=max_patches, weights=weights)
     return run(runner, inputs, out=out, fmt=fmt, resume=resume, top_k=top_k, batch_size=batch_size, tta=tta,
-               precision=prec, max_patches=max_patches, num_workers=num_workers, progress=progress, stdout=stdout)
+               precision=prec, max_patches=max_patches, num_workers=num_workers, progress=progress, stdout=stdout,
+               fingerprint=runs)

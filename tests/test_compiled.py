@@ -2,7 +2,9 @@
 for this CPU into a .pt2 package that torch's own loader runs and that predict, eval, bench and serve load; its
 logits are the peer's (the official JAX code's fixture) within 1e-4; every family compiles; a package this machine
 cannot run is refused before its code is loaded."""
+import contextlib
 import json
+import os
 import shutil
 import zipfile
 
@@ -137,7 +139,7 @@ def test_a_package_this_machine_cannot_run_is_refused_before_its_code_is_loaded(
     wider = tmp_path / "wider.pt2"  # compiled on a CPU with an instruction this one lacks
     _rewrite_metadata(package, wider, vitkit_cpu_flags=aoti.package_metadata(package)["vitkit_cpu_flags"] + " avx_future512")
     with pytest.raises(CheckpointError, match=r"instructions this one lacks \(avx_future512\).*compile it again here"):
-        backends.PackageModel(wider)
+        backends.PackageModel(wider, trust=True)  # made elsewhere, and trusted: still refused, and why
     with monkeypatch.context() as mp:  # this process capped below the package's vector ISA
         mp.setenv("ATEN_CPU_CAPABILITY", "default")
         with pytest.raises(CheckpointError, match="capped at ATEN_CPU_CAPABILITY=default"):
@@ -152,7 +154,7 @@ def test_a_package_this_machine_cannot_run_is_refused_before_its_code_is_loaded(
     other = tmp_path / "other_torch.pt2"
     _rewrite_metadata(package, other, vitkit_torch="2.99.0")
     with pytest.raises(CheckpointError, match="compiled by torch 2.99.0"):
-        load_predictor(str(other), "aoti")
+        load_predictor(str(other), "aoti", trust_package=True)
     cut = tmp_path / "cut.pt2"
     cut.write_bytes(package.read_bytes()[: package.stat().st_size // 2])
     assert not backends.is_package(cut)  # not a package: read as a checkpoint, which it is not either
@@ -250,3 +252,158 @@ def test_training_compile_auto_weighs_the_compile_against_the_steps_it_saves(tmp
         monkeypatch.setenv("VITKIT_HOME", str(tmp_path / str(i)))
         c = compile_mod.decide("auto", m, torch.device("cpu"), steps=steps, **kw)
         assert c.on is on and says in c.reason, (record, c)
+
+
+# ---- the trust boundary: a package is native code, so one door checks it before any of it is extracted or run ----
+
+def _rezip(src, dst, drop=(), add=(), change=None):
+    """A copy of a package with members dropped, added ((name, bytes) or ZipInfo pairs) or changed (name -> bytes)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            if not any(info.filename.endswith(d) for d in drop):
+                data = zin.read(info)
+                for suffix, new in (change or {}).items():
+                    if info.filename.endswith(suffix):
+                        data = new(data) if callable(new) else new
+                zout.writestr(info, data)
+        for name, data in add:
+            zout.writestr(name, data)
+    return dst
+
+
+def _root(package):
+    return zipfile.ZipFile(package).namelist()[0].split("/")[0]
+
+
+def _marker_library(tmp_path, marker):
+    """A shared library whose constructor writes `marker` when it is loaded (what an attacker's package would run)."""
+    src = tmp_path / "evil.c"
+    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ FILE *f = '
+                   f'fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    lib = tmp_path / "evil.so"
+    import subprocess
+    subprocess.run([aoti.compiler(), "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return lib.read_bytes()
+
+
+def test_a_package_this_machines_vitkit_did_not_compile_runs_no_code_without_an_opt_in(package, tmp_path, capsys):
+    """Its own metadata vouches for nothing: the library swapped, or the vitkit_* keys deleted, and the package is
+    refused before its library is loaded; a package copied from another machine (another VITKIT_HOME) needs
+    --trust-package, which says what it runs."""
+    marker = tmp_path / "ran"
+    swapped = _rezip(package, tmp_path / "swapped.pt2", change={".wrapper.so": _marker_library(tmp_path, marker)})
+    stripped = _rezip(package, tmp_path / "stripped.pt2", change={"wrapper_metadata.json": lambda d: json.dumps(
+        {k: v for k, v in json.loads(d).items() if k != "vitkit_torch" and k != "vitkit_cpu_flags"}).encode()})
+    for bad in (swapped, stripped):
+        with pytest.raises(CheckpointError, match="did not make.*--trust-package"):
+            backends.PackageModel(bad)
+        assert cli.main(["bench", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert "--trust-package" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not marker.exists()  # nothing of the swapped library ran
+    home = tmp_path / "elsewhere"  # the genuine package, on a machine whose vitkit did not compile it
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VITKIT_HOME", str(home))
+        with pytest.raises(CheckpointError, match="did not make"):
+            backends.PackageModel(package)
+        assert cli.main(["bench", str(package), "--trust-package", "--min-seconds", "0.05", "--batch-size", "1"]) == 0
+        assert "sha256" in capsys.readouterr().err  # what it is about to run, said before it runs
+        assert backends.PackageModel(package, trust=True).config.num_classes == 10
+
+
+@pytest.mark.parametrize("case", ["pickle", "traversal", "symlink", "duplicate", "unexpected", "absolute"])
+def test_a_packages_zip_is_checked_before_anything_is_extracted_or_unpickled(package, tmp_path, case):
+    """Every zip trick is refused, trusted or not, before torch's loader sees the file: nothing unpickled, nothing
+    written outside, no link followed."""
+    import pickle
+
+    root, marker = _root(package), tmp_path / "unpickled"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    evil = tmp_path / f"{case}.pt2"
+    link = zipfile.ZipInfo(f"{root}/data/aotinductor/model/link.so")
+    link.external_attr = (0o120777 << 16)  # a symbolic link member
+    add = {"pickle": [(f"{root}/data/sample_inputs/model.pt", pickle.dumps(Payload()))],
+           "traversal": [(f"{root}/../../../escaped.so", b"\x7fELF")],
+           "symlink": [(link, "/etc/passwd")],
+           "duplicate": [(f"{root}/byteorder", b"big")],
+           "unexpected": [(f"{root}/data/aotinductor/model/notes.txt", b"hello")],
+           "absolute": [("/tmp/vitkit-absolute.so", b"\x7fELF")]}[case]
+    with pytest.warns(UserWarning) if case == "duplicate" else contextlib.nullcontext():
+        _rezip(package, evil, add=add)
+    with pytest.raises(CheckpointError, match="refused|not all in one top folder"):
+        aoti.load_package(evil)
+    assert not marker.exists() and not list(tmp_path.parent.parent.glob("escaped.so"))
+    with pytest.raises(CheckpointError, match="refused|not all in one top folder"):
+        aoti.load_package(evil, trust=True)  # trusting the maker never extends to pickles or zip tricks
+    assert not marker.exists() and not list(tmp_path.parent.parent.glob("escaped.so"))
+
+
+def test_the_engine_cache_never_reuses_a_package_this_machine_did_not_record(package, tmp_path, monkeypatch):
+    """A package planted in (or changed inside) a shared VITKIT_HOME's cache is removed, to be compiled again; a
+    trust folder that others can write, or another user owns, vouches for nothing."""
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path / "home"))
+    planted = tmp_path / "home" / "backends" / "exports" / "x-aoti-fp32.pt2"
+    planted.parent.mkdir(parents=True)
+    shutil.copy(package, planted)
+    backends._forget_unvouched(planted)
+    assert not planted.exists()
+    shutil.copy(package, planted)
+    digest = aoti.record_trusted(planted)  # made here: kept
+    backends._forget_unvouched(planted)
+    assert planted.exists() and aoti.is_trusted(digest)
+    folder = tmp_path / "home" / "trusted" / "packages"
+    folder.chmod(0o777)  # a folder anyone may write to vouches for nothing
+    assert not aoti.is_trusted(digest)
+    folder.chmod(0o700)
+    assert aoti.is_trusted(digest)
+    os.chown(folder, 12345, -1)  # another user's folder neither
+    assert not aoti.is_trusted(digest)
+    os.chown(folder, os.geteuid(), -1)
+    os.chown(folder / f"{digest}.json", 12345, -1)
+    assert not aoti.is_trusted(digest)
+
+
+def test_onnx_external_data_outside_the_files_folder_is_refused(tmp_path):
+    """An ONNX file whose weights point outside its folder (`../`, an absolute path, a link to a device) is refused
+    before an engine reads them."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from vitkit.inference.export import onnx_config
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    np.zeros(4, np.float32).tofile(tmp_path / "secret.bin")
+    (folder / "dev").symlink_to("/dev/zero")
+    (folder / "ok.bin").write_bytes(np.zeros(4, np.float32).tobytes())
+    for loc, ok in (("../secret.bin", False), (str(tmp_path / "secret.bin"), False), ("dev", False), ("ok.bin", True)):
+        t = numpy_helper.from_array(np.zeros(4, np.float32), "w")
+        t.ClearField("raw_data")
+        t.data_location = TensorProto.EXTERNAL
+        e = t.external_data.add()
+        e.key, e.value = "location", loc
+        g = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [t])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+        m.metadata_props.add(key="vitkit_config", value="{}")
+        onnx.save(m, folder / "m.onnx")
+        if ok:
+            assert onnx_config(folder / "m.onnx") == {}
+        else:
+            with pytest.raises(CheckpointError, match="outside the file's folder"):
+                onnx_config(folder / "m.onnx")
+
+
+def test_a_package_whose_config_disagrees_with_its_graph_is_one_clear_error(package, tmp_path, capsys):
+    """The config in a package's metadata is text anyone can change: a package that says one class and returns ten
+    is refused by predict with one line, not a traceback."""
+    one = _rewrite_metadata(package, tmp_path / "one.pt2", vitkit_config=json.dumps(
+        {**json.loads(aoti.package_metadata(package)["vitkit_config"]), "num_classes": 1})) or tmp_path / "one.pt2"
+    assert cli.main(["predict", *_images(tmp_path, 2), "--checkpoint", str(one), "--trust-package"]) == 2
+    err = capsys.readouterr().err
+    assert "disagree" in err and "Traceback" not in err

@@ -196,6 +196,7 @@ def bench(
     no_pack: bool = False,
     backend: Literal["torch", "auto", "aoti", "onnx", "openvino"] = "torch",
     backends: bool = False,
+    trust_package: bool = False,
     json_out: bool = False,
 ) -> dict:
     """Measure a model: images/s, latency at batch 1, peak memory, achieved FLOP/s and the fraction of this
@@ -227,6 +228,9 @@ def bench(
             fp32/bf16, onnxruntime, OpenVINO fp32/bf16) for this model and batch, each one's difference from fp32
             eager, and print the table with the one `--backend auto` picks (the measurement also refreshes its
             cache).
+        trust_package: run a compiled package that this machine's vitkit did not compile (from another machine or
+            user): its native code runs in this process with your permissions (docs/safety.md). Without it such a
+            package is refused.
         json_out: print JSON.
     """
     if is_package(model):
@@ -234,7 +238,7 @@ def bench(
                 (device != "auto" and resolve_device(device).type != "cpu"):
             raise UsageError(f"{model} is a compiled package: it runs CPU inference at its own size on its own engine "
                              "(no --train, --compile, --backends, --backend onnx|openvino, --img-size or GPU)")
-        return _bench_package(model, batch_size, dtype, min_seconds, json_out)
+        return _bench_package(model, batch_size, dtype, min_seconds, json_out, trust_package)
     dev = resolve_device(device)
     kw = {"img_size": img_size} if img_size else {}
     net = load(model, **kw) if Path(model).exists() else create_model(model, num_classes=num_classes, **kw)
@@ -273,10 +277,10 @@ def bench(
     return d
 
 
-def _bench_package(path: str, batch: int, dtype: str, min_seconds: float, json_out: bool) -> dict:
+def _bench_package(path: str, batch: int, dtype: str, min_seconds: float, json_out: bool, trust: bool = False) -> dict:
     """`vitkit bench PACKAGE.pt2`: the rate and batch-1 latency of a compiled package, and its load time."""
     t0 = time.perf_counter()
-    m = PackageModel(path)
+    m = PackageModel(path, trust=trust)
     load_s = time.perf_counter() - t0
     if dtype not in ("auto", m.precision):
         raise UsageError(f"{path} computes in {m.precision}, not {dtype}")

@@ -4,6 +4,7 @@ bench all come here."""
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from ..cache import atomic_write, cache_dir
 from ..checkpoints import load
 from ..checkpoints.api import config_from_dict
 from ..errors import CheckpointError, UsageError
-from ..safety import parse_json
+from ..safety import parse_json, untrusted
 from ..machine import aoti, cpu, engine
 from ..machine.engine import BackendChoice, BackendModel, weights_digest
 from ..machine.precision import for_inference
@@ -30,7 +31,9 @@ def export_for(model: nn.Module, digest: str | None = None, what: str = "onnx", 
     folder = cache_dir() / "backends" / "exports"
     if what.startswith("aoti-"):
         hint = AOTI_BATCH_HINT if batch <= AOTI_BATCH_HINT else engine.PROBE_BATCH
-        return _made_once(folder / f"{digest}-{what}-b{hint}-{cpu.machine_key(threads=False)}.pt2", ".pt2",
+        cached = folder / f"{digest}-{what}-b{hint}-{cpu.machine_key(threads=False)}.pt2"
+        _forget_unvouched(cached)
+        return _made_once(cached, ".pt2",
                           lambda f: export_model(model, f, "aoti", dynamic_batch=True, precision=what.split("-")[1],
                                                  batch_hint=hint))
 
@@ -41,6 +44,25 @@ def export_for(model: nn.Module, digest: str | None = None, what: str = "onnx", 
             raise UsageError(f"{type(model).__name__} is over 2 GB: run it with --backend torch")
 
     return _made_once(folder / f"{digest}.onnx", ".onnx", onnx)
+
+
+def _forget_unvouched(path: Path) -> None:
+    """A cached compiled package that this machine's vitkit did not record making (planted in a shared
+    `$VITKIT_HOME`, changed since, or cached before packages were recorded) is removed, to be compiled again: the
+    cache is never a way around `aoti.open_package`'s trust check."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and aoti.is_trusted(aoti.file_digest(path)):
+        return
+    engine.say(f"{path.name}: a cached compiled package this machine's vitkit did not record making: compiling it "
+               f"again")
+    try:
+        path.unlink()
+    except OSError as e:
+        raise UsageError(f"{path}: a cached compiled package vitkit cannot vouch for, and cannot remove ({e}): "
+                         f"remove it, or point VITKIT_HOME at a folder of your own") from e
 
 
 def _made_once(path: Path, suffix: str, make) -> Path:
@@ -115,9 +137,10 @@ def is_package(path: str | Path) -> bool:
 class PackageModel(nn.Module):
     """A package made by `vitkit export --format aoti`, called like the eager model: (B, C, H, W) float32 tensor
     -> float32 logits on the CPU. `config` is the model's (preprocessing, class names), from the package. Inputs are
-    checked against it (AOTInductor itself checks no shapes)."""
+    checked against it (AOTInductor itself checks no shapes), and so are the logits it returns (one per class).
+    A package this machine's vitkit did not compile loads only with `trust` (`vitkit.machine.aoti.open_package`)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, trust: bool = False) -> None:
         super().__init__()
         meta = aoti.package_metadata(path)
         if "vitkit_config" not in meta:
@@ -126,8 +149,11 @@ class PackageModel(nn.Module):
         if isinstance(cfg, dict) and cfg.pop("packed_inputs", False):
             raise UsageError(f"{path} takes packed batches (patches, coords, valid): run it from Python with "
                              "vitkit.machine.aoti.load_package; predict, eval, serve and bench run square-image packages")
-        self.config = config_from_dict(cfg)
-        self.run, meta = aoti.load_package(path)
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{path}: its vitkit_config is not a mapping")
+        with untrusted(f"{path} (its vitkit_config)", CheckpointError):
+            self.config = config_from_dict(cfg)
+        self.run, meta = aoti.load_package(path, trust=trust)
         self.path, self.precision = Path(path), meta.get("vitkit_precision", "fp32")
         self.dynamic_size = meta.get("vitkit_dynamic_size") == "true"
         self.device = torch.device("cpu")
@@ -141,16 +167,22 @@ class PackageModel(nn.Module):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise UsageError(f"{self.path.name} takes (1-4096, {c.in_chans}, {c.img_size[0]}, {c.img_size[1]}) images, "
                              f"got {shape}")
-        return self.run(x.detach().float().cpu().contiguous())
+        y = self.run(x.detach().float().cpu().contiguous())
+        classes = getattr(c, "num_classes", 0) or getattr(c, "embed_dim", None)
+        if y.dim() != 2 or len(y) != len(x) or (classes and y.shape[1] != classes):
+            raise CheckpointError(f"{self.path}: returned {tuple(y.shape)} for {len(x)} images where its config says "
+                                  f"{classes} outputs each: the package and its metadata disagree")
+        return y
 
 
-def load_for_inference(checkpoint: str, backend: str) -> tuple[nn.Module, str]:
+def load_for_inference(checkpoint: str, backend: str, trust_package: bool = False) -> tuple[nn.Module, str]:
     """(the model, the backend to run it on) for `checkpoint`: a package from `vitkit export --format aoti` is its
-    own engine (`PackageModel`; backend torch, auto or aoti run it), anything else loads as a checkpoint."""
+    own engine (`PackageModel`, with `trust_package` for one this machine's vitkit did not compile; backend torch,
+    auto or aoti run it), anything else loads as a checkpoint."""
     engine.check_backend(backend)
     if not is_package(checkpoint):
         return load(checkpoint), backend
     if backend in ("onnx", "openvino"):
         raise UsageError(f"{checkpoint} is an AOTInductor package: run it with --backend aoti (or give the checkpoint "
                          f"for --backend {backend})")
-    return PackageModel(checkpoint), "aoti"
+    return PackageModel(checkpoint, trust=trust_package), "aoti"

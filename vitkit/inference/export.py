@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import UsageError, VitkitError
+from ..errors import CheckpointError, UsageError, VitkitError
 from ..machine import aoti
 from ..machine.engine_probe import EngineError, openvino_core
 from ..machine.engine_probe import openvino_compile as compile_
@@ -423,6 +423,33 @@ def _save_onnx(onnx, proto, path: Path) -> None:
         _external(path).unlink(missing_ok=True)
 
 
+def check_external_data(proto, path: str | Path) -> None:
+    """Every tensor an ONNX file keeps outside itself (external data) names a regular file inside the file's own
+    folder, links resolved, and a byte range within it: refused otherwise before an engine reads it (an older
+    onnxruntime follows `../`, an absolute path, a link to a device or a FIFO)."""
+    from onnx.external_data_helper import _get_all_tensors  # the tensors of every graph and attribute
+
+    folder = Path(path).resolve().parent
+    for t in _get_all_tensors(proto):
+        if t.data_location != t.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        target = (folder / loc).resolve()
+        if not loc or Path(loc).is_absolute() or ".." in Path(loc).parts or not target.is_relative_to(folder):
+            raise CheckpointError(f"{path}: tensor {t.name!r} keeps its data at {loc!r}, outside the file's folder: "
+                                  f"refused")
+        check_regular(target, f"{path}: tensor {t.name!r}'s external data {loc!r}", CheckpointError)
+        size = target.stat().st_size
+        try:
+            offset, length = int(info.get("offset", 0)), int(info.get("length", size))
+        except ValueError:
+            raise CheckpointError(f"{path}: tensor {t.name!r} has a malformed external data range {info}") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise CheckpointError(f"{path}: tensor {t.name!r} claims bytes {offset}..{offset + length} of {loc!r}, "
+                                  f"which holds {size}: refused")
+
+
 def onnx_config(path: str | Path) -> dict:
     """The vitkit config an ONNX export carries in its metadata."""
     import onnx  # optional: the [deploy] extra
@@ -430,6 +457,7 @@ def onnx_config(path: str | Path) -> dict:
 
     check_regular(path)  # a FIFO would keep onnx (and then onnxruntime) waiting for a writer
     proto = onnx.load(str(path), load_external_data=False)
+    check_external_data(proto, path)
     for p in proto.metadata_props:
         if p.key == "vitkit_config":
             return json.loads(p.value)

@@ -18,23 +18,51 @@ A package is machine code for one CPU's instruction sets (it is compiled with -m
 metadata (read from the zip before anything is loaded) names the compiling CPU's instruction-set flags, Inductor's
 vector ISA and the torch, and `load_package` refuses a package that uses a flag this CPU lacks, one wider than
 this process's ISA cap (ATEN_CPU_CAPABILITY), or one another torch wrote, with the command that rebuilds it.
-Loading a package runs its shared library: load only packages you made.
+
+Loading a package runs its shared library, so every package goes through one door, `open_package`, before a byte
+of it is extracted or loaded (docs/safety.md, "Compiled packages"):
+
+1. It is copied (a regular file only) into a private folder (mode 0700) while its SHA-256 is computed: what is
+   checked is what is loaded, whoever can write the original.
+2. The zip itself is checked: one top folder, member names without `..`, absolute paths, backslashes or odd
+   characters, no duplicates, no links or other special members, only the members AOTInductor writes for vitkit's
+   exports (the generated C++, its metadata JSON, the shared library and the archive's version records: anything
+   else, such as an exported program's pickled sample inputs, is refused), no pickle anywhere, sizes bounded and
+   no decompression bombs.
+3. It loads without an opt-in only if this machine's vitkit compiled it: `compile_package` records each package's
+   digest under `$VITKIT_HOME/trusted/packages/` (a folder that must be this user's and writable by nobody else).
+   Any other package (from another machine or user, or changed since) needs `trust=True` (`--trust-package`), and
+   vitkit then says what native code it is about to run. The metadata's own checks (`check_runnable`) come after;
+   they protect against a crash, not an attacker.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import stat
+import sys
+import tempfile
+import time
+import weakref
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ..cache import cache_dir
 from ..errors import CheckpointError, UsageError
-from ..safety import check_regular, check_zip_entry
+from ..safety import check_regular, check_zip_entry, gib, open_regular
 from .cpu import cpu_info
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16")
 NO_COMPILER = "no C++ compiler for Inductor here (apt install g++, or set CXX)"  # why there is no compiled engine
@@ -100,27 +128,255 @@ def compile_package(module: Autocast, example: tuple[torch.Tensor, ...], dims: t
         ep = torch.export.export(module, example, dynamic_shapes=None if dims is None else (tuple(dims),))
         aoti_compile_and_package(ep, package_path=str(out),
                                  inductor_configs={"freezing": True, "aot_inductor.metadata": meta})
+    record_trusted(out)  # made here: this machine's vitkit loads it without an opt-in
     return Path(out)
 
 
 def package_metadata(path: str | Path) -> dict[str, str]:
     """The metadata an AOTInductor package carries (AOTInductor's own keys and the `vitkit_*` ones), read from the
-    zip without loading its code. CheckpointError for a file that is not such a package."""
+    zip without loading its code. CheckpointError for a file that is not such a package. Anyone can write these
+    keys: they describe a package, they do not vouch for it (`open_package` does)."""
     path = check_regular(path, error=CheckpointError)
     try:
         with zipfile.ZipFile(path) as z:
-            for info in z.infolist():
-                if info.filename.endswith("wrapper_metadata.json"):
-                    check_zip_entry(info, str(path))
-                    if info.file_size > _META_LIMIT:
-                        break
-                    meta = json.loads(z.read(info))
-                    if isinstance(meta, dict):
-                        return {str(k): str(v) for k, v in meta.items()}
-                    break
+            return _read_metadata(z, path)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        if isinstance(e, CheckpointError):
+            raise
         raise CheckpointError(f"{path} is not an AOTInductor package (vitkit export --format aoti): {e}") from e
+
+
+def _read_metadata(z: zipfile.ZipFile, path: str | Path) -> dict[str, str]:
+    for info in z.infolist():
+        if info.filename.endswith("wrapper_metadata.json"):
+            check_zip_entry(info, str(path))
+            if info.file_size > _META_LIMIT:
+                break
+            meta = json.loads(z.read(info))
+            if isinstance(meta, dict):
+                return {str(k): str(v) for k, v in meta.items()}
+            break
     raise CheckpointError(f"{path} is not an AOTInductor package (vitkit export --format aoti): no model metadata in it")
+
+
+# ---- the one door: a package validated, copied where only this user can write, and trusted or opted into ------
+
+TRUST_HINT = ("if you made it or trust whoever did, load it with --trust-package (Python: trust=True); otherwise "
+              "compile the checkpoint here: vitkit export CHECKPOINT OUT.pt2 --format aoti")
+# The members AOTInductor writes for vitkit's exports, below the package's one top folder: the archive's records, and
+# per model the generated C++ (and header), its metadata JSON and the shared library. Nothing else is accepted:
+# not an exported program's pickled sample inputs or constants, not a custom object's pickle, not a link.
+_RECORDS = {"archive_format": 64, "archive_version": 64, "byteorder": 64, ".data/version": 64,
+            ".data/serialization_id": 256}
+_MEMBER = re.compile(r"data/aotinductor/(?P<model>[A-Za-z0-9_]{1,64})/(?P<stem>[A-Za-z0-9_]{1,128})"
+                     r"(?:\.wrapper|\.kernel)?(?P<kind>\.cpp|\.h|\.so|_metadata\.json|\.json)")
+_KIND_LIMIT = {".so": 1 << 40, ".cpp": 1 << 30, ".h": 64 << 20, ".json": _META_LIMIT}
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_PICKLE = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+
+
+@dataclass
+class Package:
+    """A package that passed `open_package`: `file` its private copy (in a folder only this user can open, removed
+    with this object), `digest` its SHA-256, `trusted` whether this machine's vitkit compiled it, `meta` its
+    metadata, `libraries` (member, bytes) of the native code loading it runs."""
+
+    source: Path
+    file: Path
+    digest: str
+    size: int
+    trusted: bool
+    meta: dict[str, str]
+    libraries: list[tuple[str, int]]
+
+    def describe(self) -> str:
+        libs = ", ".join(f"{Path(n).name} ({gib(b)})" for n, b in self.libraries)
+        made = (f"compiled by torch {self.meta.get('vitkit_torch', '?')} for {self.meta.get('vitkit_isa') or '?'}"
+                if "vitkit_torch" in self.meta else "no vitkit metadata")
+        return f"{self.source} (sha256 {self.digest[:16]}..., {gib(self.size)}; {made}; native code: {libs})"
+
+
+def _private_copy(path: str | Path) -> tuple[Path, str, int]:
+    """`path` (a regular file) copied into a new folder of mode 0700, hashed as it is copied: (the copy, SHA-256,
+    bytes). Refused where the temporary folder has no room for it twice (the copy and the loader's extraction)."""
+    with open_regular(path, error=CheckpointError) as src:
+        size = os.fstat(src.fileno()).st_size
+        folder = Path(tempfile.mkdtemp(prefix="vitkit-package-"))  # 0700: nobody else can swap what is checked
+        try:
+            free = shutil.disk_usage(folder).free
+            if 2 * size > free:
+                raise CheckpointError(f"{path}: {gib(size)}; loading it needs twice that in {folder.parent}, which has "
+                                      f"{gib(free)} free (TMPDIR picks another folder)")
+            h, copy = hashlib.sha256(), folder / "package.pt2"
+            with open(copy, "xb") as dst:
+                copied = 0
+                while chunk := src.read(1 << 20):
+                    copied += len(chunk)
+                    if copied > size:
+                        raise CheckpointError(f"{path} grew while it was read: refused")
+                    h.update(chunk)
+                    dst.write(chunk)
+            return copy, h.hexdigest(), copied
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+
+def check_members(z: zipfile.ZipFile, path: str | Path) -> list[tuple[str, int]]:
+    """Refuse a zip that is not what vitkit's exports write (see `_MEMBER`): odd or duplicate names, `..`, links and
+    special members, encryption, unexpected members, pickles, members whose bytes are not their kind, bombs.
+    Returns the shared libraries (name, bytes). Reads every member's first bytes, nothing more."""
+    what = f"{path} (AOTInductor package)"
+    infos = z.infolist()
+    if not infos or len(infos) > 4096:
+        raise CheckpointError(f"{what}: {len(infos)} members: not a package vitkit wrote")
+    roots = {i.filename.split("/", 1)[0] for i in infos}
+    if len(roots) != 1 or not _SAFE_NAME.fullmatch(next(iter(roots))) or next(iter(roots)) in (".", ".."):
+        raise CheckpointError(f"{what}: its members are not all in one top folder with a plain name: refused")
+    seen: set[str] = set()
+    libraries, total = [], 0
+    for info in infos:
+        name = info.filename
+        rel = name.split("/", 1)[1] if "/" in name else ""
+        parts = name.split("/")
+        if (name in seen or name.lower() in seen or "\\" in name or "\x00" in name or name.startswith("/")
+                or any(p in ("", ".", "..") for p in parts) or not name.isascii()):
+            raise CheckpointError(f"{what}: member {name!r} has a name that could point outside the package or "
+                                  f"shadow another: refused before anything is extracted")
+        seen.update((name, name.lower()))
+        mode = info.external_attr >> 16  # unix mode bits, where the writer set any: a type other than a file refused
+        if info.is_dir() or stat.S_IFMT(mode) not in (0, stat.S_IFREG):
+            kind = "a symbolic link" if stat.S_ISLNK(mode) else "a folder" if info.is_dir() else "not a regular file"
+            raise CheckpointError(f"{what}: member {name!r} is {kind}: refused (a package holds regular files only)")
+        if info.flag_bits & 0x1 or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise CheckpointError(f"{what}: member {name!r} is encrypted or compressed with method "
+                                  f"{info.compress_type}: not a package vitkit wrote")
+        check_zip_entry(info, what)
+        m = _MEMBER.fullmatch(rel)
+        if rel in _RECORDS:
+            limit, kind = _RECORDS[rel], "record"
+        elif m:
+            kind = ".json" if m["kind"].endswith(".json") else m["kind"]
+            limit = _KIND_LIMIT[kind]
+        else:
+            raise CheckpointError(f"{what}: unexpected member {name!r}: vitkit's packages hold only AOTInductor's "
+                                  f"generated C++, its metadata JSON and the shared library (an exported program's "
+                                  f"pickled parts, custom objects and other files are refused: nothing is unpickled)")
+        if info.file_size > limit:
+            raise CheckpointError(f"{what}: member {name!r} claims {gib(info.file_size)}, over the {gib(limit)} a "
+                                  f"{kind} member may have: refused")
+        total += info.file_size
+        with z.open(info) as f:
+            head = f.read(8)
+        if head.startswith(_PICKLE) or head.startswith(b"PK"):
+            raise CheckpointError(f"{what}: member {name!r} holds a pickle or a nested archive: refused (vitkit "
+                                  f"never unpickles)")
+        if kind == ".so":
+            if not head.startswith(b"\x7fELF"):
+                raise CheckpointError(f"{what}: member {name!r} is not a shared library (no ELF header): refused")
+            libraries.append((name, info.file_size))
+        elif head.startswith(b"\x7fELF") or (kind != ".so" and b"\x00" in head):
+            raise CheckpointError(f"{what}: member {name!r} holds binary code where text was expected: refused")
+    if not libraries:
+        raise CheckpointError(f"{what}: no shared library in it: not an AOTInductor package")
+    if total > 1 << 41:
+        raise CheckpointError(f"{what}: its members claim {gib(total)} in all: refused")
+    return libraries
+
+
+def _trust_dir(create: bool = False) -> Path | None:
+    """`$VITKIT_HOME/trusted/packages`, if it (and `trusted/`) is this user's own folder, no link, and writable by
+    nobody else; None otherwise (a shared or planted folder vouches for nothing). `create` makes it (0700)."""
+    base = cache_dir() / "trusted"
+    folder = base / "packages"
+    if create:
+        for d in (base, folder):
+            with contextlib.suppress(FileExistsError):
+                d.mkdir(mode=0o700, parents=True)
+            st = os.lstat(d)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o022:
+                os.chmod(d, 0o700)  # our own folder made under a loose umask: tightened
+    for d in (base, folder):
+        try:
+            st = os.lstat(d)
+        except OSError:
+            return None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return None
+    return folder
+
+
+def file_digest(path: str | Path) -> str:
+    """The SHA-256 of a regular file (`open_regular`), read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open_regular(path, error=CheckpointError) as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def record_trusted(path: str | Path) -> str:
+    """Vouch for a package this process compiled: its SHA-256 recorded under `$VITKIT_HOME/trusted/packages/`, so
+    that this machine's vitkit loads it without an opt-in. Returns the digest. Where the folder cannot be used (not
+    this user's, or writable by others), a warning says so and the package then needs --trust-package."""
+    digest = file_digest(path)
+    try:
+        folder = _trust_dir(create=True)
+        if folder is None:
+            raise PermissionError(f"{cache_dir() / 'trusted'} is not this user's own folder, or others can write it")
+        record = folder / f"{digest}.json"
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump({"sha256": digest, "bytes": os.path.getsize(path), "torch": torch.__version__,
+                       "made": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, out)
+    except OSError as e:
+        log.warning("could not record %s as made here (%s): loading it will need --trust-package", path, e)
+    return digest
+
+
+def is_trusted(digest: str) -> bool:
+    """Whether this machine's vitkit compiled the package of this SHA-256 (`record_trusted`)."""
+    folder = _trust_dir()
+    if folder is None or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return False
+    try:
+        st = os.lstat(folder / f"{digest}.json")
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def open_package(path: str | Path, trust: bool = False) -> Package:
+    """The one door every package goes through before any of it is extracted or loaded: copied privately and
+    hashed, its zip checked (`check_members`), then accepted if this machine's vitkit compiled it (`is_trusted`) or
+    `trust` is given (a warning then names the native code about to run). CheckpointError otherwise, naming the
+    opt-in. The caller removes nothing: the copy goes when the returned object does."""
+    path = Path(path)
+    copy, digest, size = _private_copy(path)
+    try:
+        try:
+            with zipfile.ZipFile(copy) as z:
+                libraries = check_members(z, path)
+                meta = _read_metadata(z, path)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{path} is not an AOTInductor package (vitkit export --format aoti): {e}") from e
+        package = Package(path, copy, digest, size, is_trusted(digest), meta, libraries)
+        if not package.trusted:
+            if not trust:
+                raise CheckpointError(f"{path}: a compiled package that this machine's vitkit did not make (or that "
+                                      f"changed since): loading it runs its native code "
+                                      f"({', '.join(Path(n).name for n, _ in libraries)}) with your permissions; "
+                                      f"{TRUST_HINT}")
+            # said on stderr whatever logging is set up: the opt-in's one chance to be read before the code runs
+            print(f"vitkit: warning: loading {package.describe()}: its native code runs in this process with your "
+                  f"permissions, as you asked (--trust-package)", file=sys.stderr, flush=True)
+    except BaseException:
+        shutil.rmtree(copy.parent, ignore_errors=True)
+        raise
+    weakref.finalize(package, shutil.rmtree, str(copy.parent), True)
+    return package
 
 
 def check_runnable(meta: dict[str, str], path: str | Path) -> None:
@@ -144,15 +400,17 @@ def check_runnable(meta: dict[str, str], path: str | Path) -> None:
                               f"ATEN_CPU_CAPABILITY={cap.lower()}; {again}")
 
 
-def load_package(path: str | Path) -> tuple[Callable[..., torch.Tensor], dict[str, str]]:
+def load_package(path: str | Path, trust: bool = False) -> tuple[Callable[..., torch.Tensor], dict[str, str]]:
     """An AOTInductor package loaded for inference: (a function of the traced inputs -> float32 logits, its
-    metadata). Checked first (`check_runnable`)."""
-    meta = package_metadata(path)
+    metadata). Through `open_package` (validated, private, trusted or `trust`), then checked (`check_runnable`);
+    torch's loader is handed the checked private copy, never the original."""
+    package = open_package(path, trust=trust)
+    meta = package.meta
     check_runnable(meta, path)
     from torch._inductor import aoti_load_package  # start-up time: Inductor costs ~0.5 s to import
 
     try:
-        runner = aoti_load_package(str(path))
+        runner = aoti_load_package(str(package.file))
     except Exception as e:  # noqa: BLE001 - the loader raises RuntimeError and others on a bad package
         raise CheckpointError(f"{path}: AOTInductor could not load it: {str(e).splitlines()[0][:200]}") from e
 
@@ -162,4 +420,5 @@ def load_package(path: str | Path) -> tuple[Callable[..., torch.Tensor], dict[st
         with torch.inference_mode():
             return loader.boxed_run(list(x))[0]  # one tensor in the graph's output (the logits)
 
+    run.package = package  # the private copy lives as long as the function
     return run, meta

@@ -203,7 +203,8 @@ def torch_runner(model: nn.Module, precision: str) -> Callable[[np.ndarray], np.
 
 
 def aoti_runner(path: str | Path) -> Callable[[np.ndarray], np.ndarray]:
-    """A compiled package (`vitkit.machine.aoti`) as a function (B, C, H, W) float32 -> logits."""
+    """A compiled package (`vitkit.machine.aoti`) as a function (B, C, H, W) float32 -> logits: one this machine's
+    vitkit compiled (the engine's own cache), through `aoti.load_package`'s checks; no opt-in here."""
     with untrusted(str(path), CheckpointError):
         run, _ = aoti.load_package(path)
     return lambda x: run(torch.from_numpy(x)).numpy()

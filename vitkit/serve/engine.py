@@ -136,10 +136,10 @@ class PackagePredictor(Predictor):
 
     backend = "aoti"
 
-    def __init__(self, path: str | Path, threads: int | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int | None = None, trust: bool = False) -> None:
         if threads:
             torch.set_num_threads(threads)
-        self.model = PackageModel(path)
+        self.model = PackageModel(path, trust=trust)  # through the one door (vitkit.machine.aoti.open_package)
         self.config, self.precision = self.model.config, self.model.precision
         self.backend = f"aoti-{self.precision}"
 
@@ -164,13 +164,15 @@ class EnginePredictor(Predictor):
 
 
 def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None = None, precision: str = "auto",
-                   max_batch: int = 8) -> Predictor:
+                   max_batch: int = 8, trust_package: bool = False) -> Predictor:
+    """What the service runs for `checkpoint` on `backend`. A compiled package this machine's vitkit did not make
+    loads only with `trust_package` (its native code runs in the server)."""
     check_backend(backend)
     if is_package(checkpoint):  # vitkit's compiled engine, as `vitkit export --format aoti` made it
         if backend not in ("torch", "auto", "aoti"):
             raise UsageError(f"{checkpoint} is an AOTInductor package: serve it with --backend aoti")
         with untrusted(str(checkpoint), CheckpointError):
-            served = PackagePredictor(checkpoint, threads)
+            served = PackagePredictor(checkpoint, threads, trust=trust_package)
         if precision not in ("auto", served.precision):
             raise UsageError(f"{checkpoint} computes in {served.precision}, not {precision}")
         return served

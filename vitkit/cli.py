@@ -220,6 +220,10 @@ def serve(
     api_key: str | None = None,
     max_patches: int | None = None,
     max_batch_patches: int | None = None,
+    header_timeout_s: float = 5.0,
+    keep_alive_s: float = 5.0,
+    write_timeout_s: float = 30.0,
+    max_connections: int = 2048,
 ) -> int:
     """Serve a checkpoint over HTTP: POST /predict and /explain, GET /healthz, /model, /metrics, and a web page at /
     to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
@@ -253,13 +257,23 @@ def serve(
             micro-batched into one packed forward.
         max_batch_patches: the most patch tokens one packed forward computes, padding included (default:
             max_batch x max_patches).
+        header_timeout_s: a request's headers must be complete this long after their first byte (after a new
+            connection opens), else the connection is answered 408 and closed: a client sending them slowly on
+            purpose (slowloris) holds nothing.
+        keep_alive_s: a connection with no request in flight that sends nothing is closed after this.
+        write_timeout_s: a client that reads nothing of its answer for this long is disconnected.
+        max_connections: the most connections open at once; one more closes the longest-idle connection (no
+            request in flight), or is answered 503 if all are busy. The open-file limit (ulimit -n) is raised to fit,
+            up to its hard limit; below that, fewer, with a warning.
     """
     from .serve import Limits  # fastapi and uvicorn: the optional [serve] extra
     from .serve import serve as _serve
 
     _serve(checkpoint, host, port, backend, Limits(max_upload_mb=max_upload_mb, max_pixels=max_pixels, timeout_s=timeout_s,
                                                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
-                                                   max_patches=max_patches, max_batch_patches=max_batch_patches), threads,
+                                                   max_patches=max_patches, max_batch_patches=max_batch_patches,
+                                                   header_timeout_s=header_timeout_s, keep_alive_s=keep_alive_s,
+                                                   write_timeout_s=write_timeout_s, max_connections=max_connections), threads,
            precision, api_key or env.get("VITKIT_API_KEY"))
     return 0
 

@@ -1,6 +1,6 @@
 """Serving a checkpoint over HTTP, with a web page (see `app.py`; needs `pip install 'vitkit[serve]'`)."""
 try:
-    from .app import Limits, create_app
+    from .app import Limits, _backlog, create_app, fds_needed, uvicorn_config
 except ImportError as e:  # fastapi, uvicorn, python-multipart, prometheus-client
     from ..errors import UsageError
 
@@ -9,10 +9,11 @@ from .engine import MicroBatcher, OnnxPredictor, TorchPredictor, load_predictor
 from ..errors import UsageError
 from pathlib import Path
 import ipaddress
+import os
 import socket
 import sys
 
-__all__ = ["Limits", "create_app", "MicroBatcher", "OnnxPredictor", "TorchPredictor", "load_predictor", "serve"]
+__all__ = ["Limits", "create_app", "uvicorn_config", "MicroBatcher", "OnnxPredictor", "TorchPredictor", "load_predictor", "serve"]
 
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: str = "torch", limits: Limits | None = None,
@@ -42,5 +43,38 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: s
         print(f"vitkit: warning: serving on {shown}, reachable from other machines, without an API key: anyone who "
               f"can reach this port can use the model. Set --api-key (or VITKIT_API_KEY), or bind 127.0.0.1.",
               file=sys.stderr, flush=True)
+    limits.max_connections = _file_limit_for(limits.max_connections)  # /model shows what is served
+    sock.listen(_backlog(limits.max_connections))  # connections queue from here: "serving" means it
     print(f"vitkit: serving {checkpoint} ({backend}) on http://{shown}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    uvicorn.Server(uvicorn_config(app, limits)).run(sockets=[sock])
+
+
+def _file_limit_for(connections: int) -> int:
+    """The connections this process can hold open: its open-file limit raised (soft, up to the hard limit) to fit
+    `connections` and what is open now; where the hard limit is lower, fewer, with a warning. A process out of file
+    descriptors stops accepting anyone (the 1,100 idle connections of issue 52 under `ulimit -n 1024`)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return connections
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 256
+    spare = in_use + 128  # the model's files, threads' pipes, a decode's temporary file
+    want = fds_needed(connections) + spare
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < want:
+        fits = next((c for c in range(connections, 16, -1) if fds_needed(c) + spare <= soft), 16)
+        print(f"vitkit: warning: the open-file limit (ulimit -n) is {soft:,} and cannot be raised (hard limit {hard:,}): "
+              f"serving at most {fits:,} connections at once, not {connections:,}; raise the hard limit (ulimit -Hn, "
+              f"systemd LimitNOFILE) for more", file=sys.stderr, flush=True)
+        return fits
+    return connections

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import collections
 import contextlib
 import json
 import re
@@ -27,7 +28,10 @@ from pathlib import Path
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.requests import ClientDisconnect
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from uvicorn.protocols.http.h11_impl import H11Protocol
+import h11
 
 from ..data.image import ImageDecodeError
 from ..errors import UsageError
@@ -45,7 +49,8 @@ ERROR = {"description": "refused, with the reason", "content": {"application/jso
 ERROR_RESPONSES = {
     400: {**ERROR, "description": "not an image, a truncated one, malformed JSON, multipart or base64, a bad top_k"},
     401: {**ERROR, "description": "the service has an API key and the request did not send it"},
-    413: {**ERROR, "description": "a body over the upload limit, or an image over the pixel limit"},
+    413: {**ERROR, "description": "a body over the upload limit, or an image over the pixel limit or too large to "
+                                  "decode in memory"},
     415: {**ERROR, "description": "a content type other than multipart, JSON or image/*"},
     503: {**ERROR, "description": "the queue is full: retry shortly"},
     504: {**ERROR, "description": "the request took longer than its time limit"},
@@ -89,6 +94,12 @@ class Limits:
     top_k: int = 5
     max_patches: int | None = None  # native aspect ratios, packed batches (NaFlex); None: the checkpoint's square size
     max_batch_patches: int | None = None  # the most padded patch tokens in one packed forward (max_batch x max_patches)
+    # what one connection may cost (`uvicorn_config`): a slow or idle client is closed, never waited for
+    header_timeout_s: float = 5.0  # a request's headers complete within this of their first byte (or the connection's
+    #                                opening); else 408 and closed
+    keep_alive_s: float = 5.0  # a connection with no request in flight and nothing sent is closed after this
+    write_timeout_s: float = 30.0  # a client that reads nothing of its answer for this long is disconnected
+    max_connections: int = 2048  # open at once; one more closes the longest-idle one, or is answered 503 if none is idle
 
 
 class HTTPError(Exception):
@@ -97,9 +108,12 @@ class HTTPError(Exception):
         self.status, self.message = status, message
 
 
+MAX_HEADER_BYTES = 32 * 1024  # a request's headers (h11 refuses more than 16 KiB arriving in pieces: 400)
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes gets 413 before the app reads it (Content-Length), or
-    as soon as it passes the limit (a chunked body)."""
+    as soon as it passes the limit (a chunked body); headers over MAX_HEADER_BYTES get 431."""
 
     def __init__(self, app, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -107,6 +121,8 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if sum(len(k) + len(v) + 4 for k, v in scope.get("headers") or []) > MAX_HEADER_BYTES:
+            return await _send_error(send, 431, f"the request headers are over {MAX_HEADER_BYTES:,} bytes")
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             return await _send_error(send, 413, f"the request body is over the upload limit of {self.limit:,} bytes")
@@ -140,6 +156,141 @@ async def _send_error(send, status: int, message: str) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _raw_response(status: int, message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    phrase = {408: b"Request Timeout", 503: b"Service Unavailable"}[status]
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (status, phrase, len(body)) + body)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 connection (h11: headers over 16 KiB are a 400) with what it lacks against a client that
+    is slow on purpose (slowloris): its request headers must be complete within `header_timeout_s` of their first
+    byte (a fresh connection: of its opening), else 408 and closed; an answer the client does not read for
+    `write_timeout_s` drops the connection; past `max_connections` open, a new one closes the longest-idle
+    connection (no request in flight), or is answered 503 when every one is busy. `uvicorn_config` makes a subclass
+    bound to a `Limits`."""
+
+    limits = Limits()
+    _cycle = None  # the request in flight (uvicorn sets `cycle` as a request's headers complete)
+    _busy = False  # a request is in flight
+    _partial = False  # bytes of the next request came
+    _deadline: asyncio.TimerHandle | None = None  # the headers' deadline
+    _write_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def cycle(self):
+        return self._cycle
+
+    @cycle.setter
+    def cycle(self, value) -> None:
+        self._cycle = value
+        if value is not None:  # a request's headers are complete: from here the app's time limit applies
+            self._busy, self._partial = True, False
+            self._cancel_deadline()
+            self._idle().pop(self, None)
+
+    def _idle(self) -> collections.OrderedDict:
+        """The server's connections with no request in flight, longest idle first."""
+        return self.server_state.__dict__.setdefault("vitkit_idle", collections.OrderedDict())
+
+    def _open(self) -> set:
+        """The server's connections not closing."""
+        return self.server_state.__dict__.setdefault("vitkit_open", set())
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        opened, idle = self._open(), self._idle()
+        opened.add(self)
+        while len(opened) > self.limits.max_connections and idle:  # the longest idle make room
+            idle.popitem(last=False)[0]._close()
+        if len(opened) > self.limits.max_connections:
+            transport.write(_raw_response(503, f"the service has {self.limits.max_connections:,} connections open, "
+                                               f"all busy: retry shortly"))
+            self._close()
+            return
+        idle[self] = None
+        self._arm_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._busy:
+            self._partial = True
+            if self._deadline is None:  # the first byte of the next request
+                self._arm_deadline()
+        super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        self._busy = False  # until the next request (pipelined: at once, through `cycle`)
+        if not self.transport.is_closing():
+            self._idle()[self] = None
+        super().on_response_complete()
+
+    def _arm_deadline(self) -> None:
+        self._cancel_deadline()
+        self._deadline = self.loop.call_later(self.limits.header_timeout_s, self._headers_late)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing() or self._busy:
+            return
+        if self._partial and self.conn.our_state is h11.IDLE:  # part of a request came, nothing answered yet
+            self.transport.write(_raw_response(408, f"the request headers took longer than "
+                                                    f"{self.limits.header_timeout_s} s"))
+        self._close()
+
+    def _close(self, abort: bool = False) -> None:
+        self._idle().pop(self, None)
+        self._open().discard(self)
+        self.transport.abort() if abort else self.transport.close()
+
+    def pause_writing(self) -> None:  # the client's receive window and our buffer are full
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._close, True)
+
+    def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._idle().pop(self, None)
+        self._open().discard(self)
+        self._cancel_deadline()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        super().connection_lost(exc)
+
+
+def uvicorn_config(app, limits: Limits | None = None, **kwargs):
+    """The uvicorn.Config serving `app` (from `create_app`) within the connection limits of `limits` (default: the
+    app's): HTTP/1.1 by `GuardedH11Protocol`, keep-alive `keep_alive_s`, no WebSocket. `kwargs` go to uvicorn."""
+    import uvicorn
+
+    limits = limits or getattr(app, "limits", None) or Limits()
+    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+    return uvicorn.Config(app, **{"http": protocol, "ws": "none", "timeout_keep_alive": limits.keep_alive_s,
+                                  "backlog": _backlog(limits.max_connections), "log_level": "warning", **kwargs})
+
+
+def _backlog(max_connections: int) -> int:
+    """The listen queue, also how many connections asyncio accepts at once, up to three times before the first of
+    them counts (`vitkit serve` raises its open-file limit to fit `fds_needed`; out of them, it stops accepting)."""
+    return max(16, min(2048, max_connections // 4))
+
+
+def fds_needed(max_connections: int) -> int:
+    """The file descriptors `max_connections` may take at once, beyond what the process holds otherwise."""
+    return max_connections + 3 * _backlog(max_connections)
 
 
 def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "model", api_key: str | None = None):
@@ -218,9 +369,14 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
             raise HTTPError(400, "the image is empty")
         try:
             return await asyncio.get_running_loop().run_in_executor(decode_pool, predictor.preprocess, data, limits.max_pixels)
-        except ImageDecodeError as e:
-            status = 413 if "decompression bomb" in str(e) else 400
+        except ImageDecodeError as e:  # a refusal (over a limit: 413) or not a decodable image (400)
+            status = 413 if re.search(r"decompression bomb|refused|over the limit|too large|out of memory", str(e)) else 400
             raise HTTPError(status, re.sub(r"(image )?<_io\.BytesIO object at 0x[0-9a-f]+>", "the upload", str(e))) from e
+        except MemoryError as e:  # e.g. 1 x 50,000,000 pixels: within the pixel limit, its resize is not
+            raise HTTPError(413, "the image is too large to decode and resize within this service's memory (an "
+                                 "extreme aspect ratio?)") from e
+        except (UsageError, ValueError) as e:  # an image the model's geometry cannot take
+            raise HTTPError(400, f"cannot process the upload: {e}") from e
 
     def one_k(value) -> int:
         if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d{1,30}\s*", value):
@@ -262,6 +418,10 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
             status, payload = 503, {"error": f"the service is busy: {e}; retry shortly"}
         except asyncio.TimeoutError:
             status, payload = 504, {"error": f"the request took longer than {limits.timeout_s} s"}
+        except ClientDisconnect:  # gone mid-upload: nobody to answer, nothing to log
+            status, payload = 499, {"error": "the client disconnected"}
+        except MemoryError:  # beyond decoding (there: 413); the service stays up
+            status, payload = 503, {"error": "the service ran out of memory for this request: retry shortly"}
         requests.labels(endpoint, str(status)).inc()
         latency.labels(endpoint).observe(time.perf_counter() - t0)
         return JSONResponse(payload, status_code=status)
@@ -322,7 +482,9 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
     async def page():
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
-    return BodyLimit(app, int(limits.max_upload_mb * 1024 * 1024))
+    served = BodyLimit(app, int(limits.max_upload_mb * 1024 * 1024))
+    served.limits = limits  # the connection limits `uvicorn_config` serves it with
+    return served
 
 
 def _plain_png(shown: np.ndarray) -> bytes:

@@ -58,6 +58,7 @@ def _child(target: str, mem_gb: float, libfuzzer_args: list[str]) -> None:
         import vitkit  # noqa: F401 - every vitkit module imported below is instrumented too
         from vitkit import checkpoints, serve, training  # noqa: F401
         from vitkit.data import image, shards  # noqa: F401
+        from vitkit.inference import predict  # noqa: F401 - predict's inputs (the predict_inputs target)
     from fuzz.targets import check, seeds
 
     seed_dir = HERE / "seeds" / target

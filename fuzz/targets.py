@@ -179,6 +179,34 @@ def _image(data: bytes, tmp: Path) -> None:
     load_image(io.BytesIO(data), 3, max_pixels=4_000_000)
 
 
+_PREDICT_NAMES = ["a.png", "b,c.png", "d\u00e9.png"]  # the inputs a fuzzed resume file is checked against
+_PREDICT_RUN = "model=00112233aabbccdd preprocess=01234567 top_k=2 tta=none precision=fp32 backend=torch device=cpu " \
+               "max_patches=none"
+
+
+def _predict_inputs(data: bytes, tmp: Path) -> None:
+    """What `vitkit predict` reads from outside besides the model, the first byte saying which: 0-1 an image,
+    decoded as predict decodes it (`load_image` within a pixel limit, then the checkpoint's eval resize and crop,
+    RGB or grey: 16-bit, float and odd modes, absurd aspect ratios); 2 a CSV list of image paths (`gather_inputs`);
+    3-4 an output file to resume (`read_done`, jsonl or csv), checked against three inputs and a run."""
+    from vitkit.data.image import load_image, resize_crop
+    from vitkit.inference.predict import gather_inputs, read_done
+
+    which, body = (data[:1] or b"\0")[0] % 5, data[1:]
+    if which <= 1:
+        img = load_image(io.BytesIO(body), 3 if which == 0 else 1, max_pixels=4_000_000)
+        resize_crop(img, (16, 12), 0.875, "bicubic" if which == 0 else "bilinear")
+    elif which == 2:
+        (tmp / "list.csv").write_bytes(body)
+        gather_inputs([tmp / "list.csv"])
+    else:
+        out = tmp / ("out.jsonl" if which == 3 else "out.csv")
+        out.write_bytes(body)
+        read_done(out, out.suffix[1:], _PREDICT_NAMES, 2, _PREDICT_RUN)
+        if out.read_bytes() != body:
+            raise PropertyViolation("read_done changed the file it read")
+
+
 TARGETS: dict[str, Callable[[bytes, Path], None]] = {
     "npz": _load_file(".npz"),
     "safetensors": _load_file(".safetensors"),
@@ -192,6 +220,7 @@ TARGETS: dict[str, Callable[[bytes, Path], None]] = {
     "predict": _service("/predict"),
     "explain": _service("/explain"),
     "image": _image,
+    "predict_inputs": _predict_inputs,
 }
 
 
@@ -276,6 +305,37 @@ def seeds(target: str) -> dict[str, bytes]:
                 out["json"] = b"\1" + json.dumps({"image": base64.b64encode(png).decode(), "top_k": 2}).encode()
                 out["multipart"] = (b"\2--xyz\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.png\"\r\n"
                                     b"Content-Type: image/png\r\n\r\n" + png + b"\r\n--xyz--\r\n")
+        elif target == "predict_inputs":
+            out.update(_predict_seeds())
+    return out
+
+
+def _predict_seeds() -> dict[str, bytes]:
+    """A 16-bit PNG, a float TIFF, a tall PNG, an RGB PNG, a CSV list, and this command's own jsonl and csv
+    output, whole and cut short."""
+    import numpy as np
+    from PIL import Image
+
+    from vitkit.inference.predict import CSV_HEADER, format_records
+
+    def encoded(img: Image.Image, fmt: str) -> bytes:
+        buf = io.BytesIO()
+        img.save(buf, format=fmt)
+        return buf.getvalue()
+
+    g = np.random.default_rng(0)
+    out = {"png16": b"\0" + encoded(Image.fromarray(g.integers(0, 65536, (12, 9), dtype=np.uint16)), "PNG"),
+           "float_tiff": b"\1" + encoded(Image.fromarray(g.random((7, 11), dtype=np.float32)), "TIFF"),
+           "tall": b"\0" + encoded(Image.new("L", (1, 3000), 77), "PNG"),
+           "rgb": b"\0" + encoded(Image.fromarray(g.integers(0, 255, (10, 14, 3), dtype=np.uint8)), "PNG"),
+           "csv_list": b"\2path,label\na.png,cat\n\"b,c.png\",dog\nsub/x.jpg\n"}
+    recs = [{"image": _PREDICT_NAMES[0], "top": [{"index": 1, "label": "b", "probability": 0.75},
+                                                  {"index": 0, "label": "a", "probability": 0.25}]},
+            {"image": _PREDICT_NAMES[1], "error": "cannot decode image b,c.png: truncated"}]
+    jsonl = format_records("jsonl", recs, True, _PREDICT_RUN).encode()
+    csv_text = (",".join(CSV_HEADER) + "\n" + format_records("csv", recs, True, _PREDICT_RUN)).encode()
+    out.update({"resume_jsonl": b"\3" + jsonl, "resume_jsonl_cut": b"\3" + jsonl[:-30],
+                "resume_csv": b"\4" + csv_text, "resume_csv_cut": b"\4" + csv_text[:-20]})
     return out
 
 

@@ -326,6 +326,31 @@ def test_slow_bodies_trailing_bodies_and_big_headers_are_bounded():
         assert data.count(b"HTTP/1.1 200 ") == 100
 
 
+def test_uploads_in_flight_together_are_bounded_by_the_upload_budget():
+    """Bodies of 0.9 MB that never end, against an upload budget of 2 MiB: two are held, the next get 503 (each
+    connection may hold a body up to the upload limit; all of them together, the budget), and once the two go, the
+    budget is free again."""
+    with guarded_server(Limits(max_upload_mb=1, max_uploads_mb=2)) as port:
+        head = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 1000000\r\n\r\n"
+        socks, answers = [], []
+        for _ in range(4):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(head + b"x" * 900_000)
+            socks.append(s)
+            time.sleep(0.3)
+        for s in socks[2:]:
+            answers.append(s.recv(4096))
+        assert all(a.startswith(b"HTTP/1.1 503 ") and b"bytes of uploads at once" in a for a in answers), answers
+        socks[0].settimeout(0.5)
+        with pytest.raises(socket.timeout):  # the first two: still read, waiting for the rest of their bodies
+            socks[0].recv(4096)
+        for s in socks:
+            s.close()
+        time.sleep(0.3)
+        ok = httpx.post(f"http://127.0.0.1:{port}/predict", content=_png(), headers={"content-type": "image/png"})
+        assert ok.status_code == 200
+
+
 def test_healthz_and_metrics_answer_while_predictions_keep_the_cpus_busy():
     with guarded_server(Limits()) as port:
         url, stop = f"http://127.0.0.1:{port}", time.monotonic() + 3

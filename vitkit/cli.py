@@ -224,6 +224,7 @@ def serve(
     keep_alive_s: float = 5.0,
     write_timeout_s: float = 30.0,
     max_connections: int = 2048,
+    max_uploads_mb: float = 256.0,
 ) -> int:
     """Serve a checkpoint over HTTP: POST /predict and /explain, GET /healthz, /model, /metrics, and a web page at /
     to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
@@ -265,6 +266,8 @@ def serve(
         max_connections: the most connections open at once; one more closes the longest-idle connection (no
             request in flight), or is answered 503 if all are busy. The open-file limit (ulimit -n) is raised to fit,
             up to its hard limit; below that, fewer, with a warning.
+        max_uploads_mb: the request bodies held at once, all requests together (memory); a request whose body
+            passes it is answered 503.
     """
     from .serve import Limits  # fastapi and uvicorn: the optional [serve] extra
     from .serve import serve as _serve
@@ -273,7 +276,8 @@ def serve(
                                                    max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
                                                    max_patches=max_patches, max_batch_patches=max_batch_patches,
                                                    header_timeout_s=header_timeout_s, keep_alive_s=keep_alive_s,
-                                                   write_timeout_s=write_timeout_s, max_connections=max_connections), threads,
+                                                   write_timeout_s=write_timeout_s, max_connections=max_connections,
+                                                   max_uploads_mb=max_uploads_mb), threads,
            precision, api_key or env.get("VITKIT_API_KEY"))
     return 0
 

@@ -8,7 +8,11 @@
 Requests are micro-batched (`engine.MicroBatcher`); decoding and the model run in threads, never on the event
 loop. Bad input is a 4xx with a message and costs the service nothing: a body over the upload limit (413), an
 image over the pixel limit (413), a non-image or truncated file (400), a wrong content type (415), malformed JSON
-or base64 (400). A full queue answers 503, a request over its time limit 504.
+or base64 (400), an image too large to decode in memory (413), headers over 32 KiB (431). A full queue answers 503,
+as does an upload past the budget of all uploads in flight; a request over its time limit 504. A connection costs
+little and is never waited for (`uvicorn_config`): headers not complete within the header timeout get 408 and are
+closed (slowloris), an unread answer is dropped after the write timeout, and past the connection limit the
+longest-idle connection makes room.
 """
 from __future__ import annotations
 
@@ -100,6 +104,7 @@ class Limits:
     keep_alive_s: float = 5.0  # a connection with no request in flight and nothing sent is closed after this
     write_timeout_s: float = 30.0  # a client that reads nothing of its answer for this long is disconnected
     max_connections: int = 2048  # open at once; one more closes the longest-idle one, or is answered 503 if none is idle
+    max_uploads_mb: float = 256.0  # the bodies of all requests in flight together; one that passes it is answered 503
 
 
 class HTTPError(Exception):
@@ -113,10 +118,13 @@ MAX_HEADER_BYTES = 32 * 1024  # a request's headers (h11 refuses more than 16 Ki
 
 class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes gets 413 before the app reads it (Content-Length), or
-    as soon as it passes the limit (a chunked body); headers over MAX_HEADER_BYTES get 431."""
+    as soon as it passes the limit (a chunked body); headers over MAX_HEADER_BYTES get 431. With a `budget`, the
+    bodies of all requests in flight together: a request whose body passes it gets 503 (bounded memory however
+    many upload at once)."""
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, budget: int | None = None) -> None:
+        self.app, self.limit, self.budget = app, limit, budget
+        self.held = 0  # body bytes of the requests in flight
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -133,9 +141,14 @@ class BodyLimit:
             nonlocal seen
             msg = await receive()
             if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
+                n = len(msg.get("body", b""))
+                seen += n
+                self.held += n
                 if seen > self.limit:
                     raise HTTPError(413, f"the request body is over the upload limit of {self.limit:,} bytes")
+                if self.budget is not None and self.held > self.budget:
+                    raise HTTPError(503, f"the service holds {self.budget:,} bytes of uploads at once already: "
+                                         f"retry shortly")
             return msg
 
         async def tracking_send(msg):
@@ -149,6 +162,8 @@ class BodyLimit:
         except HTTPError as e:
             if not sent:
                 await _send_error(send, e.status, e.message)
+        finally:
+            self.held -= seen
 
 
 async def _send_error(send, status: int, message: str) -> None:
@@ -339,6 +354,8 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
         if ctype == "multipart/form-data":
             try:
                 form = await request.form(max_files=1, max_fields=8)
+            except (HTTPError, ClientDisconnect):  # over a limit while read, or gone
+                raise
             except Exception as e:  # noqa: BLE001 - a malformed multipart body
                 raise HTTPError(400, f"malformed multipart body: {e}") from e
             f = form.get("file")
@@ -482,7 +499,7 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
     async def page():
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
-    served = BodyLimit(app, int(limits.max_upload_mb * 1024 * 1024))
+    served = BodyLimit(app, int(limits.max_upload_mb * 1024 * 1024), int(limits.max_uploads_mb * 1024 * 1024))
     served.limits = limits  # the connection limits `uvicorn_config` serves it with
     return served
 

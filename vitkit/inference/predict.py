@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..data.datasets import IMAGE_EXTS, csv_paths, is_shards, is_shards_split
-from ..data.image import EvalTransform, ImageDecodeError, decode_for, load_image, to_uint8_tensor
+from ..data.image import EvalTransform, decode_for, load_image, to_uint8_tensor
 from ..data.naflex import PackTransform
 from ..data.shards import FORMAT, ShardDataset, fetch_small
 from ..errors import UsageError, VitkitError

@@ -17,7 +17,7 @@ from PIL import Image
 
 import vitkit
 from vitkit.cli import main
-from vitkit.errors import CheckpointError, UsageError
+from vitkit.errors import CheckpointError, UsageError, VitkitError
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = Path(vitkit.__file__).resolve().parent  # the vitkit under test (PYTHONPATH may name another checkout)
@@ -116,3 +116,125 @@ def test_every_knob_the_package_names_is_in_the_table_and_the_docs_show_the_tabl
     assert shown == env.markdown_table(), "docs/safety.md's table: regenerate it from vitkit.env.markdown_table()"
     for knob in env.KNOBS.values():  # every default passes its own check
         assert env.parse(knob.name, None) == env.parse(knob.name, str(knob.default) if knob.default is not None else None)
+
+
+# ---- 3. values that truncate or give non-finite outputs -----------------------------------------------------------
+
+TRUNCATED = [  # (key, value as typed or as a file holds it): each was accepted, truncated or non-finite
+    ("data.batch_size", "4.7"), ("data.batch_size", 4.7), ("model.lora", "2.5"), ("model.lora", 2.5),
+    ("run.ckpt_every", "1.5"), ("data.batch_size", "true"), ("run.fewshot_shots", "[1.5]"), ("data.classes", "[0, 1.5]"),
+    ("optim.betas", "[0.9, .nan]"), ("optim.betas", "[0.9, .inf]"), ("aug.hflip", "2"),
+]
+
+
+@pytest.mark.parametrize("key,value", TRUNCATED, ids=[f"{k}={v!r}" for k, v in TRUNCATED])
+def test_a_training_value_that_would_be_truncated_or_non_finite_is_refused_by_name(key, value):
+    from vitkit.training import TrainConfig, apply_overrides, get_preset
+
+    with pytest.raises(UsageError, match=re.escape(key)):
+        apply_overrides(get_preset("fashion-mnist"), {key: value})
+    section, field = key.split(".")
+    with pytest.raises(UsageError, match=re.escape(key)):  # a config file's value, as YAML or JSON holds it
+        TrainConfig.from_dict({section: {field: value if not isinstance(value, str) else
+                                         __import__("yaml").safe_load(value)}})
+
+
+def test_the_train_command_refuses_a_fractional_rank_before_any_work(capsys, tmp_path):
+    """`vitkit train model.lora=2.5` trained at rank 2; `data.batch_size=4.7` at 4."""
+    for bad in ("model.lora=2.5", "data.batch_size=4.7", "data.batch_size=nan", "optim.lr=1e999"):
+        code = main(["train", "fashion-mnist", "--smoke", bad, f"run.out_dir={tmp_path / 'run'}", "--print-config"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and err[-1].startswith(f"vitkit: error: {bad.split('=')[0]}="), err
+    assert not (tmp_path / "run").exists()
+    assert main(["train", "fashion-mnist", "--smoke", "data.batch_size=4.0", "--print-config"]) == 0  # whole: fine
+    assert "batch_size: 4\n" in capsys.readouterr().out
+
+
+FIXTURES = REPO / "tests" / "fixtures" / "backbones"
+
+
+def _folder(tmp_path, name: str, edit) -> Path:
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(FIXTURES / name, d)
+    c = json.loads((d / "config.json").read_text())
+    edit(c)
+    (d / "config.json").write_text(json.dumps(c))
+    return d
+
+
+HF_DINOV3 = [("rope_theta", 0.0, "rope_temperature"), ("rope_theta", -1.0, "rope_temperature"),
+             ("layer_norm_eps", -1.0, "norm_eps"), ("layer_norm_eps", 0.0, "norm_eps")]
+
+
+@pytest.mark.parametrize("key,value,field", HF_DINOV3, ids=[f"{k}={v}" for k, v, _ in HF_DINOV3])
+def test_a_transformers_dinov3_config_with_a_value_that_gives_nan_is_refused(tmp_path, key, value, field):
+    """transformers' config.json of DINOv3 with rope_theta 0 or -1, or layer_norm_eps -1 or 0: loaded, and its
+    outputs were NaN (checked here: the unrefused model's features are not all finite)."""
+    d = _folder(tmp_path, "hf_dinov3", lambda c: c.__setitem__(key, value))
+    with pytest.raises(VitkitError, match=rf"{re.escape(str(d))}: ViTConfig\.{field}={value}: must be a number in"):
+        m = vitkit.load(d)
+        with torch.no_grad():  # what it gave (unfixed): NaN, from a file that loaded without a word
+            assert torch.isfinite(m.forward_features(torch.rand(1, 3, 64, 64) * 0)).all()
+
+
+def test_a_timm_config_and_create_model_kwargs_with_such_values_are_refused(tmp_path):
+    d = _folder(tmp_path, "timm_dinov3_s16", lambda c: c["model_args"].__setitem__("rope_temperature", 0.0))
+    with pytest.raises(VitkitError, match=r"ViTConfig\.rope_temperature=0\.0: must be a number in"):
+        vitkit.load(d)
+    for name, kw, field in [("dinov3_s16", {"rope_temperature": -5.0}, "rope_temperature"),
+                            ("vit_ti16", {"norm_eps": -1.0}, "norm_eps"),
+                            ("vit_ti16", {"drop_path_rate": 1.0}, "drop_path_rate"),  # DropPath divides by 1 - rate
+                            ("vit_ti16", {"std": (0.0, 0.5, 0.5)}, "std"),  # the preprocessing divides by it
+                            ("swin_t", {"mlp_ratio": 0.0}, "mlp_ratio"),
+                            ("bit_r50x1", {"gn_eps": 0.0}, "gn_eps")]:
+        with pytest.raises(UsageError, match=rf"Config\.{field}=.*: must be "):
+            vitkit.create_model(name, **kw)
+
+
+def test_a_vitkit_file_whose_config_gives_nan_is_refused(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=16, depth=1, num_classes=3)
+    vitkit.save(m, tmp_path / "ok.safetensors")
+    with safe_open(str(tmp_path / "ok.safetensors"), "pt") as f:
+        meta, sd = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    cfg = json.loads(meta["config"])
+    cfg["norm_eps"] = -1.0
+    save_file(sd, tmp_path / "bad.safetensors", metadata={**meta, "config": json.dumps(cfg)})
+    with pytest.raises(VitkitError, match=r"bad\.safetensors.*ViTConfig\.norm_eps=-1\.0: must be a number in"):
+        vitkit.load(tmp_path / "bad.safetensors")
+
+
+def test_a_tensor_of_the_wrong_shape_for_the_config_is_refused_naming_it(tmp_path):
+    """Meta's DINOv3 release with a 3-element `qkv.bias_mask` loaded (the mask broadcast over the bias); query and
+    key projections of 80 and 48 rows fused into a qkv of the right 192 rows, their rows mixed."""
+    from safetensors.torch import load_file, save_file
+
+    w = torch.load(FIXTURES / "timm_dinov3_s16" / "release.pth", weights_only=True)
+    w["blocks.0.attn.qkv.bias_mask"] = torch.ones(3)
+    torch.save(w, tmp_path / "release.pth")
+    with pytest.raises(CheckpointError, match=r"blocks\.0\.attn\.qkv\.bias_mask: shape \(3,\), expected \(192,\)"):
+        vitkit.load(tmp_path / "release.pth", num_heads=4)
+    d = _folder(tmp_path, "hf_dinov3", lambda c: None)
+    sd = load_file(d / "model.safetensors")
+    q, k = sd["layer.0.attention.q_proj.weight"], sd["layer.0.attention.k_proj.weight"]
+    both = torch.cat([q, k])
+    sd["layer.0.attention.q_proj.weight"], sd["layer.0.attention.k_proj.weight"] = both[:80], both[80:]
+    save_file(sd, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"layer\.0\.attention\.q_proj\.weight \(80, 64\).*\(48, 64\)"):
+        vitkit.load(d)
+
+
+def test_dense_feature_strides_that_ask_for_huge_maps_are_refused_before_allocating():
+    m = vitkit.create_model("vit_ti16", img_size=32, depth=1, num_classes=0)
+    x = torch.zeros(1, 3, 32, 32)
+    with pytest.raises(UsageError, match=r"strides: stage1 at stride 0\.0001 would be a 320,000 x 320,000 map"):
+        vitkit.dense_features(m, x, layers=1, strides=(1e-4,))
+    from vitkit.models.dense import DenseBackbone
+
+    with pytest.raises(UsageError, match=r"strides: stage1 at stride 0\.0001"):
+        DenseBackbone(m, layers=1, strides=(1e-4,))(x)
+    assert vitkit.dense_features(m, x, layers=1, strides=(8,))["stage1"].shape == (1, 192, 4, 4)

@@ -436,6 +436,32 @@ SIZE_BOUNDS = {
 }
 
 
+# The bounds of a model config's real-valued settings, by field name (ViTConfig, SwinConfig, ResNetV2Config; every
+# loader builds one of these, so every path gets them): a value outside gives non-finite outputs or a model that cannot
+# be built, and is refused by name. (lo, hi, brackets): "[" / "]" include the bound, "(" / ")" exclude it.
+#   eps of a norm or weight standardisation: 0 divides by zero on a constant input (NaN), below 1e-30 it is 0 in
+#       float32 or bfloat16, negative takes the root of a negative variance;
+#   rope_temperature (the RoPE base, DINOv3's rope_theta): periods T^(i/n) with T <= 0 are 0 or NaN (angles
+#       c / 0); T under 1e-6 underflows float32 on the way; any T in [1e-6, 1e12] gives finite angles;
+#   dropout and stochastic depth rates: 1 drops everything (DropPath divides by its keep probability: 0);
+#   std: the preprocessing divides by it; crop_pct: the resize before the crop divides by it;
+#   mlp_ratio (Swin): the hidden width int(C * ratio) must be a width; hybrid_width: the ResNet's width factor.
+VALUE_BOUNDS = {
+    "norm_eps": (1e-30, 1.0, "[]"), "hybrid_ws_eps": (1e-30, 1.0, "[]"), "hybrid_gn_eps": (1e-30, 1.0, "[]"),
+    "ws_eps": (1e-30, 1.0, "[]"), "gn_eps": (1e-30, 1.0, "[]"),
+    "rope_temperature": (1e-6, 1e12, "[]"), "rope_offset": (-1e6, 1e6, "[]"), "init_values": (-1e6, 1e6, "[]"),
+    "drop_rate": (0.0, 1.0, "[)"), "attn_drop_rate": (0.0, 1.0, "[)"), "drop_path_rate": (0.0, 1.0, "[)"),
+    "mlp_ratio": (0.0, 1024.0, "(]"), "hybrid_width": (0.0, 64.0, "(]"), "crop_pct": (0.0, 1.0, "(]"),
+    "mean": (-1e6, 1e6, "[]"), "std": (0.0, 1e6, "(]"),
+}
+
+
+def _in_bounds(v: Any, lo: float, hi: float, brackets: str) -> bool:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        return False
+    return (v >= lo if brackets[0] == "[" else v > lo) and (v <= hi if brackets[1] == "]" else v < hi)
+
+
 def _fits(value: Any, base: str) -> bool:
     if base == "int":
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -467,8 +493,8 @@ def check_types(config: Any) -> None:
 
 
 def check_sizes(config: Any) -> None:
-    """Every size field of a model config: integers within SIZE_BOUNDS (one value or each of a tuple); a
-    UsageError names the field otherwise."""
+    """Every size field of a model config: integers within SIZE_BOUNDS (one value or each of a tuple); every
+    real-valued setting within VALUE_BOUNDS; a UsageError names the field otherwise."""
     for name, (lo, hi) in SIZE_BOUNDS.items():
         value = getattr(config, name, None)
         if value is None:
@@ -482,3 +508,11 @@ def check_sizes(config: Any) -> None:
         if value is not None and (not 1 <= len(value) <= 256 or not all(isinstance(v, (int, float)) and math.isfinite(v)
                                                                         for v in value)):
             raise UsageError(f"{type(config).__name__}.{name}={value!r}: must be 1 to 256 finite numbers")
+    for name, (lo, hi, brackets) in VALUE_BOUNDS.items():
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if not all(_in_bounds(v, lo, hi, brackets) for v in (value if isinstance(value, (tuple, list)) else (value,))):
+            each = "numbers" if isinstance(value, (tuple, list)) else "a number"
+            raise UsageError(f"{type(config).__name__}.{name}={value!r}: must be {each} in {brackets[0]}{lo:g}, "
+                             f"{hi:g}{brackets[1]} (a value outside gives non-finite outputs or no model)")

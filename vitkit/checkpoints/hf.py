@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from .io import CheckpointError, rename
+from .io import CheckpointError, fuse, rename
 
 _BLOCK = {
     "layernorm_before": "norm1", "attention.output.dense": "attn.proj", "layernorm_after": "norm2",
@@ -50,7 +50,8 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         else:
             raise CheckpointError(f"unexpected Hugging Face ViT key {k!r}")
     for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
-        sd[f"blocks.{i}.attn.qkv.{leaf}"] = torch.cat([qkv[(i, leaf, n)] for n in ("query", "key", "value")])
+        sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"encoder.layer.{i}.attention.attention.{n}.{leaf}": qkv[(i, leaf, n)]
+                                                  for n in ("query", "key", "value")})
     facts: dict = {"act": "gelu", "norm_eps": 1e-12, "pos_resample": "bicubic_noaa"}  # ViTEmbeddings' interpolation
     if hf_config:
         c = hf_config

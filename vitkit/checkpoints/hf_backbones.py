@@ -17,7 +17,7 @@ import re
 import torch
 
 from .hf_vision import _vision_config
-from .io import CheckpointError
+from .io import CheckpointError, fuse
 
 FAMILIES = {"dinov3_vit": "dinov3", "aimv2_vision_model": "aimv2", "aimv2": "aimv2"}
 _OTHER_TOWER = ("text_model.", "text_projection.", "visual_projection.", "logit_scale")
@@ -96,12 +96,13 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
             continue
         if any(t is None for t in got.values()):
             raise CheckpointError(f"layer {i}: the query, key and value projections differ in having a {leaf}")
-        sd[f"blocks.{i}.attn.qkv.{leaf}"] = torch.cat([got[n] for n in "qkv"])
+        sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"layer.{i}.attention.{n}_proj.{leaf}": got[n] for n in "qkv"})
     if "attn_pool.k_proj.weight" in sd:  # k and v -> one kv Linear; absent biases are zero
         d = sd["attn_pool.k_proj.weight"].shape[0]
         kw, vw = sd.pop("attn_pool.k_proj.weight"), sd.pop("attn_pool.v_proj.weight")
         kb, vb = sd.pop("attn_pool.k_proj.bias", torch.zeros(d)), sd.pop("attn_pool.v_proj.bias", torch.zeros(d))
-        sd["attn_pool.kv.weight"], sd["attn_pool.kv.bias"] = torch.cat([kw, vw]), torch.cat([kb, vb])
+        sd["attn_pool.kv.weight"] = fuse({"k_proj.weight": kw, "v_proj.weight": vw})
+        sd["attn_pool.kv.bias"] = fuse({"k_proj.bias": kb, "v_proj.bias": vb})
     facts: dict = {"num_classes": 0}
     if "num_attention_heads" in c:
         facts["num_heads"] = c["num_attention_heads"]

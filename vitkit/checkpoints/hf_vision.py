@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from .io import CheckpointError
+from .io import CheckpointError, fuse
 
 FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "siglip_vision_model": "siglip", "siglip": "siglip",
             "clip_vision_model": "clip", "clip": "clip", "siglip2_vision_model": "siglip2", "siglip2": "siglip2"}
@@ -124,7 +124,7 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         else:
             raise CheckpointError(f"unexpected Hugging Face {fam} key {k!r}")
     for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
-        sd[f"blocks.{i}.attn.qkv.{leaf}"] = torch.cat([qkv[(i, leaf, n)] for n in "qkv"])
+        sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"layers.{i}.{n}_proj.{leaf}": qkv[(i, leaf, n)] for n in "qkv"})
     if fam == "dinov2" and "reg_token" in sd:  # registers go in after the position embedding: fold the class token's
         pe = sd.pop("pos_embed.weight")
         sd["cls_token"], sd["pos_embed.weight"] = sd["cls_token"] + pe[:, :1], pe[:, 1:]

@@ -169,6 +169,25 @@ def rename(key: str, exact: dict[str, str], prefixes: dict[str, str]) -> str | N
     return None
 
 
+def expect_shape(key: str, t: torch.Tensor, shape: tuple[int, ...], why: str = "") -> torch.Tensor:
+    """`t`, if its shape is `shape`: a converter's check of a tensor it consumes (one that never reaches the model's
+    own shape check, as a mask it multiplies by, whose wrong shape would broadcast silently). Refused naming the key
+    and the shape expected otherwise."""
+    if tuple(t.shape) != tuple(shape):
+        raise CheckpointError(f"{key}: shape {tuple(t.shape)}, expected {tuple(shape)}{f' ({why})' if why else ''}")
+    return t
+
+
+def fuse(parts: dict[str, torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """Tensors of one shape (a query, key and value projection, by their keys) concatenated along `dim`: parts of
+    different shapes would fuse into a tensor of the right total shape whose rows belong to the wrong projection, so
+    they are refused naming each key's shape."""
+    shapes = {k: tuple(t.shape) for k, t in parts.items()}
+    if len(set(shapes.values())) > 1:
+        raise CheckpointError("tensors that must have one shape differ: " + ", ".join(f"{k} {s}" for k, s in shapes.items()))
+    return torch.cat(list(parts.values()), dim)
+
+
 def read_hf_dir(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     cfg_file = path / "config.json"
     if not cfg_file.exists():

@@ -19,7 +19,7 @@ import re
 import torch
 
 from ..models.swin import SwinConfig
-from .io import CheckpointError
+from .io import CheckpointError, fuse
 
 _BUFFERS = ("relative_position_index", "attn_mask")
 
@@ -91,7 +91,8 @@ def hf_to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> t
         else:
             raise CheckpointError(f"unexpected Hugging Face Swin key {k!r}")
     for p, leaf in sorted({(p, leaf) for p, leaf, _ in qkv}):
-        sd[p + f"attn.qkv.{leaf}"] = torch.cat([qkv[(p, leaf, n)] for n in ("query", "key", "value")])
+        sd[p + f"attn.qkv.{leaf}"] = fuse({f"{p}attention.self.{n}.{leaf}": qkv[(p, leaf, n)]
+                                          for n in ("query", "key", "value")})
     facts: dict = {}
     c = hf_config or {}
     if c.get("model_type", "swin") != "swin":

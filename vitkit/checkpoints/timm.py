@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..models.resnet import backbone_stride
-from .io import CheckpointError
+from .io import CheckpointError, expect_shape, fuse
 import difflib
 
 # timm's hybrid ResNet (StdConv2dSame, GroupNormAct): weight standardisation eps 1e-8 on the variance, GN eps 1e-5.
@@ -158,11 +158,11 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
     for blk in sorted({b for b, _ in split}):  # q/k/v apart -> one fused qkv; the key's bias is zero
         q = f"{blk}attn."
         if (blk, "attn.q_proj.weight") in split:
-            sd[q + "qkv.weight"] = torch.cat([split[(blk, f"attn.{n}_proj.weight")] for n in "qkv"])
+            sd[q + "qkv.weight"] = fuse({f"{q}{n}_proj.weight": split[(blk, f"attn.{n}_proj.weight")] for n in "qkv"})
             qb, vb = split.get((blk, "attn.q_proj.bias")), split.get((blk, "attn.v_proj.bias"))
             kb = split.get((blk, "attn.k_proj.bias"))
             if kb is not None:  # AttentionRope unfused: a key bias too, so one fused qkv bias (k_bias=True)
-                sd[q + "qkv.bias"] = torch.cat([qb, kb, vb])
+                sd[q + "qkv.bias"] = fuse({f"{q}q_proj.bias": qb, f"{q}k_proj.bias": kb, f"{q}v_proj.bias": vb})
                 continue
         else:
             qb, vb = split.get((blk, "attn.q_bias")), split.get((blk, "attn.v_bias"))
@@ -717,7 +717,7 @@ def dinov3_release_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torc
             sd["reg_token"] = v
         elif k == "rope_embed.periods":  # T^(i / (d/4)), i < d/4: its base must be the one vitkit uses
             p = v.double().flatten()
-            if len(p) > 1 and abs(float(p[-1]) ** (len(p) / (len(p) - 1)) / 100.0 - 1) > 0.02:
+            if len(p) > 1 and not abs(float(p[-1]) ** (len(p) / (len(p) - 1)) / 100.0 - 1) <= 0.02:  # NaN too
                 raise CheckpointError(f"DINOv3 release with rotary periods {p.tolist()}: not the base-100 periods of "
                                       f"DINOv3's models (rope_temperature=...)")
             unused.append(k)
@@ -730,11 +730,16 @@ def dinov3_release_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torc
         else:
             sd[k] = v
     biased = False
+    width = w["patch_embed.proj.weight"].shape[0] if "patch_embed.proj.weight" in w else None
     for k in [k for k in w if k.endswith("attn.qkv.bias")]:
+        if width is not None:  # q | k | v of the model's width: what the mask multiplies (a wrong shape would broadcast)
+            expect_shape(k, w[k], (3 * width,), "the query, key and value biases of the model's width")
+        elif w[k].ndim != 1 or len(w[k]) % 3:
+            raise CheckpointError(f"{k}: shape {tuple(w[k].shape)}, expected (3 x width,)")
         q, _, v = w[k].chunk(3)
         mask = w.get(k + "_mask")
         if mask is not None:
-            mq, _, mv = mask.chunk(3)
+            mq, _, mv = expect_shape(k + "_mask", mask, tuple(w[k].shape), "one 0 or 1 per entry of the qkv bias").chunk(3)
             q, v = q * mq, v * mv
         elif w[k].chunk(3)[1].any():
             raise CheckpointError(f"{k}: a key bias with no bias_mask; DINOv3's keys have none (vitkit's k_bias=False)")
@@ -743,7 +748,6 @@ def dinov3_release_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torc
         sd[k[: -len("qkv.bias")] + "q_bias"], sd[k[: -len("qkv.bias")] + "v_bias"] = q, v
     if not biased:  # every block's query and value biases are zero: the model without them (timm's non-qkvb)
         sd = {k: v for k, v in sd.items() if not k.endswith(("attn.q_bias", "attn.v_bias"))}
-    width = w["patch_embed.proj.weight"].shape[0] if "patch_embed.proj.weight" in w else None
     if width in DINOV3_HEADS:
         facts["num_heads"] = DINOV3_HEADS[width]
     return sd, facts, unused

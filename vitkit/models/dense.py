@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UsageError
+from ..safety import SIZE_BOUNDS, check_alloc, gib
 from .swin import SwinTransformer
 from .vit import VisionTransformer
 
@@ -147,11 +148,34 @@ def _check_strides(strides: Sequence[float] | None, n: int) -> list[float] | Non
     return out
 
 
+def _resized_hw(hw: tuple[int, int], native: tuple[int, int], stride: float) -> tuple[int, int]:
+    """The (h', w') a map of `hw` at `native` stride has at `stride`: floor(h P/s) x floor(w P/s), at least 1."""
+    return (max(1, math.floor(hw[0] * native[0] / stride + 1e-9)), max(1, math.floor(hw[1] * native[1] / stride + 1e-9)))
+
+
+def _check_resized(images: torch.Tensor, plan: _Plan, targets: list[float] | None) -> None:
+    """The maps `targets` asks for, sized before anything runs: a side beyond the largest image size vitkit takes
+    (a stride of a thousandth of a pixel asks for maps of 10^5 x 10^5), or more memory than this process has, is
+    refused naming the strides."""
+    if targets is None:
+        return
+    b, h, w = images.shape[0], images.shape[-2], images.shape[-1]
+    side, total = SIZE_BOUNDS["img_size"][1], 0
+    for name, nat, c, s in zip(plan.names, plan.native, plan.channels, targets):
+        size = _resized_hw((h // nat[0], w // nat[1]), nat, s)
+        if max(size) > side:
+            raise UsageError(f"strides: {name} at stride {s:g} would be a {size[0]:,} x {size[1]:,} map of a {h} x {w} "
+                             f"image, over {side:,} a side: refused (a stride is in pixels of the input, e.g. "
+                             f"(4, 8, 16, 32))")
+        total += b * c * size[0] * size[1] * max(images.element_size(), 4)
+    check_alloc(total, f"dense features at strides {tuple(targets)} ({gib(total)} of maps)", UsageError)
+
+
 def _resize(x: torch.Tensor, native: tuple[int, int], stride: float) -> torch.Tensor:
     """A map at `native` stride (B, C, h, w) -> at `stride`: (B, C, floor(h P/s), floor(w P/s)) (the size
     `F.interpolate(scale_factor=P/s)` gives), bilinear, as ViT-Adapter and DINOv3's adapter resize their four maps."""
     h, w = x.shape[-2:]
-    size = (max(1, math.floor(h * native[0] / stride + 1e-9)), max(1, math.floor(w * native[1] / stride + 1e-9)))
+    size = _resized_hw((h, w), native, stride)
     if size == (h, w):
         return x
     return F.interpolate(x, size=size, mode="bilinear", align_corners=False)  # (B, C, h, w) -> (B, C, h', w')
@@ -200,6 +224,7 @@ def dense_features(model: nn.Module, images: torch.Tensor, layers: int | Sequenc
     _check_images(images)
     plan = _Plan(model, layers)
     targets = _check_strides(strides, len(plan.names))
+    _check_resized(images, plan, targets)
     maps = _levels(model, images, plan, norm)
     if targets is not None:
         maps = [_resize(m, nat, s) for m, nat, s in zip(maps, plan.native, targets)]
@@ -361,6 +386,7 @@ class DenseBackbone(nn.Module):
     def forward(self, images: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
         """(B, C, H, W) -> {name: (B, C_k, h_k, w_k)}, shallow (fine) to deep (coarse)."""
         _check_images(images)
+        _check_resized(images, self._plan, self._strides)
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
             maps = _levels(self.model, images, self._plan, self.norm)
         if self.fpn is not None:

@@ -242,17 +242,43 @@ NUMBER_BOUNDS = {
     "schedule.epochs": (0.0, 1e6), "schedule.warmup_epochs": (0.0, 1e6), "schedule.min_lr_ratio": (0.0, 1.0),
     "run.accumulate": (1, 1 << 16), "run.threads": (1, 4096), "run.eval_every": (0.0, 1e6), "run.ckpt_every": (0, None),
     "run.log_every": (0, None), "run.fewshot_draws": (1, 10_000), "run.ema": (0.0, 1.0), "distill.alpha": (0.0, 1.0),
-    "distill.tau": (1e-6, 1e6),
+    "distill.tau": (1e-6, 1e6), "run.seed": (0, 2**32 - 1), "run.fewshot_shots": (1, 1 << 20),
+    "data.max_patches": (1, 1 << 20), "optim.momentum": (0.0, 1.0), "optim.betas": (0.0, 0.999999),
+    "aug.pad": (0, 4096), "aug.scale": (1e-6, 1.0), "aug.ratio": (1e-6, 1e6), "aug.mixup": (0.0, 1e6),
+    "aug.cutmix": (0.0, 1e6), "aug.mix_prob": (0.0, 1.0), "aug.label_smoothing": (0.0, 1.0),
+    "aug.random_erasing": (0.0, 1.0),
 }
 
 
 def _check_number(key: str, value: Any) -> None:
+    """`value` (or each of a tuple or list) finite and within NUMBER_BOUNDS[key]; a UsageError names the key."""
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                _check_number(key, v)
+        return
     if isinstance(value, float) and not math.isfinite(value):
         raise UsageError(f"{key}={value!r}: must be a finite number")
     lo, hi = NUMBER_BOUNDS.get(key, (None, None))
     if isinstance(value, (int, float)) and not isinstance(value, bool) and (
             (lo is not None and value < lo) or (hi is not None and value > hi)):
         raise UsageError(f"{key}={value!r}: must be {'>= ' + str(lo) if hi is None else f'in [{lo}, {hi}]'}")
+
+
+def _number(value: Any, base: type) -> int | float:
+    """`value` as an int (a whole number: 4 or 4.0, never 4.7 truncated to 4) or a finite float; ValueError else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{type(value).__name__} {str(value)[:60]!r} is not a number")
+    if base is int and isinstance(value, int):
+        return value
+    f = float(value)  # YAML reads "2e-3" as a string
+    if not math.isfinite(f):
+        raise ValueError(f"{value!r} is not a finite number")
+    if base is int:
+        if not f.is_integer():
+            raise ValueError(f"{value!r} is not a whole number (it would be truncated to {int(f)})")
+        return int(f)
+    return f
 
 
 def _coerce(value: Any, tp: Any, key: str = "a config value") -> Any:
@@ -265,17 +291,22 @@ def _coerce(value: Any, tp: Any, key: str = "a config value") -> Any:
         if type(None) not in typing.get_args(tp) and tp is not Any:
             raise ValueError("null is not allowed here")
         return None
-    if base is float:
-        return float(value)  # YAML reads "2e-3" as a string
-    if base is int and not isinstance(value, bool):
-        return int(value)
+    if base in (int, float):
+        return _number(value, base)
+    if base is bool and not isinstance(value, bool):
+        raise ValueError(f"{str(value)[:60]!r} is not true or false")
     if base is str:
         return str(value)
     if typing.get_origin(base) is list and typing.get_args(base) == (str,) and isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]  # model.lora_targets=q,v as [q, v]
-    if typing.get_origin(base) is tuple and isinstance(value, (list, tuple)):
-        inner = typing.get_args(base)
-        return tuple(float(v) if inner and inner[0] is float else v for v in value)
+    if typing.get_origin(base) in (tuple, list) and isinstance(value, (list, tuple, int, float)) \
+            and not isinstance(value, bool):
+        inner = [a for a in typing.get_args(base) if a is not Ellipsis]
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if typing.get_origin(base) is tuple and Ellipsis not in typing.get_args(base) and len(items) != len(inner):
+            raise ValueError(f"{len(items)} values where {len(inner)} are needed")
+        items = [_number(v, inner[0]) if inner and inner[0] in (int, float) else v for v in items]
+        return tuple(items) if typing.get_origin(base) is tuple else items
     return value
 
 
@@ -323,7 +354,8 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
         try:
             value = _coerce(value, hints[parts[1]], key)
         except (ValueError, TypeError, OverflowError) as e:
-            tp = getattr(hints[parts[1]], "__name__", str(hints[parts[1]]))
+            tp = str(hints[parts[1]]).replace("typing.", "") if typing.get_args(hints[parts[1]]) else \
+                getattr(hints[parts[1]], "__name__", str(hints[parts[1]]))
             raise UsageError(f"{key}={value!r}: not a valid {tp} ({e})") from e
         _check_number(key, value)
         setattr(section, parts[1], value)

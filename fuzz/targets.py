@@ -10,6 +10,7 @@ Each target's seeds (`seeds(target)`) are small valid inputs made from the proje
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -207,6 +208,54 @@ def _predict_inputs(data: bytes, tmp: Path) -> None:
             raise PropertyViolation("read_done changed the file it read")
 
 
+def _package(data: bytes, tmp: Path) -> None:
+    """A compiled package (`.pt2`) through the one door every package takes (`aoti.open_package`: the private copy,
+    the zip's members, the trust check) with the opt-in given, then its metadata's checks and its config: never
+    loaded (a fuzzed shared library is not run here, and vitkit runs none it did not vouch for)."""
+    from vitkit.checkpoints.api import config_from_dict
+    from vitkit.machine import aoti
+    from vitkit.safety import parse_json
+
+    (tmp / "pkg.pt2").write_bytes(data)
+    with contextlib.redirect_stderr(io.StringIO()):  # the opt-in's warning, once per input
+        package = aoti.open_package(tmp / "pkg.pt2", trust=True)
+    if not package.libraries or not package.file.is_file():
+        raise PropertyViolation("open_package accepted a package with no library or no private copy")
+    aoti.check_runnable(package.meta, tmp / "pkg.pt2")
+    if "vitkit_config" in package.meta:
+        config_from_dict(parse_json(package.meta["vitkit_config"], "vitkit_config", aoti.CheckpointError))
+
+
+def _package_seeds() -> dict[str, bytes]:
+    """A package laid out as AOTInductor lays out vitkit's (records, generated C++, metadata, a stand-in library),
+    and its zip tricks: a pickle member, a link, a `..` name."""
+    import zipfile
+
+    from vitkit.machine import aoti
+
+    meta = {"AOTI_DEVICE_KEY": "cpu", "vitkit_torch": __import__("torch").__version__, "vitkit_isa": aoti.vec_isa(),
+            "vitkit_config": json.dumps({"arch": "vit", "img_size": [32, 32], "patch_size": [8, 8], "embed_dim": 16,
+                                         "depth": 1, "num_heads": 2, "mlp_dim": 32, "num_classes": 3})}
+    base = [("m/archive_format", b"pt2"), ("m/archive_version", b"0"), ("m/.data/version", b"1\n"), ("m/byteorder", b"little"),
+            ("m/data/aotinductor/model/abc.wrapper.cpp", b"// generated\n"),
+            ("m/data/aotinductor/model/abc.wrapper_metadata.json", json.dumps(meta).encode()),
+            ("m/data/aotinductor/model/abc.wrapper.so", b"\x7fELF" + bytes(56))]
+    link = zipfile.ZipInfo("m/data/aotinductor/model/link.so")
+    link.external_attr = 0o120777 << 16
+
+    def zipped(members) -> bytes:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            for name, body in members:
+                z.writestr(name, body)
+        return buf.getvalue()
+
+    return {"package": zipped(base),
+            "pickle": zipped(base + [("m/data/sample_inputs/model.pt", b"\x80\x04K\x01.")]),
+            "link": zipped(base + [(link, b"/etc/passwd")]),
+            "dotdot": zipped(base + [("m/../x.so", b"\x7fELF")])}
+
+
 TARGETS: dict[str, Callable[[bytes, Path], None]] = {
     "npz": _load_file(".npz"),
     "safetensors": _load_file(".safetensors"),
@@ -221,6 +270,7 @@ TARGETS: dict[str, Callable[[bytes, Path], None]] = {
     "explain": _service("/explain"),
     "image": _image,
     "predict_inputs": _predict_inputs,
+    "package": _package,
 }
 
 
@@ -307,6 +357,8 @@ def seeds(target: str) -> dict[str, bytes]:
                                     b"Content-Type: image/png\r\n\r\n" + png + b"\r\n--xyz--\r\n")
         elif target == "predict_inputs":
             out.update(_predict_seeds())
+        elif target == "package":
+            out.update(_package_seeds())
     return out
 
 

@@ -225,6 +225,7 @@ def serve(
     write_timeout_s: float = 30.0,
     max_connections: int = 2048,
     max_uploads_mb: float = 256.0,
+    trust_package: bool = False,
 ) -> int:
     """Serve a checkpoint over HTTP: POST /predict and /explain, GET /healthz, /model, /metrics, and a web page at /
     to drop an image on and see the top-5 and the attention maps. Requests are micro-batched.
@@ -268,6 +269,9 @@ def serve(
             up to its hard limit; below that, fewer, with a warning.
         max_uploads_mb: the request bodies held at once, all requests together (memory); a request whose body
             passes it is answered 503.
+        trust_package: serve a compiled package that this machine's vitkit did not compile (from another machine or
+            user): its native code runs in the server with your permissions (docs/safety.md). Without it such a
+            package is refused.
     """
     from .serve import Limits  # fastapi and uvicorn: the optional [serve] extra
     from .serve import serve as _serve
@@ -278,7 +282,7 @@ def serve(
                                                    header_timeout_s=header_timeout_s, keep_alive_s=keep_alive_s,
                                                    write_timeout_s=write_timeout_s, max_connections=max_connections,
                                                    max_uploads_mb=max_uploads_mb), threads,
-           precision, api_key or env.get("VITKIT_API_KEY"))
+           precision, api_key or env.get("VITKIT_API_KEY"), trust_package)
     return 0
 
 
@@ -387,6 +391,7 @@ def evaluate(
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
     backend: Literal["torch", "auto", "aoti", "onnx", "openvino"] = "torch",
     max_patches: int | None = None,
+    trust_package: bool = False,
 ) -> dict:
     """Evaluate a checkpoint on a test set: top-1, top-5, per-class accuracy, a confusion-matrix PNG and a JSON report.
 
@@ -408,8 +413,11 @@ def evaluate(
             it was compiled.
         max_patches: native aspect ratios (NaFlex): every image resized, keeping its aspect ratio, to at most this
             many patches, each batch packed into one forward (eager torch); default: the checkpoint's square size.
+        trust_package: run a compiled package that this machine's vitkit did not compile (from another machine or
+            user): its native code runs in this process with your permissions (docs/safety.md). Without it such a
+            package is refused.
     """
-    model, backend = load_for_inference(checkpoint, backend)
+    model, backend = load_for_inference(checkpoint, backend, trust_package)
     dev = resolve_device("cpu" if isinstance(model, PackageModel) and device == "auto" else device)
     model = model.to(dev)
     if max_patches and backend != "torch":
@@ -599,6 +607,7 @@ def predict(
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
     backend: Literal["torch", "auto", "aoti", "onnx", "openvino"] = "torch",
     max_patches: int | None = None,
+    trust_package: bool = False,
 ) -> int:
     """Classify images with a checkpoint's own preprocessing and class names: files, folders, CSV lists and shard
     sets, any number, in batches, decoded ahead of the model; each batch's results are written as soon as it is
@@ -636,10 +645,13 @@ def predict(
         max_patches: native aspect ratio (NaFlex): each image resized, keeping its aspect ratio, to at most this many
             patches, the images packed into one forward of mixed sizes (eager torch); default: the checkpoint's
             square size.
+        trust_package: run a compiled package that this machine's vitkit did not compile (from another machine or
+            user): its native code runs in this process with your permissions (docs/safety.md). Without it such a
+            package is refused.
     """
     res = predict_images(images, checkpoint, top_k=top_k, out=out, format=format, resume=resume,
                          batch_size=batch_size, num_workers=num_workers, progress=progress, tta=tta, device=device,
-                         precision=precision, backend=backend, max_patches=max_patches)
+                         precision=precision, backend=backend, max_patches=max_patches, trust_package=trust_package)
     where = f"; records in {out}" if out else ""
     if res.stopped is not None and res.stopped != getattr(signal, "SIGPIPE", 13):
         name = signal.Signals(res.stopped).name

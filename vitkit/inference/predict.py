@@ -872,7 +872,8 @@ def run(model: nn.Module, inputs: Inputs, *, out: str | None = None, fmt: str = 
 def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, out: str | None = None,
                    format: str = "auto", resume: bool = False, batch_size: int = 32, num_workers: int = 2,
                    progress: bool = True, tta: str = "none", device: str = "auto", precision: str = "auto",
-                   backend: str = "torch", max_patches: int | None = None, stdout: TextIO | None = None) -> Summary:
+                   backend: str = "torch", max_patches: int | None = None, stdout: TextIO | None = None,
+                   trust_package: bool = False) -> Summary:
     """`vitkit predict` as a function: gather `images` (files, folders, CSV lists, shard sets), load `checkpoint`,
     choose the engine (`inference.backends.inference_engine`) and `run` them, the records written to `out` (else
     stdout) in `format`. The arguments are the command's (`vitkit predict --help`)."""
@@ -889,7 +890,7 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
     inputs = gather_inputs(images, warn=lambda m: print(f"vitkit: warning: {m}", file=sys.stderr, flush=True))
     if not len(inputs):
         raise UsageError(f"no images in {', '.join(images)}")
-    model, backend = load_for_inference(checkpoint, backend)
+    model, backend = load_for_inference(checkpoint, backend, trust_package)
     if max_patches and backend != "torch":
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
     dev = resolve_device("cpu" if isinstance(model, PackageModel) and device == "auto" else device)

@@ -17,14 +17,15 @@ __all__ = ["Limits", "create_app", "uvicorn_config", "MicroBatcher", "OnnxPredic
 
 
 def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: str = "torch", limits: Limits | None = None,
-          threads: int | None = None, precision: str = "auto", api_key: str | None = None) -> None:
+          threads: int | None = None, precision: str = "auto", api_key: str | None = None,
+          trust_package: bool = False) -> None:
     """Run the service until interrupted: the checkpoint loaded and the port bound first (a taken port or a bad
     checkpoint is a UsageError/CheckpointError before anything is announced), then "serving ..." on stderr. Bound
     to an address other than loopback without an `api_key`, it warns that anyone who reaches the port can use it."""
     import uvicorn  # optional: the [serve] extra
 
     limits = limits or Limits()
-    app = create_app(load_predictor(checkpoint, backend, threads, precision, limits.max_batch), limits,
+    app = create_app(load_predictor(checkpoint, backend, threads, precision, limits.max_batch, trust_package), limits,
                      name=Path(checkpoint).stem, api_key=api_key or None)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

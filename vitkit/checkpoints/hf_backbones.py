@@ -8,7 +8,9 @@
 - AIMv2: `embeddings.{patch_embed, rms_norm, position_embedding}`, `encoder.layers.N.{rms_norm1, attention.{q,k,v,
   out}_proj, rms_norm2, ffn.{gate,up,down}_proj}`, `rms_norm`; with `use_head`, an attention pooling whose query is
   the learned `head.cls_token` itself (no query projection, no MLP): vitkit's attention pooling with an identity query
-  projection and `pool_mlp_dim=0`. The native-resolution variant's sin-cos positions (`is_native`) are refused.
+  projection and `pool_mlp_dim=0`. The native-resolution variant's sin-cos positions (`is_native`) are refused. The
+  two-tower `Aimv2Model`'s `visual_projection` (no bias) is vitkit's head, its bias zero: `model(x)` is transformers'
+  `get_image_features`, before the two-tower model divides it by its norm; the text tower is left unused.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from .hf_vision import _vision_config
 from .io import CheckpointError, fuse
 
 FAMILIES = {"dinov3_vit": "dinov3", "aimv2_vision_model": "aimv2", "aimv2": "aimv2"}
-_OTHER_TOWER = ("text_model.", "text_projection.", "visual_projection.", "logit_scale")
+_OTHER_TOWER = ("text_model.", "text_projection.", "logit_scale")
 
 
 def family(keys, hf_config: dict | None = None) -> str | None:
@@ -51,6 +53,9 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
     for k, v in w.items():
         if k.startswith(_OTHER_TOWER) or k.endswith("position_ids"):
             unused.append(k)
+            continue
+        if k == "visual_projection.weight" and fam == "aimv2":  # Aimv2Model's joint embedding: vitkit's head
+            sd["head.weight"], sd["head.bias"] = v, torch.zeros(v.shape[0], dtype=v.dtype)
             continue
         key = k.removeprefix("vision_model.")
         if m := re.match(r"(?:encoder\.layers|layer)\.(\d+)\.(.+)\.(weight|bias|lambda1)$", key):
@@ -103,7 +108,7 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         kb, vb = sd.pop("attn_pool.k_proj.bias", torch.zeros(d)), sd.pop("attn_pool.v_proj.bias", torch.zeros(d))
         sd["attn_pool.kv.weight"] = fuse({"k_proj.weight": kw, "v_proj.weight": vw})
         sd["attn_pool.kv.bias"] = fuse({"k_proj.bias": kb, "v_proj.bias": vb})
-    facts: dict = {"num_classes": 0}
+    facts: dict = {} if "head.weight" in sd else {"num_classes": 0}
     if "num_attention_heads" in c:
         facts["num_heads"] = c["num_attention_heads"]
     if "image_size" in c:

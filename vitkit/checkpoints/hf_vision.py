@@ -11,7 +11,11 @@ What differs from vitkit's names, besides the separate query/key/value Linears:
 - CLIP: the class token is a vector `class_embedding` (D,); `pre_layrnorm` (sic) before the blocks; the patch
   embedding has no bias; `post_layernorm` normalises the pooled class token (vitkit normalises every token, then
   takes the class token: the same pooled output).
-The text towers and projections of the two-tower checkpoints are left unused.
+- CLIP's `visual_projection` (`CLIPVisionModelWithProjection`, `CLIPModel`), a Linear without bias from the pooled
+  class token to the joint embedding, is vitkit's head (its bias zero, as timm holds CLIP's projection): `model(x)` is
+  transformers' `image_embeds`, before the two-tower model divides it by its norm.
+The text towers of the two-tower checkpoints, their text projection and logit scale are left unused (they do not
+change the image tower's output).
 """
 from __future__ import annotations
 
@@ -22,11 +26,12 @@ import torch
 from .io import CheckpointError, fuse
 
 FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "siglip_vision_model": "siglip", "siglip": "siglip",
-            "clip_vision_model": "clip", "clip": "clip", "siglip2_vision_model": "siglip2", "siglip2": "siglip2"}
+            "clip_vision_model": "clip", "clip": "clip", "siglip2_vision_model": "siglip2", "siglip2": "siglip2",
+            "metaclip_2_vision_model": "clip", "metaclip_2": "clip"}  # MetaCLIP 2: CLIP's layout
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
         "quick_gelu": "quick_gelu"}
 _TOWER_PREFIXES = ("vision_model.", "dinov2.", "")  # CLIPModel/SiglipModel's vision half; Dinov2ForImageClassification
-_OTHER_TOWER = ("text_model.", "text_projection.", "visual_projection.", "logit_scale", "logit_bias", "classifier.")
+_OTHER_TOWER = ("text_model.", "text_projection.", "logit_scale", "logit_bias")
 
 
 def pos_resample(hf_config: dict | None) -> str:
@@ -71,14 +76,34 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
     if fam is None:
         raise CheckpointError("not a DINOv2, SigLIP or CLIP vision tower (transformers names)")
     sd, qkv, unused = {}, {}, []
+    # SiglipForImageClassification and CLIPForImageClassification classify the mean of the tower's tokens, not its
+    # pooled output: SigLIP's after `post_layernorm` (vitkit's "gap"), CLIP's patch tokens before it (vitkit's "gap"
+    # with no final norm). What the logits do not read is left unused: SigLIP's attention pooling, CLIP's
+    # `post_layernorm`.
+    classifier = fam in ("siglip", "clip") and "classifier.weight" in w
+    not_read = ("head.", "vision_model.head.") if fam == "siglip" else ("post_layernorm.", "vision_model.post_layernorm.")
     for k, v in w.items():
+        if classifier and k.startswith(not_read):
+            unused.append(k)
+            continue
         if fam == "dinov2" and k.startswith("classifier."):
             # Dinov2ForImageClassification reads [class token, mean patch token] concatenated, which no vitkit head
             # does: kept under its own name, so strict loading refuses it and strict=False reports it skipped
             sd["dinov2_classifier." + k[len("classifier."):]] = v
             continue
+        if k.startswith("classifier."):
+            if fam not in ("siglip", "clip"):
+                raise CheckpointError(f"transformers' {fam} image classifier ({k!r}) is not one vitkit reads yet: "
+                                      f"load the vision tower alone")
+            sd["head." + k[len("classifier."):]] = v  # the mean of the tokens, classified
+            continue
         if k.startswith(_OTHER_TOWER) or k.endswith("position_ids"):
             unused.append(k)
+            continue
+        if k.startswith("visual_projection."):
+            if fam != "clip" or k not in ("visual_projection.weight", "visual_projection.bias"):
+                raise CheckpointError(f"unexpected Hugging Face {fam} key {k!r}")
+            sd["head." + k[len("visual_projection."):]] = v  # the joint embedding: vitkit's head
             continue
         key = next((k[len(p):] for p in _TOWER_PREFIXES if k.startswith(p)), k)
         if m := re.match(r"encoder\.layers?\.(\d+)\.(.+)\.(weight|bias|lambda1)$", key):
@@ -125,6 +150,8 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
             raise CheckpointError(f"unexpected Hugging Face {fam} key {k!r}")
     for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
         sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"layers.{i}.{n}_proj.{leaf}": qkv[(i, leaf, n)] for n in "qkv"})
+    if "head.weight" in sd and "head.bias" not in sd:  # CLIP's projection has no bias: vitkit's head, bias zero
+        sd["head.bias"] = torch.zeros(sd["head.weight"].shape[0], dtype=sd["head.weight"].dtype)
     if fam == "dinov2" and "reg_token" in sd:  # registers go in after the position embedding: fold the class token's
         pe = sd.pop("pos_embed.weight")
         sd["cls_token"], sd["pos_embed.weight"] = sd["cls_token"] + pe[:, :1], pe[:, 1:]
@@ -150,6 +177,8 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         facts["num_heads"] = c["num_attention_heads"]
     if fam in ("siglip", "siglip2") and "attn_pool.latent" not in sd:
         facts["classifier"] = "gap"  # vision_use_head=False: no pooled output in transformers; vitkit averages
+    if classifier:
+        facts["classifier"] = "gap"
     if "image_size" in c and fam != "siglip2":
         facts["img_size"] = c["image_size"]
     return sd, facts, unused

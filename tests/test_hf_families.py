@@ -1,0 +1,92 @@
+"""transformers' ViT families (issue 53), against outputs transformers computed itself
+(tests/fixtures/make_hf_families.py): each folder `save_pretrained` wrote loads in vitkit and gives transformers'
+output (<= 1e-4, fp32) at the native size and, with transformers' own resampling (`interpolate_pos_encoding=True`),
+at a non-square one; or it is refused with a CheckpointError naming what vitkit does not read. Never a silent
+difference: a tensor that changes the output is used or refused."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vitkit
+from vitkit.checkpoints.io import CheckpointError
+
+F = Path(__file__).parent / "fixtures" / "hf_families"
+TOL = 1e-4
+X, XW = np.load(F / "input.npy"), np.load(F / "input_wide.npy")
+WIDE = tuple(XW.shape[-2:])
+
+# class folder -> what vitkit's output is beside transformers' (the test below checks it), for the docs
+LOADS = {
+    "CLIPVisionModelWithProjection": "image_embeds: visual_projection is the head",
+    "CLIPModel": "the image tower and visual_projection (get_image_features)",
+    "CLIPForImageClassification": "the mean patch token before post_layernorm, classified",
+    "SiglipForImageClassification": "the mean token after post_layernorm, classified",
+    "MetaClip2VisionModelWithProjection": "image_embeds (CLIP's layout)",
+    "Aimv2Model": "the image tower and visual_projection (get_image_features)",
+}
+REFUSED: dict[str, str] = {}
+CLASSES = sorted(p.name for p in F.iterdir() if p.is_dir())
+
+
+def _meta(name: str) -> dict:
+    return json.loads((F / name / "meta.json").read_text())
+
+
+def _max_diff(model, x: np.ndarray, expected: np.ndarray) -> float:
+    with torch.no_grad():
+        return float(np.abs(model(torch.from_numpy(x)).numpy() - expected).max())
+
+
+def test_every_folder_is_accounted_for():
+    assert sorted(LOADS) + sorted(REFUSED) and set(CLASSES) == set(LOADS) | set(REFUSED)
+
+
+@pytest.mark.parametrize("name", sorted(LOADS))
+def test_loads_as_transformers_computes(name):
+    d = F / name
+    model = vitkit.load(d)
+    assert _max_diff(model, X, np.load(d / "out.npy")) <= TOL
+    if (d / "hidden.npy").exists():  # the tokens: after the final norm, or CLIP's before post_layernorm
+        with torch.no_grad():
+            out = model.forward_intermediates(torch.from_numpy(X), layers=[-1], attention=False)
+        clip = model.config.pre_norm
+        feats = out["tokens"][model.config.depth - 1] if clip else out["features"]
+        assert np.abs(feats.numpy() - np.load(d / "hidden.npy")).max() <= TOL
+    if "wide_refused" in _meta(name):
+        return
+    wide = vitkit.load(d, img_size=WIDE)
+    assert _max_diff(wide, XW, np.load(d / "out_wide.npy")) <= TOL
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_by_name(name):
+    with pytest.raises(CheckpointError, match=REFUSED[name]):
+        vitkit.load(F / name)
+
+
+# ---- what each family's folder holds, beside the outputs ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["CLIPVisionModelWithProjection", "CLIPModel", "MetaClip2VisionModelWithProjection",
+                                  "Aimv2Model"])
+def test_a_projection_is_the_head_without_bias(name):
+    """`visual_projection` (no bias) is the head: its bias zero, nothing of the image tower left unused."""
+    model = vitkit.load(F / name)
+    assert model.config.num_classes == 24 and not model.head.bias.any()
+    assert not [k for k in model.load_report["unused"] if k.startswith(("vision_model.", "visual_projection."))]
+    bare = vitkit.load(F / name / "model.safetensors", num_heads=2, strict=True,
+                       **({"act": "quick_gelu", "norm_eps": 1e-5} if "CLIP" in name else {}))
+    assert _max_diff(bare, X, np.load(F / name / "out.npy")) <= TOL
+
+
+def test_the_tower_classifiers_report_what_the_logits_do_not_read():
+    clip = vitkit.load(F / "CLIPForImageClassification")
+    assert clip.config.classifier == "gap" and not clip.config.final_norm
+    assert sorted(clip.load_report["unused"])[:2] == ["vision_model.post_layernorm.bias",
+                                                      "vision_model.post_layernorm.weight"]
+    siglip = vitkit.load(F / "SiglipForImageClassification")
+    assert siglip.config.classifier == "gap" and "vision_model.head.probe" in siglip.load_report["unused"]

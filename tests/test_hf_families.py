@@ -28,6 +28,8 @@ LOADS = {
     "SiglipForImageClassification": "the mean token after post_layernorm, classified",
     "MetaClip2VisionModelWithProjection": "image_embeds (CLIP's layout)",
     "Aimv2Model": "the image tower and visual_projection (get_image_features)",
+    "ViTMAEModel": "the encoder on every patch (transformers' with mask_ratio=0, patches in order)",
+    "ViTMAEForPreTraining": "the encoder; the pixel decoder left unused, with a note",
 }
 REFUSED: dict[str, str] = {}
 CLASSES = sorted(p.name for p in F.iterdir() if p.is_dir())
@@ -90,3 +92,23 @@ def test_the_tower_classifiers_report_what_the_logits_do_not_read():
                                                       "vision_model.post_layernorm.weight"]
     siglip = vitkit.load(F / "SiglipForImageClassification")
     assert siglip.config.classifier == "gap" and "vision_model.head.probe" in siglip.load_report["unused"]
+
+
+@pytest.mark.parametrize("name", ["ViTMAEModel", "ViTMAEForPreTraining"])
+def test_mae_is_the_unmasked_encoder(name):
+    """transformers masks 75% of the patches at random in every forward of a saved MAE (`mask_ratio`, kept in
+    config.json); vitkit's model is the encoder on every patch, its position table the stored sin-cos one."""
+    d = F / name
+    assert json.loads((d / "config.json").read_text())["mask_ratio"] == 0.75
+    model = vitkit.load(d)
+    assert model.load_report["format"] == "hf" and model.config.num_classes == 0
+    decoder = [k for k in model.load_report["unused"] if k.startswith("decoder.")]
+    if name == "ViTMAEForPreTraining":
+        assert decoder and "decoder" in model.load_report["notes"][0]
+    else:
+        assert not decoder and not model.load_report["notes"]
+    # the fixed table: sin and cos of the grid positions (each value in [-1, 1], the class token's zero)
+    pe = model.pos_embed.weight
+    assert not pe[0, 0].any() and pe.abs().max() <= 1 and (pe[0, 1:] ** 2).sum(-1).allclose(torch.tensor(16.0))
+    bare = vitkit.load(d / "model.safetensors", num_heads=2, strict=True)
+    assert _max_diff(bare, X, np.load(d / "out.npy")) <= TOL

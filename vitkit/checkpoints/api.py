@@ -53,6 +53,7 @@ class Checkpoint:
     config: ViTConfig | ResNetV2Config
     state_dict: dict[str, torch.Tensor]
     unused: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the reader left out on purpose, in words
 
 
 def config_from_dict(d: dict) -> ViTConfig | ResNetV2Config:
@@ -156,8 +157,9 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
                 f"a model without positions)")
     if architecture is not None and kind in ("dir", "npz"):
         raise UsageError(f"architecture={architecture!r} is for a bare timm state dict; {path} records its own")
+    notes = facts.pop("notes", [])
     config = _infer_config(sd, {**facts, **hints}, img_size_if_unknown, what=str(path))
-    return Checkpoint(path, fmt, config, sd, unused)
+    return Checkpoint(path, fmt, config, sd, unused, notes)
 
 
 # What training wrappers put before every key: torch.compile's OptimizedModule, DistributedDataParallel/DataParallel.
@@ -223,6 +225,7 @@ def describe_folder(raw: dict[str, torch.Tensor], hub_config: dict, what: str = 
     meta device: only names and shapes are read), and its state dict in vitkit names."""
     with untrusted(what):
         fmt, sd, facts, unused = _convert_folder(Path(what), raw, hub_config)
+        facts.pop("notes", None)
         return _infer_config(sd, facts, what=what), sd
 
 
@@ -311,6 +314,7 @@ def load(
         model = build_model(ckpt.config)
         report = load_state(model, ckpt.state_dict, strict)
     report["unused"] = ckpt.unused
+    report["notes"] = ckpt.notes
     report["format"] = ckpt.format
     if not strict and any(report[k] for k in ("missing", "unexpected", "mismatched")):
         print(f"vitkit: loaded {path} with strict=False; skipped: " +
@@ -519,5 +523,6 @@ def inspect_checkpoint(path: str | Path, **hints) -> dict:
         "config": ckpt.config.to_dict(),
         "params": sum(v.numel() for k, v in ckpt.state_dict.items() if k in own),
         "unused": ckpt.unused + sorted(k for k in ckpt.state_dict if k not in own),
+        "notes": ckpt.notes,
         "missing": sorted(k for k in own if k not in ckpt.state_dict),
     }

@@ -1,9 +1,20 @@
-"""Hugging Face transformers ViT folders (config.json + weights) <-> vitkit names.
+"""Hugging Face transformers' ViT-layout folders (config.json + weights) <-> vitkit names: ViT (`ViTModel`,
+`ViTForImageClassification`) and MAE (`ViTMAEModel`, `ViTMAEForPreTraining`: the encoder).
 
-HF keeps separate query/key/value Linears and a LayerNorm epsilon of 1e-12; its classifier reads the
-final-normed class token. ViTModel files (no "vit." prefix) may carry a pooler, tanh(dense(class token)), which vitkit
-leaves unused (reported in `model.load_report["unused"]`): the model's output is the normed class token, the
-features a classifier is fine-tuned on (transformers' ViTForImageClassification and timm drop the pooler too).
+They share one layout: `embeddings.{cls_token, position_embeddings, patch_embeddings.projection}`, then
+`encoder.layer.N.{layernorm_before, attention.attention.{query,key,value}, attention.output.dense, layernorm_after,
+intermediate.dense, output.dense}` and `layernorm`, under the task class's prefix (`vit.`). HF keeps separate
+query/key/value Linears and a LayerNorm epsilon of 1e-12; its classifier reads the final-normed class token. ViTModel
+files may carry a pooler, tanh(dense(class token)), which vitkit leaves unused (reported in
+`model.load_report["unused"]`): the model's output is the normed class token, the features a classifier is
+fine-tuned on (transformers' ViTForImageClassification and timm drop the pooler too).
+
+What each family adds (`FAMILIES`, by config.json's model_type; a bare file by its keys):
+- MAE: the position embedding is MAE's fixed 2-D sin-cos table, stored as a (frozen) parameter: read as it is.
+  transformers' ViTMAEModel masks `config.mask_ratio` of the patches at random in every forward (0.75 as
+  pre-trained); vitkit computes the encoder on every patch, in order (transformers' output with mask_ratio=0 and
+  `noise` = 0, 1, 2, ...): the features a classifier or a probe reads. ViTMAEForPreTraining's pixel decoder
+  (`decoder.*`) is used in pre-training only: left unused, with a note in `model.load_report["notes"]`.
 """
 from __future__ import annotations
 
@@ -14,6 +25,9 @@ import torch
 
 from .io import CheckpointError, fuse, rename
 
+# transformers' model_type -> vitkit's family of the shared layout
+FAMILIES = {"vit": "vit", "vit_mae": "mae"}
+_NAMES = {"vit": "ViT", "mae": "MAE"}
 _BLOCK = {
     "layernorm_before": "norm1", "attention.output.dense": "attn.proj", "layernorm_after": "norm2",
     "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2",
@@ -21,20 +35,42 @@ _BLOCK = {
 _EXACT = {"embeddings.cls_token": "cls_token", "embeddings.position_embeddings": "pos_embed.weight"}
 _PREFIXES = {"embeddings.patch_embeddings.projection.": "patch_embed.proj.", "layernorm.": "norm.", "classifier.": "head."}
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+# the task classes' prefixes before the encoder's names
+_MODEL_PREFIXES = ("vit.",)
 
 
 def is_hf(keys) -> bool:
     return any(k.startswith(("vit.embeddings.", "embeddings.patch_embeddings.")) for k in keys)
 
 
+def family(keys, hf_config: dict | None = None) -> str:
+    """The family of a folder's config.json model_type (a CheckpointError naming one vitkit does not read), or of a
+    bare file's keys."""
+    if hf_config and "model_type" in hf_config:
+        model_type = hf_config["model_type"]
+        if model_type not in FAMILIES:
+            raise CheckpointError(refusal(model_type))
+        return FAMILIES[model_type]
+    if any(k.startswith("decoder.") for k in keys):
+        return "mae"
+    return "vit"
+
+
+def refusal(model_type: str) -> str:
+    """Why vitkit does not read a transformers model_type, in one sentence."""
+    why = REFUSED.get(model_type)
+    return f"Hugging Face model_type {model_type!r} ({why or 'not a ViT family vitkit knows'}) is not one vitkit reads"
+
+
+# transformers' model_types vitkit refuses, with what each is (a reason the refusal names)
+REFUSED = {"deit": "DeiT: load timm's deit_* checkpoints instead"}
+
+
 def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
-    if hf_config and hf_config.get("model_type", "vit") != "vit":
-        raise CheckpointError(f"Hugging Face model_type {hf_config.get('model_type')!r} is not a ViT vitkit reads"
-                              + (" (transformers' DeiT: load timm's deit_* checkpoints instead)"
-                                 if hf_config.get("model_type") == "deit" else ""))
-    sd, qkv, unused = {}, {}, []
+    fam = family(w, hf_config)
+    sd, qkv, unused, decoder = {}, {}, [], []
     for k, v in w.items():
-        key = k.removeprefix("vit.")
+        key = next((k[len(p):] for p in _MODEL_PREFIXES if k.startswith(p)), k)
         if ours := rename(key, _EXACT, _PREFIXES):
             sd[ours] = v
         elif m := re.match(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$", key):
@@ -44,15 +80,21 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
             elif mod in _BLOCK:
                 sd[f"blocks.{i}.{_BLOCK[mod]}.{leaf}"] = v
             else:
-                raise CheckpointError(f"unexpected Hugging Face ViT key {k!r}")
+                raise CheckpointError(f"unexpected Hugging Face {_NAMES[fam]} key {k!r}")
         elif key.startswith(("pooler.", "embeddings.mask_token")):
             unused.append(k)
+        elif fam == "mae" and k.startswith("decoder."):
+            decoder.append(k)
         else:
-            raise CheckpointError(f"unexpected Hugging Face ViT key {k!r}")
+            raise CheckpointError(f"unexpected Hugging Face {_NAMES[fam]} key {k!r}")
     for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
         sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"encoder.layer.{i}.attention.attention.{n}.{leaf}": qkv[(i, leaf, n)]
                                                   for n in ("query", "key", "value")})
     facts: dict = {"act": "gelu", "norm_eps": 1e-12, "pos_resample": "bicubic_noaa"}  # ViTEmbeddings' interpolation
+    if decoder:
+        unused += decoder
+        facts["notes"] = [f"MAE's pixel decoder ({len(decoder)} tensors, decoder.*) reconstructs masked patches in "
+                          f"pre-training only: left unused; the model is the encoder on every patch"]
     if hf_config:
         c = hf_config
         act = c.get("hidden_act", "gelu")

@@ -30,8 +30,13 @@ LOADS = {
     "Aimv2Model": "the image tower and visual_projection (get_image_features)",
     "ViTMAEModel": "the encoder on every patch (transformers' with mask_ratio=0, patches in order)",
     "ViTMAEForPreTraining": "the encoder; the pixel decoder left unused, with a note",
+    "DeiTForImageClassificationWithTeacher": "the mean of the class and distillation heads",
+    "ViTMSNModel": "the normed class token",
+    "ViTMSNForImageClassification": "logits",
+    "IJepaModel": "the mean of the normed tokens",
+    "IJepaForImageClassification": "logits",
 }
-REFUSED: dict[str, str] = {}
+REFUSED = {"DeiTForImageClassification": "class token alone beside a distillation token"}
 CLASSES = sorted(p.name for p in F.iterdir() if p.is_dir())
 
 
@@ -112,3 +117,31 @@ def test_mae_is_the_unmasked_encoder(name):
     assert not pe[0, 0].any() and pe.abs().max() <= 1 and (pe[0, 1:] ** 2).sum(-1).allclose(torch.tensor(16.0))
     bare = vitkit.load(d / "model.safetensors", num_heads=2, strict=True)
     assert _max_diff(bare, X, np.load(d / "out.npy")) <= TOL
+
+
+# ---- DeiT, MSN, I-JEPA ----------------------------------------------------------------------------------------
+
+def test_deit_with_its_teacher_s_head_is_vitkit_s_distilled_deit():
+    model = vitkit.load(F / "DeiTForImageClassificationWithTeacher")
+    c = model.config
+    assert c.distilled and c.num_prefix_tokens == 2 and c.num_classes == 5 and not model.load_report["unused"]
+    # both heads count: the class token's alone is not transformers' output
+    with torch.no_grad():
+        cls_only = model.head(model.forward_features(torch.from_numpy(X))[:, 0]).numpy()
+    assert np.abs(cls_only - np.load(F / "DeiTForImageClassificationWithTeacher" / "out.npy")).max() > 100 * TOL
+
+
+@pytest.mark.parametrize("name, hints", [("DeiTForImageClassificationWithTeacher", {}), ("IJepaModel", {}),
+                                         ("IJepaForImageClassification", {}),
+                                         ("ViTMSNModel", {"norm_eps": 1e-6}),
+                                         ("ViTMSNForImageClassification", {"norm_eps": 1e-6})])
+def test_bare_files(name, hints):
+    """A bare model.safetensors: the family from its keys (MSN's is ViT's layout: its eps is in config.json)."""
+    model = vitkit.load(F / name / "model.safetensors", num_heads=2, strict=True, **hints)
+    assert _max_diff(model, X, np.load(F / name / "out.npy")) <= TOL
+
+
+def test_ijepa_has_no_class_token_and_averages():
+    for name in ("IJepaModel", "IJepaForImageClassification"):
+        c = vitkit.load(F / name).config
+        assert not c.class_token and c.classifier == "gap" and not c.fc_norm and c.num_prefix_tokens == 0

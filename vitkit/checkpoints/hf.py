@@ -1,15 +1,26 @@
 """Hugging Face transformers' ViT-layout folders (config.json + weights) <-> vitkit names: ViT (`ViTModel`,
-`ViTForImageClassification`) and MAE (`ViTMAEModel`, `ViTMAEForPreTraining`: the encoder).
+`ViTForImageClassification`), DeiT (`DeiTModel`, `DeiTForImageClassificationWithTeacher`), MAE (`ViTMAEModel`,
+`ViTMAEForPreTraining`: the encoder), MSN (`ViTMSNModel`, `ViTMSNForImageClassification`) and I-JEPA (`IJepaModel`,
+`IJepaForImageClassification`).
 
 They share one layout: `embeddings.{cls_token, position_embeddings, patch_embeddings.projection}`, then
 `encoder.layer.N.{layernorm_before, attention.attention.{query,key,value}, attention.output.dense, layernorm_after,
-intermediate.dense, output.dense}` and `layernorm`, under the task class's prefix (`vit.`). HF keeps separate
+intermediate.dense, output.dense}` and `layernorm`, under the task class's prefix (`vit.`, `deit.`, `ijepa.`). HF keeps separate
 query/key/value Linears and a LayerNorm epsilon of 1e-12; its classifier reads the final-normed class token. ViTModel
 files may carry a pooler, tanh(dense(class token)), which vitkit leaves unused (reported in
 `model.load_report["unused"]`): the model's output is the normed class token, the features a classifier is
 fine-tuned on (transformers' ViTForImageClassification and timm drop the pooler too).
 
 What each family adds (`FAMILIES`, by config.json's model_type; a bare file by its keys):
+- DeiT: a distillation token after the class token (`embeddings.distillation_token`; the position embedding covers
+  both) and, with its teacher's head, two classifiers: `cls_classifier` on the class token, `distillation_classifier`
+  on the distillation token, their logits averaged: vitkit's `distilled` model (timm's deit_*_distilled), `head` and
+  `head_dist`. `DeiTForImageClassification` classifies the class token alone beside a distillation token, which no
+  vitkit head does: refused. `DeiTModel`'s output is the mean of the two normed tokens (vitkit's distilled model
+  without a head, as timm's `forward_head(pre_logits=True)`); its pooler is left unused as ViT's.
+- MSN: the ViT itself (LayerNorm eps 1e-6); `ViTMSNModel` has no pooler: its feature is the normed class token.
+- I-JEPA: no class token; the position embedding covers the patches. `IJepaForImageClassification` classifies the
+  mean of the normed tokens: vitkit's "gap", which is also `IJepaModel`'s output (transformers' has no pooled one).
 - MAE: the position embedding is MAE's fixed 2-D sin-cos table, stored as a (frozen) parameter: read as it is.
   transformers' ViTMAEModel masks `config.mask_ratio` of the patches at random in every forward (0.75 as
   pre-trained); vitkit computes the encoder on every patch, in order (transformers' output with mask_ratio=0 and
@@ -26,21 +37,24 @@ import torch
 from .io import CheckpointError, fuse, rename
 
 # transformers' model_type -> vitkit's family of the shared layout
-FAMILIES = {"vit": "vit", "vit_mae": "mae"}
-_NAMES = {"vit": "ViT", "mae": "MAE"}
+FAMILIES = {"vit": "vit", "deit": "deit", "vit_mae": "mae", "vit_msn": "msn", "ijepa": "ijepa"}
+_NAMES = {"vit": "ViT", "deit": "DeiT", "mae": "MAE", "msn": "MSN", "ijepa": "I-JEPA"}
 _BLOCK = {
     "layernorm_before": "norm1", "attention.output.dense": "attn.proj", "layernorm_after": "norm2",
     "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2",
 }
-_EXACT = {"embeddings.cls_token": "cls_token", "embeddings.position_embeddings": "pos_embed.weight"}
-_PREFIXES = {"embeddings.patch_embeddings.projection.": "patch_embed.proj.", "layernorm.": "norm.", "classifier.": "head."}
+_EXACT = {"embeddings.cls_token": "cls_token", "embeddings.position_embeddings": "pos_embed.weight",
+          "embeddings.distillation_token": "dist_token"}
+_PREFIXES = {"embeddings.patch_embeddings.projection.": "patch_embed.proj.", "layernorm.": "norm.", "classifier.": "head.",
+             "cls_classifier.": "head.", "distillation_classifier.": "head_dist."}
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 # the task classes' prefixes before the encoder's names
-_MODEL_PREFIXES = ("vit.",)
+_MODEL_PREFIXES = ("vit.", "deit.", "ijepa.")
 
 
 def is_hf(keys) -> bool:
-    return any(k.startswith(("vit.embeddings.", "embeddings.patch_embeddings.")) for k in keys)
+    return any(k.startswith(("embeddings.patch_embeddings.", *(p + "embeddings." for p in _MODEL_PREFIXES)))
+               for k in keys)
 
 
 def family(keys, hf_config: dict | None = None) -> str:
@@ -51,9 +65,14 @@ def family(keys, hf_config: dict | None = None) -> str:
         if model_type not in FAMILIES:
             raise CheckpointError(refusal(model_type))
         return FAMILIES[model_type]
+    keys = {next((k[len(p):] for p in _MODEL_PREFIXES if k.startswith(p)), k) for k in keys}
     if any(k.startswith("decoder.") for k in keys):
         return "mae"
-    return "vit"
+    if "embeddings.distillation_token" in keys:
+        return "deit"
+    if "embeddings.cls_token" not in keys:
+        return "ijepa"
+    return "vit"  # MSN's files are ViT's (its LayerNorm eps, 1e-6, is in config.json alone)
 
 
 def refusal(model_type: str) -> str:
@@ -63,7 +82,7 @@ def refusal(model_type: str) -> str:
 
 
 # transformers' model_types vitkit refuses, with what each is (a reason the refusal names)
-REFUSED = {"deit": "DeiT: load timm's deit_* checkpoints instead"}
+REFUSED: dict[str, str] = {}
 
 
 def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
@@ -87,6 +106,10 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
             decoder.append(k)
         else:
             raise CheckpointError(f"unexpected Hugging Face {_NAMES[fam]} key {k!r}")
+    if "dist_token" in sd and "head.weight" in sd and "head_dist.weight" not in sd:
+        raise CheckpointError("transformers' DeiTForImageClassification classifies the class token alone beside a "
+                              "distillation token, which no vitkit head does (vitkit's distilled DeiT averages the two "
+                              "tokens' heads: DeiTForImageClassificationWithTeacher)")
     for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
         sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"encoder.layer.{i}.attention.attention.{n}.{leaf}": qkv[(i, leaf, n)]
                                                   for n in ("query", "key", "value")})

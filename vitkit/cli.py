@@ -5,6 +5,7 @@ import argparse
 import fnmatch
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -318,7 +319,9 @@ def train(
 
     Example: vitkit train fashion-mnist optim.lr=1e-3 schedule.epochs=20 run.out_dir=runs/x
     (the preset may come first, or as --preset).
-    The resolved config is saved in the run directory; a killed run resumes where it stopped.
+    The resolved config is saved in the run directory; a killed run resumes where it stopped. Ctrl-C (or SIGTERM)
+    stops after the step in hand, saves it and prints the command that resumes it (exit 130; 143 for SIGTERM); a
+    second Ctrl-C aborts at once (the steps since the last checkpoint lost).
     Several processes: `torchrun --nproc-per-node N -m vitkit train ...` (several machines: add --nnodes and
     --rdzv-endpoint), or --nproc N on this machine; run.strategy picks DDP (the default) or FSDP2.
 
@@ -343,13 +346,13 @@ def train(
         preset = overrides.pop(0)
     if max_steps is not None and max_steps < 0:
         raise UsageError(f"--max-steps {max_steps}: give 0 or more")
+    args = ([preset] if preset else []) + overrides + (["--config", config] if config else []) \
+        + (["--smoke"] if smoke else []) + (["--force"] if force else []) \
+        + (["--max-steps", str(max_steps)] if max_steps is not None else [])
     if nproc > 1 and "WORLD_SIZE" not in os.environ:  # relaunch under torchrun, one process per rank
-        args = ([preset] if preset else []) + overrides + (["--config", config] if config else []) \
-            + (["--smoke"] if smoke else []) + ([] if resume else ["--no-resume"]) + (["--force"] if force else []) \
-            + (["--max-steps", str(max_steps)] if max_steps is not None else [])
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "vitkit", "train", *args]
-        return subprocess.run(cmd).returncode
+               "-m", "vitkit", "train", *args, *([] if resume else ["--no-resume"])]
+        return _run_ranks(cmd)
     pairs = {}
     for item in overrides:
         if "=" not in item:
@@ -366,7 +369,33 @@ def train(
     result = _train(cfg, resume=resume, max_steps=max_steps, force=force)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result, indent=1))
-    return 143 if result.get("interrupted") else 0
+        if result.get("interrupted"):  # the same run, from its saved step (never --no-resume: that would discard it)
+            world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            print(f"vitkit: resume with: vitkit train {shlex.join([*(['--nproc', str(world)] if world > 1 else []), *args])}",
+                  file=sys.stderr, flush=True)
+    if not result.get("interrupted"):
+        return 0
+    return 130 if result.get("signal") == "SIGINT" else 143
+
+
+def _run_ranks(cmd: list[str]) -> int:
+    """`vitkit train --nproc N`: torchrun and its ranks, waited for. A Ctrl-C at the terminal reaches torchrun too,
+    which passes it to every rank: they stop at the same step and save it, so this waits for them (130 then); a
+    second Ctrl-C stops waiting (KeyboardInterrupt) and ends torchrun."""
+    proc, interrupted = subprocess.Popen(cmd), False
+    while True:
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:
+            if interrupted:
+                proc.kill()
+                proc.wait()
+                raise
+            interrupted = True
+            print("vitkit: Ctrl-C: waiting for the ranks to save the step in hand (Ctrl-C again aborts at once)",
+                  file=sys.stderr, flush=True)
+    return 130 if interrupted else code
 
 
 def _list_presets(fn):

@@ -20,6 +20,7 @@ import io
 import math
 import pickle
 import random
+import signal
 import struct
 import sys
 import tarfile
@@ -539,6 +540,13 @@ def eval_index_batches(n: int, batch_size: int, rank: int = 0, world: int = 1, l
     return batches
 
 
+def _ignore_sigint(worker_id: int) -> None:
+    """A DataLoader worker leaves Ctrl-C to the main process (a terminal sends it to every process of the job), which
+    finishes the step in hand and saves it on a first one (`vitkit.training.trainer`) and ends the workers itself: a
+    forked worker would run the trainer's handler too (its notice twice), a spawned one would end mid-batch."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def load_batches(data, batches: list[torch.Tensor], num_workers: int, device) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
     """Index batches -> (uint8 images, labels, samples skipped) on `device`: an in-memory kind indexes itself
     (`batch`), files are decoded in DataLoader workers."""
@@ -547,7 +555,8 @@ def load_batches(data, batches: list[torch.Tensor], num_workers: int, device) ->
             yield *data.batch(idx, device), 0
         return
     loader = DataLoader(data, batch_sampler=[b.tolist() for b in batches], num_workers=num_workers,
-                        collate_fn=collate_skip_bad, persistent_workers=False, pin_memory=torch.device(device).type == "cuda")
+                        collate_fn=collate_skip_bad, persistent_workers=False, pin_memory=torch.device(device).type == "cuda",
+                        worker_init_fn=_ignore_sigint if num_workers else None)
     for x, y, bad in loader:
         x = x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
         yield x, y.to(device, non_blocking=True), _report_bad(bad)

@@ -21,6 +21,7 @@ step, and only rank 0 writes logs and weights.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -68,6 +69,41 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
     return result
 
 
+class _StopRequest:
+    """SIGTERM, or a first Ctrl-C (SIGINT): stop after the step in hand, save it and return (`interrupted`); every
+    rank stops at the same step (`Dist.any`). A second Ctrl-C aborts at once (KeyboardInterrupt: the steps since the
+    last checkpoint are lost, the checkpoints on disk are intact, a half-written one never replaces a good one)."""
+
+    SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+
+    def __init__(self, main: bool) -> None:
+        self.main, self.asked, self.interrupts = main, None, 0
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                raise KeyboardInterrupt
+            if self.main:  # os.write: a print here could land inside the main thread's own print
+                os.write(2, b"\nvitkit: Ctrl-C: stopping after this step and saving it (Ctrl-C again aborts at once, "
+                            b"losing the steps since the last checkpoint)\n")
+        self.asked = self.asked or self.SIGNALS[signum]
+
+    def install(self) -> dict:
+        """Handle SIGTERM and SIGINT; returns the handlers they had (none off the main thread: nothing installed)."""
+        old = {}
+        for sig in self.SIGNALS:
+            try:
+                old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                break
+        return old
+
+    def restore(self, old: dict) -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
 def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, force: bool) -> dict:
     r, d = cfg.run, cfg.data
     out = Path(r.out_dir)
@@ -101,12 +137,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                   f"the weights and optimizer are resharded; the rest of the run is not bitwise the one never stopped",
                   flush=True)
 
-    stop = {"flag": False}
-    old_handler = signal.getsignal(signal.SIGTERM)
-    try:
-        signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
-    except ValueError:  # not the main thread
-        old_handler = None
+    stop = _StopRequest(dist.main)
+    old_handlers = stop.install()
 
     per_step = d.batch_size * r.accumulate
     eval_steps = max(1, round(r.eval_every * run.steps_per_epoch)) if r.eval_every > 0 else 0  # and at the last step
@@ -146,13 +178,14 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                     data = run.data.test if run.data.val is None else run.data.val
                     best, evaluated = evaluate_and_keep_best(run, data, step, best, logger, bar)
                     last_eval = (step, evaluated)
-                stopping = dist.any(stop["flag"])
+                stopping = dist.any(stop.asked is not None)  # every rank stops at the same step
                 if due(step, r.ckpt_every) or step % run.steps_per_epoch == 0 or step == limit or stopping:
                     write_checkpoint(run, step, best, elapsed + time.perf_counter() - t_start)
                 if stopping:
-                    bar.message(f"stopped by SIGTERM at step {step}; resume with the same command")
+                    how = {"SIGINT": "Ctrl-C (SIGINT)", None: "a signal to another process"}.get(stop.asked, stop.asked)
+                    bar.message(f"stopped by {how} at step {step}: the run is saved in {checkpoint.latest(out) or out}")
                     result["interrupted"] = True
-                    return result | {"step": step}
+                    return result | {"step": step, "signal": stop.asked or "SIGTERM"}
                 if step >= limit:
                     break
         if run.data.val is not None:
@@ -161,8 +194,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                         "acc5": test_eval.acc5, "loss": test_eval.loss})
     finally:
         logger.close()
-        if old_handler is not None:
-            signal.signal(signal.SIGTERM, old_handler)
+        stop.restore(old_handlers)
     final = run.ema if run.ema is not None else run.model
     save_weights(run, final, out / "final.safetensors")
     # the loop evaluated the final weights at its last step; evaluate again only if it did not, or if it held out

@@ -349,3 +349,21 @@ def test_a_csv_list_with_a_10_mb_field_is_one_line_naming_the_file_and_line(ckpt
     assert main(["predict", str(listing), "--checkpoint", str(ckpts[0]), *CPU]) == 2
     line = _one_line_error(capsys.readouterr().err)
     assert f"{listing} line 2" in line and "field" in line
+
+
+def test_every_other_output_refuses_a_fifo_or_a_device_too(ckpts, tmp_path, capsys):
+    """export, eval's report and figure, and a figure of `explain` go through the same check as --out: a FIFO or a
+    device where the file would go is refused by name and left as it was (an exporter would block on the FIFO)."""
+    fifo, dev = tmp_path / "m.onnx", tmp_path / "report"
+    os.mkfifo(fifo)
+    assert main(["export", str(ckpts[0]), str(fifo)]) == 2
+    assert "FIFO" in capsys.readouterr().err and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    from vitkit.evaluation.metrics import EvalResult, write_report
+
+    dev.mkdir()
+    node = dev / "eval_report.json"
+    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    with pytest.raises(UsageError, match="character device"):
+        write_report(EvalResult(acc1=1.0, acc5=1.0, loss=0.0, n=1, skipped=0, per_class=[1.0],
+                                confusion=np.ones((1, 1)), classes=["a"]), node)
+    assert stat.S_ISCHR(os.lstat(node).st_mode)

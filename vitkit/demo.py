@@ -9,6 +9,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from .cache import atomic_write
 from .data.datasets import load_fashion_mnist
 from .inference.predict import predict_images
 from .training import run_config, train
@@ -62,7 +63,7 @@ def demo(epochs: float | None = None, out: str = "runs/demo", images: int = 4) -
     files = []
     for i in range(images):
         f = samples / f"test{i}_{test.classes[int(test.labels[i])].replace('/', '-').replace(' ', '_')}.png"
-        Image.fromarray(test.images[i, 0].numpy()).save(f)
+        atomic_write(f, lambda p, a=test.images[i, 0].numpy(): Image.fromarray(a).save(p, format="PNG"))
         files.append(str(f))
     print(f"\n== predicting {images} test images (the file names carry the true class)")
     done = predict_images(files, str(Path(out) / "final.safetensors"), top_k=3, tta=cfg.run.tta)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .cache import atomic_write
 from .errors import UsageError
 from .checkpoints import load
 from .data.datasets import load_dataset
@@ -254,9 +255,9 @@ def reproduce(name: str, seeds: int = 3, smoke: bool = False, out: str | Path = 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = name + ("-smoke" if smoke else "")
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    atomic_write(out / f"{stem}.json", lambda p: p.write_text(json.dumps(result, indent=1)))
     _plot(study, agg, out / f"{stem}.png")
-    (out / f"{stem}.md").write_text(_markdown(study, result, stem))
+    atomic_write(out / f"{stem}.md", lambda p: p.write_text(_markdown(study, result, stem)))
     return result
 
 
@@ -265,7 +266,7 @@ def replot(name: str, out: str | Path = OUT, smoke: bool = False) -> dict:
     study, stem = STUDIES[name], name + ("-smoke" if smoke else "")
     result = json.loads((Path(out) / f"{stem}.json").read_text())
     _plot(study, result["mean_std"], Path(out) / f"{stem}.png")
-    (Path(out) / f"{stem}.md").write_text(_markdown(study, result, stem))
+    atomic_write(Path(out) / f"{stem}.md", lambda p: p.write_text(_markdown(study, result, stem)))
     return result
 
 
@@ -335,5 +336,5 @@ def _plot(study: Study, agg: dict, path: Path) -> None:
         ax.set_ylabel("%" if _scale_of(m) == 100.0 else "img/s")
     fig.suptitle(study.title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format="png"))
     plt.close(fig)

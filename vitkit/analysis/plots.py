@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cache import atomic_write
+
 
 def _plt():
     import matplotlib  # matplotlib: its import costs start-up time, and only figures need it
@@ -19,8 +21,7 @@ def _plt():
 
 def _save(fig, path: str | Path, dpi: int = 110) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    atomic_write(path, lambda p: fig.savefig(p, dpi=dpi, bbox_inches="tight", format=path.suffix[1:] or "png"))
     _plt().close(fig)
     return path
 

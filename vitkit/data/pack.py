@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import numpy as np
 from PIL import Image
 
+from ..cache import atomic_write, check_output
 from ..errors import UsageError
 from ..safety import read_bytes
 from .datasets import FileDataset, InMemoryDataset, csv_list, load_dataset
@@ -34,7 +35,13 @@ def write_split(samples: Iterator[tuple[bytes, str, int]], out: Path, classes: l
 
     def close() -> None:
         tar.close()
-        np.save(out / f"{shards[-1]['name'][:-4]}.idx.npy", np.asarray(rows, dtype=np.int64).reshape(-1, 3), allow_pickle=False)
+        idx = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+
+        def save_idx(p: Path) -> None:
+            with open(p, "wb") as f:  # a file object: np.save would add ".npy" to the temporary file's name
+                np.save(f, idx, allow_pickle=False)
+
+        atomic_write(out / f"{shards[-1]['name'][:-4]}.idx.npy", save_idx)
         shards[-1]["nsamples"] = len(rows)
 
     for data, ext, label in samples:
@@ -42,7 +49,7 @@ def write_split(samples: Iterator[tuple[bytes, str, int]], out: Path, classes: l
             if tar is not None:
                 close()
             shards.append({"name": f"shard-{len(shards):06d}.tar"})
-            tar, rows = tarfile.open(out / shards[-1]["name"], "w", format=tarfile.USTAR_FORMAT), []
+            tar, rows = tarfile.open(check_output(out / shards[-1]["name"]), "w", format=tarfile.USTAR_FORMAT), []
         key = f"{n:09d}"
         offset = _tar_member(tar, f"{key}.{ext}", data)
         _tar_member(tar, f"{key}.cls", str(label).encode())
@@ -52,7 +59,7 @@ def write_split(samples: Iterator[tuple[bytes, str, int]], out: Path, classes: l
         close()
     index = {"format": FORMAT, "version": 1, "name": name, "classes": list(classes), "in_chans": in_chans,
              "num_samples": n, "shards": shards}
-    (out / "index.json").write_text(json.dumps(index, indent=1))
+    atomic_write(out / "index.json", lambda p: p.write_text(json.dumps(index, indent=1)))
     return index
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache import atomic_write
 from ..errors import UsageError
 from ..machine.precision import autocast
 from ..data.datasets import load_batches, eval_index_batches
@@ -150,13 +151,11 @@ def save_confusion_png(result: EvalResult, path: str | Path, title: str = "") ->
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda p: fig.savefig(p, dpi=110, format=path.suffix[1:] or "png"))
     return path
 
 
 def write_report(result: EvalResult, path: str | Path, extra: dict | None = None) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**result.to_dict(), **(extra or {})}, indent=1))
+    atomic_write(path, lambda p: p.write_text(json.dumps({**result.to_dict(), **(extra or {})}, indent=1)))
     return path

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..cache import check_output
 from ..errors import CheckpointError, UsageError, VitkitError
 from ..machine import aoti
 from ..machine.engine_probe import EngineError, openvino_core
@@ -265,6 +266,8 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
         raise UsageError(f"an AOTInductor package is PATH.pt2; got {out}")
     if format == "aoti" and not dynamic_batch:
         raise UsageError("an AOTInductor package takes any batch (one image is a batch of 1): drop --no-dynamic-batch")
+    for f in (out, Path(out).with_suffix(".bin") if format == "openvino" else _external(Path(out))):
+        check_output(f)  # the exporters write where they are told: a FIFO, device or link is refused first
     if packed:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)

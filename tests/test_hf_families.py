@@ -35,6 +35,12 @@ LOADS = {
     "ViTMSNForImageClassification": "logits",
     "IJepaModel": "the mean of the normed tokens",
     "IJepaForImageClassification": "logits",
+    "BeitModel": "the LayerNorm of the mean patch token; a relative position bias per block",
+    "BeitForImageClassification": "logits",
+    "BeitModel_shared_cls": "the normed class token; one relative position bias shared by the blocks",
+    "BeitModel_absolute": "the LayerNorm of the mean patch token; an absolute position embedding, no layer scale",
+    "Data2VecVisionModel": "the class token as the last block leaves it (saved without a pooler)",
+    "Data2VecVisionForImageClassification": "logits",
 }
 REFUSED = {"DeiTForImageClassification": "class token alone beside a distillation token"}
 CLASSES = sorted(p.name for p in F.iterdir() if p.is_dir())
@@ -145,3 +151,45 @@ def test_ijepa_has_no_class_token_and_averages():
     for name in ("IJepaModel", "IJepaForImageClassification"):
         c = vitkit.load(F / name).config
         assert not c.class_token and c.classifier == "gap" and not c.fc_norm and c.num_prefix_tokens == 0
+
+
+# ---- BEiT, data2vec-vision -------------------------------------------------------------------------------------
+
+def test_beit_is_a_relative_bias_with_the_class_token_s_entries_and_layer_scale():
+    model = vitkit.load(F / "BeitForImageClassification")
+    c = model.config
+    assert c.pos_embed == "relative" and c.pos_resample == "bilinear_noaa" and not c.k_bias and c.qkv_bias
+    assert c.init_values == 0.1 and c.classifier == "gap" and c.fc_norm and c.num_classes == 5
+    table = model.blocks[0].attn.rel_pos.table
+    assert table.shape == (7 * 7 + 3, 2) and not torch.equal(table, model.blocks[1].attn.rel_pos.table)
+    shared = vitkit.load(F / "BeitModel_shared_cls")
+    assert shared.config.classifier == "token" and torch.equal(shared.blocks[0].attn.rel_pos.table,
+                                                                shared.blocks[1].attn.rel_pos.table)
+
+
+def test_beit_resamples_its_table_as_transformers_and_the_rule_matters():
+    """At 12x20 transformers resamples the 7x7 table to 5x9 by plain bilinear interpolation: vitkit by the rule it
+    records, also when the model takes any size (dynamic_img_size); the official bilinear (corners aligned) is off."""
+    d = F / "BeitModel"
+    for model in (vitkit.load(d, img_size=WIDE), vitkit.load(d, dynamic_img_size=True)):
+        assert _max_diff(model, XW, np.load(d / "out_wide.npy")) <= TOL
+    assert _max_diff(vitkit.load(d, img_size=WIDE, resample="bilinear"), XW, np.load(d / "out_wide.npy")) > 100 * TOL
+
+
+@pytest.mark.parametrize("name", ["BeitModel", "BeitForImageClassification", "BeitModel_absolute",
+                                  "Data2VecVisionForImageClassification"])
+def test_beit_bare_files(name):
+    model = vitkit.load(F / name / "model.safetensors", num_heads=2, strict=True)
+    assert _max_diff(model, X, np.load(F / name / "out.npy")) <= TOL
+
+
+def test_beit_with_absolute_and_relative_positions_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = F / "BeitModel"
+    sd = load_file(src / "model.safetensors")
+    sd["embeddings.position_embeddings"] = torch.zeros(1, 17, 32)
+    save_file(sd, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="absolute position embedding beside"):
+        vitkit.load(tmp_path)

@@ -1,11 +1,12 @@
 """Hugging Face transformers' ViT-layout folders (config.json + weights) <-> vitkit names: ViT (`ViTModel`,
 `ViTForImageClassification`), DeiT (`DeiTModel`, `DeiTForImageClassificationWithTeacher`), MAE (`ViTMAEModel`,
-`ViTMAEForPreTraining`: the encoder), MSN (`ViTMSNModel`, `ViTMSNForImageClassification`) and I-JEPA (`IJepaModel`,
-`IJepaForImageClassification`).
+`ViTMAEForPreTraining`: the encoder), MSN (`ViTMSNModel`, `ViTMSNForImageClassification`), I-JEPA (`IJepaModel`,
+`IJepaForImageClassification`), BEiT and data2vec-vision (`BeitModel`, `BeitForImageClassification`,
+`Data2VecVisionModel`, `Data2VecVisionForImageClassification`).
 
 They share one layout: `embeddings.{cls_token, position_embeddings, patch_embeddings.projection}`, then
 `encoder.layer.N.{layernorm_before, attention.attention.{query,key,value}, attention.output.dense, layernorm_after,
-intermediate.dense, output.dense}` and `layernorm`, under the task class's prefix (`vit.`, `deit.`, `ijepa.`). HF keeps separate
+intermediate.dense, output.dense}` and `layernorm`, under the task class's prefix (`vit.`, `deit.`, `ijepa.`, `beit.`, `data2vec_vision.`). HF keeps separate
 query/key/value Linears and a LayerNorm epsilon of 1e-12; its classifier reads the final-normed class token. ViTModel
 files may carry a pooler, tanh(dense(class token)), which vitkit leaves unused (reported in
 `model.load_report["unused"]`): the model's output is the normed class token, the features a classifier is
@@ -21,6 +22,16 @@ What each family adds (`FAMILIES`, by config.json's model_type; a bare file by i
 - MSN: the ViT itself (LayerNorm eps 1e-6); `ViTMSNModel` has no pooler: its feature is the normed class token.
 - I-JEPA: no class token; the position embedding covers the patches. `IJepaForImageClassification` classifies the
   mean of the normed tokens: vitkit's "gap", which is also `IJepaModel`'s output (transformers' has no pooled one).
+- BEiT, data2vec-vision: no bias on the keys (vitkit's k_bias=False); LayerScale `lambda_1`, `lambda_2`; a relative
+  position bias per block (`...attention.relative_position_bias.relative_position_bias_table`) or one shared by all
+  (`encoder.relative_position_bias...`, copied into every block: the same function), with BEiT's three entries for
+  the class token's rows and columns, which vitkit's `pos_embed="relative"` has too; transformers resamples the table
+  at another size by plain bilinear interpolation (`pos_resample="bilinear_noaa"`). An absolute position embedding
+  (`use_absolute_position_embeddings`) alone loads (resampled by plain bicubic); beside a relative bias it is refused.
+  With `use_mean_pooling` the output is the LayerNorm of the mean patch token (`pooler.layernorm`: vitkit's "gap"
+  with `fc_norm`), and no norm follows the blocks; else the normed class token. A model saved without its pooler
+  (`Data2VecVisionModel`'s default) has no norm after the blocks: its output is the class token as the last block
+  leaves it. BeitForMaskedImageModeling's visual-token head (`lm_head`) is left unused, with a note.
 - MAE: the position embedding is MAE's fixed 2-D sin-cos table, stored as a (frozen) parameter: read as it is.
   transformers' ViTMAEModel masks `config.mask_ratio` of the patches at random in every forward (0.75 as
   pre-trained); vitkit computes the encoder on every patch, in order (transformers' output with mask_ratio=0 and
@@ -37,8 +48,9 @@ import torch
 from .io import CheckpointError, fuse, rename
 
 # transformers' model_type -> vitkit's family of the shared layout
-FAMILIES = {"vit": "vit", "deit": "deit", "vit_mae": "mae", "vit_msn": "msn", "ijepa": "ijepa"}
-_NAMES = {"vit": "ViT", "deit": "DeiT", "mae": "MAE", "msn": "MSN", "ijepa": "I-JEPA"}
+FAMILIES = {"vit": "vit", "deit": "deit", "vit_mae": "mae", "vit_msn": "msn", "ijepa": "ijepa", "beit": "beit",
+            "data2vec-vision": "beit"}
+_NAMES = {"vit": "ViT", "deit": "DeiT", "mae": "MAE", "msn": "MSN", "ijepa": "I-JEPA", "beit": "BEiT"}
 _BLOCK = {
     "layernorm_before": "norm1", "attention.output.dense": "attn.proj", "layernorm_after": "norm2",
     "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2",
@@ -49,7 +61,8 @@ _PREFIXES = {"embeddings.patch_embeddings.projection.": "patch_embed.proj.", "la
              "cls_classifier.": "head.", "distillation_classifier.": "head_dist."}
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 # the task classes' prefixes before the encoder's names
-_MODEL_PREFIXES = ("vit.", "deit.", "ijepa.")
+_MODEL_PREFIXES = ("vit.", "deit.", "ijepa.", "beit.", "data2vec_vision.")
+_REL_TABLE = "relative_position_bias.relative_position_bias_table"
 
 
 def is_hf(keys) -> bool:
@@ -65,7 +78,13 @@ def family(keys, hf_config: dict | None = None) -> str:
         if model_type not in FAMILIES:
             raise CheckpointError(refusal(model_type))
         return FAMILIES[model_type]
+    if any(k.startswith(("beit.", "data2vec_vision.")) for k in keys):
+        return "beit"
     keys = {next((k[len(p):] for p in _MODEL_PREFIXES if k.startswith(p)), k) for k in keys}
+    if any(k.endswith((".lambda_1", _REL_TABLE)) or k.startswith("pooler.layernorm.") for k in keys) or (
+            "encoder.layer.0.attention.attention.query.bias" in keys
+            and "encoder.layer.0.attention.attention.key.bias" not in keys):
+        return "beit"
     if any(k.startswith("decoder.") for k in keys):
         return "mae"
     if "embeddings.distillation_token" in keys:
@@ -87,10 +106,22 @@ REFUSED: dict[str, str] = {}
 
 def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
     fam = family(w, hf_config)
-    sd, qkv, unused, decoder = {}, {}, [], []
+    sd, qkv, unused, decoder, shared = {}, {}, [], [], None
     for k, v in w.items():
         key = next((k[len(p):] for p in _MODEL_PREFIXES if k.startswith(p)), k)
-        if ours := rename(key, _EXACT, _PREFIXES):
+        if fam == "beit" and (m := re.match(r"encoder\.layer\.(\d+)\.lambda_([12])$", key)):
+            sd[f"blocks.{m.group(1)}.ls{m.group(2)}.gamma"] = v
+        elif fam == "beit" and (m := re.match(rf"encoder\.layer\.(\d+)\.attention\.attention\.{_REL_TABLE}$", key)):
+            sd[f"blocks.{m.group(1)}.attn.rel_pos.table"] = v
+        elif fam == "beit" and key == f"encoder.{_REL_TABLE}":
+            shared = v
+        elif fam == "beit" and key.endswith("relative_position_index"):
+            unused.append(k)  # older files keep the index, a function of the grid: vitkit builds the same
+        elif fam == "beit" and key.startswith("pooler.layernorm."):
+            sd["fc_norm." + key[len("pooler.layernorm."):]] = v
+        elif fam == "beit" and key.startswith("lm_head."):
+            decoder.append(k)
+        elif ours := rename(key, _EXACT, _PREFIXES):
             sd[ours] = v
         elif m := re.match(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$", key):
             i, mod, leaf = m.groups()
@@ -111,19 +142,28 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
                               "distillation token, which no vitkit head does (vitkit's distilled DeiT averages the two "
                               "tokens' heads: DeiTForImageClassificationWithTeacher)")
     for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
+        if fam == "beit" and leaf == "bias" and (i, leaf, "key") not in qkv:  # BEiT: no bias on the keys
+            sd[f"blocks.{i}.attn.q_bias"], sd[f"blocks.{i}.attn.v_bias"] = qkv[(i, leaf, "query")], qkv[(i, leaf, "value")]
+            continue
         sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"encoder.layer.{i}.attention.attention.{n}.{leaf}": qkv[(i, leaf, n)]
                                                   for n in ("query", "key", "value")})
     facts: dict = {"act": "gelu", "norm_eps": 1e-12, "pos_resample": "bicubic_noaa"}  # ViTEmbeddings' interpolation
+    if fam == "beit":
+        facts.update(_beit(sd, shared))
     if decoder:
         unused += decoder
-        facts["notes"] = [f"MAE's pixel decoder ({len(decoder)} tensors, decoder.*) reconstructs masked patches in "
-                          f"pre-training only: left unused; the model is the encoder on every patch"]
+        what = ("MAE's pixel decoder ({n} tensors, decoder.*) reconstructs masked patches" if fam == "mae" else
+                "BEiT's visual-token head ({n} tensors, lm_head.*) predicts masked patches' tokens")
+        facts["notes"] = [what.format(n=len(decoder)) + " in pre-training only: left unused; the model is the "
+                          "encoder on every patch"]
     if hf_config:
         c = hf_config
         act = c.get("hidden_act", "gelu")
         if act not in _ACT:
             raise CheckpointError(f"unsupported Hugging Face hidden_act {act!r}")
         facts.update(num_heads=c["num_attention_heads"], norm_eps=c.get("layer_norm_eps", 1e-12), act=_ACT[act])
+        if fam == "beit" and c.get("layer_scale_init_value", 0) > 0 and "blocks.0.ls1.gamma" in sd:
+            facts["init_values"] = c["layer_scale_init_value"]
         if "image_size" in c:
             facts["img_size"] = c["image_size"]
         labels = c.get("id2label") or {}
@@ -131,6 +171,22 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
         if names and not all(re.fullmatch(r"LABEL_\d+", n or "") for n in names):
             facts["class_names"] = names
     return sd, facts, unused
+
+
+def _beit(sd: dict[str, torch.Tensor], shared: torch.Tensor | None) -> dict:
+    """BEiT's positions: the shared relative table copied into every block; the resampling rule of what it has."""
+    depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
+    if shared is not None:
+        if "blocks.0.attn.rel_pos.table" in sd:
+            raise CheckpointError("BEiT with a shared relative position bias and one per block, added together: "
+                                  "vitkit's blocks have one table each")
+        for i in range(depth):
+            sd[f"blocks.{i}.attn.rel_pos.table"] = shared.clone()
+    relative = "blocks.0.attn.rel_pos.table" in sd
+    if relative and "pos_embed.weight" in sd:
+        raise CheckpointError("BEiT with an absolute position embedding beside its relative position bias "
+                              "(use_absolute_position_embeddings with a relative bias): vitkit's models have one kind")
+    return {"pos_resample": "bilinear_noaa"} if relative else {}
 
 
 def from_vitkit(sd: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Tensor], dict]:

@@ -106,6 +106,8 @@ def make_block(c: ViTConfig, drop_path: float) -> Block:
     """One encoder block of the config `c`, its layers built here and handed to `Block` (in this order: the random
     initialisation of a seeded model does not change)."""
     rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens) if c.pos_embed == "relative" else None
+    if rel is not None:
+        rel.method = c.pos_resample
     d = c.embed_dim
     norm1 = norm_layer(c)(d)
     attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,

@@ -90,7 +90,8 @@ class ViTConfig:
             Eva, the Perception Encoder), not the patches alone.
         pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
             learned position grid to each image's: "bilinear" (the official method), "bicubic" (timm's NaFlexVit),
-            "bilinear_aa" (SigLIP 2), "bicubic_noaa" (transformers' DINOv2). pos_resample_square: resample to the
+            "bilinear_aa" (SigLIP 2), "bicubic_noaa" (transformers' DINOv2),
+            "bilinear_noaa" (transformers' BEiT: its relative position table). pos_resample_square: resample to the
             square of the image's longer side and read the top-left part (timm's `pos_embed_ar_preserving`).
         naflex: the weights came from (or go to) a NaFlex model, timm's `NaFlexVit` or SigLIP 2's tower: a timm
             export writes a NaFlexVit (`embeds.*` names, a Linear patch embedding over (ph, pw, C) patches).

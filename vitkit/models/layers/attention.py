@@ -45,6 +45,7 @@ class RelativePositionBias(nn.Module):
         self.table = nn.Parameter(torch.zeros(num_rel + (3 if num_prefix_tokens else 0), num_heads))
         self.register_buffer("index", self._build_index(self.grid_size, torch.device("cpu")), persistent=False)
         self._cache = None
+        self.method = "bilinear"  # how the table is resampled for another grid (the model's `pos_resample`)
 
     def _build_index(self, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
         gh, gw = grid
@@ -82,7 +83,7 @@ class RelativePositionBias(nn.Module):
         else:
             self._cache = self._cache or _GridCache()
             table, index = self._cache.get(tuple(grid), [self.table], lambda: (
-                self._table_for(grid), self._build_index(grid, self.index.device)))
+                self._table_for(grid, self.method), self._build_index(grid, self.index.device)))
         t = index.shape[0]
         return table[index.flatten()].view(t, t, -1).permute(2, 0, 1)  # (T, T, H) -> (H, T, T)
 

@@ -18,7 +18,7 @@ from torch import nn
 from ...errors import UsageError
 from .packing import resample_for_coords
 
-RESAMPLE_METHODS = ("bilinear", "bicubic", "bicubic_noaa", "bilinear_aa", "bicubic_corners")
+RESAMPLE_METHODS = ("bilinear", "bicubic", "bicubic_noaa", "bilinear_aa", "bicubic_corners", "bilinear_noaa")
 
 
 def resample_pos_embed_grid(
@@ -32,7 +32,9 @@ def resample_pos_embed_grid(
             (bicubic, corners not aligned, antialiased: PyTorch's antialiased kernel, a = -0.5, at any scale);
             "bicubic_noaa" is PyTorch's plain bicubic (a = -0.75, no antialiasing), as transformers' Dinov2Model;
             "bilinear_aa" is PyTorch's antialiased bilinear, corners not aligned (SigLIP 2's NaFlex towers);
-            "bicubic_corners" is plain bicubic with corners aligned (torchvision's `interpolate_embeddings`).
+            "bicubic_corners" is plain bicubic with corners aligned (torchvision's `interpolate_embeddings`);
+            "bilinear_noaa" is PyTorch's plain bilinear, corners not aligned (transformers' BEiT, of its relative
+            position table).
     """
     if method not in RESAMPLE_METHODS:
         raise UsageError(f"resampling method must be one of {RESAMPLE_METHODS}, got {method!r}")
@@ -44,6 +46,8 @@ def resample_pos_embed_grid(
         x = F.interpolate(x, size=new_size, mode="bilinear", align_corners=True)
     elif method == "bicubic_corners":
         x = F.interpolate(x, size=new_size, mode="bicubic", align_corners=True)
+    elif method == "bilinear_noaa":
+        x = F.interpolate(x, size=new_size, mode="bilinear", align_corners=False)
     elif method == "bilinear_aa":
         x = F.interpolate(x, size=new_size, mode="bilinear", align_corners=False, antialias=True)
     else:

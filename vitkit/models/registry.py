@@ -166,7 +166,8 @@ for _k, (_paper, _timm, _sz) in _DINOV3_SIZES.items():
 
 # The Perception Encoder (Bolya et al. 2025, arXiv 2504.13181): a LayerNorm before the blocks and no patch bias (as
 # CLIP), LayerNorm eps 1e-5, a learned position embedding plus axial rotary embeddings (column first, counted from 1,
-# on a reference grid). PE-Core pools every token by attention (8 heads) into CLIP's embedding (the head); the
+# on a reference grid). PE-Core pools every token by attention (8 heads) into CLIP's embedding: the head, a projection
+# to 512 (T, S), 1024 (B, L) or 1280 (G) dimensions whose bias is zero in the release, as timm holds it; the
 # language- and spatially-aligned towers (PE-Lang, PE-Spatial) end without a final norm. The gigantic ones have no
 # class token (and count from 0).
 _PE = dict(class_token=True, pre_norm=True, patch_bias=False, norm_eps=1e-5, rope="eva", rope_indexing="xy", rope_offset=1.0,
@@ -189,9 +190,10 @@ _PE_MODELS = {  # name: (paper name, timm's name, size, patch, resolution, refer
     "pe_spatial_g14": ("PE-Spatial-G/14", "vit_pe_spatial_gigantic_patch14_448", _PE_G, 14, 448, 32,
                        dict(init_values=0.1)),
 }
+_PE_EMBED = {"t": 512, "s": 512, "b": 1024, "l": 1024, "g": 1280}  # PE-Core's CLIP embedding width, by size
 for _k, (_paper, _timm, _sz, _p, _res, _ref, _extra) in _PE_MODELS.items():
     _pool_mlp = 4 * _sz["embed_dim"]  # the pooling's MLP ratio is 4 where the blocks' is not (G)
-    _head = (dict(classifier="map", pool_heads=8, pool_prefix=True,
+    _head = (dict(classifier="map", pool_heads=8, pool_prefix=True, num_classes=_PE_EMBED[_k.split("_")[-1][0]],
                   pool_mlp_dim=_pool_mlp if _pool_mlp != _sz.get("mlp_dim", _pool_mlp) else None)
              if "core" in _k else dict(classifier="gap", final_norm=False))
     register(_k, _paper, "vit", **{**_PE, **_sz, **_head, **_extra, "patch_size": _p, "img_size": _res,

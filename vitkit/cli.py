@@ -24,6 +24,7 @@ from .bench import bench
 from .cache import atomic_write, check_output
 from .checkpoints import CATALOG, inspect_checkpoint, load, resolve
 from .checkpoints import convert as _convert
+from .checkpoints import timm_table
 from .data.pack import pack
 from .data.splits import feature_splits, test_split
 from .demo import demo
@@ -56,7 +57,8 @@ def _torch_version() -> str:
         return "not installed"
 
 
-def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool = False) -> list[dict]:
+def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool = False,
+           timm: bool = False) -> list[dict]:
     """List every registered model: name, paper name, params, GFLOPs, tokens, resolution.
 
     GFLOPs are counted with torch.utils.flop_counter on one image at the model's default resolution;
@@ -66,7 +68,20 @@ def models(pattern: str | None = None, num_classes: int = 1000, json_out: bool =
         pattern: only names matching this glob, e.g. "vit_*".
         num_classes: classes of the head used for the parameter count (Table 1 uses 1000 here).
         json_out: print JSON instead of a table.
+        timm: list timm's names instead (every architecture of timm's ViT modules): timm's parameters with its default
+            head, and whether vitkit builds it (`vitkit.create_model(name)`) or why not.
     """
+    if timm:
+        rows = timm_table.rows(pattern)
+        if json_out:
+            print(json.dumps(rows, indent=1))
+            return rows
+        for r in rows:
+            status = "builds" if r["builds"] else f"refused: {r['refused']}"
+            print(f"{r['name']:<48} {r['params'] / 1e6:>10.2f} M  {status}")
+        print(f"\nparams: timm.create_model(name) with its default tag's head (timm {timm_table.timm_version()});"
+              f" {sum(r['builds'] for r in rows)} of {len(rows)} built by vitkit")
+        return rows
     rows = [model_stats(get_entry(n), num_classes) for n in list_models(pattern)]
     if json_out:
         print(json.dumps(rows, indent=1))

@@ -8,11 +8,12 @@ import difflib
 from torch import nn
 
 from ..errors import UsageError
-from ..models.registry import lookup, build_config, build_model, get_entry
+from ..models.registry import ARCHS, lookup, build_config, build_model, config_with, get_entry
 from ..models.timm_api import check_avg_pool, vit_classifier
 from ..models.vit_config import ViTConfig
 from .api import load
-from .catalog import CATALOG
+from . import timm_names
+from .catalog import CATALOG, register_hub
 
 
 def create_model(name: str, /, pretrained: bool = False, **overrides) -> nn.Module:
@@ -20,11 +21,14 @@ def create_model(name: str, /, pretrained: bool = False, **overrides) -> nn.Modu
     vitkit's pretrained catalog, as `timm.create_model` does.
 
     Args:
-        name: a short name from `list_models()` ("vit_b16"), the paper's name ("ViT-B/16") or timm's name of a
-            registered architecture ("vit_small_patch14_dinov2"). With `pretrained=True`: a catalog name
+        name: a short name from `list_models()` ("vit_b16"), the paper's name ("ViT-B/16") or timm's name of any
+            architecture of timm's ViT modules vitkit implements ("vit_base_patch16_224", with or without a tag:
+            "vit_base_patch16_224.augreg_in21k" builds that tag's head; `vitkit models --timm` lists them), built as
+            timm registers it with timm's keywords over it. With `pretrained=True`: a catalog name
             ("ViT-B_16-i21k", "timm/vit_base_patch16_224.augreg2_in21k_ft_in1k") or timm's name with or without the
             tag ("vit_base_patch16_224.augreg2_in21k_ft_in1k", "swin_tiny_patch4_window7_224": the catalog's first
-            entry of that architecture, as timm picks its default tag); `vitkit catalog` lists them.
+            entry of that architecture, as timm picks its default tag; else timm's hub repository of that tag);
+            `vitkit catalog` lists them.
         pretrained: load the catalog's weights (`vitkit.load(name, **overrides)`) instead of initialising.
         **overrides: any config field by keyword (img_size, patch_size, in_chans, num_classes, num_heads,
             classifier, pos_embed, representation_size, drop_rate, drop_path_rate, class_token, reg_tokens,
@@ -41,13 +45,33 @@ def create_model(name: str, /, pretrained: bool = False, **overrides) -> nn.Modu
     if pretrained:
         global_pool = overrides.pop("global_pool", None)  # the file decides the architecture; the pooling after
         return _loaded(catalog_name(name), translate_create_kwargs(None, {}, overrides), global_pool)
-    entry, implied = lookup(name)
+    if timm_names.split(name) is not None:  # timm's name, with or without a tag: the architecture timm registers
+        return _timm_model(name, overrides, checkpoint_path)
+    try:
+        entry, implied = lookup(name)
+    except UsageError:
+        raise timm_names.unknown(name) from None
     if checkpoint_path:
         global_pool = overrides.pop("global_pool", None)
         kw = translate_create_kwargs(entry.arch, {**entry.kwargs, **implied}, overrides)
         return _loaded(checkpoint_path, kw, global_pool, expected=build_config(name, **kw))
     kw = translate_create_kwargs(entry.arch, {**entry.kwargs, **implied}, overrides)
     return build_model(build_config(name, **kw))
+
+
+def _timm_model(name: str, overrides: dict, checkpoint_path=None) -> nn.Module:
+    """timm's `name` as `timm.create_model(name, **overrides)` builds it: the registered arguments with timm's keywords
+    over them (`timm_names.config_fields`); the others (drop rates, vitkit's own fields) as for vitkit's names."""
+    global_pool = overrides.pop("global_pool", None) if checkpoint_path else None
+    arch, _ = timm_names.split(name)
+    model_args, rest = timm_names.split_kwargs(arch, overrides)
+    kind, fields = timm_names.config_fields(name, model_args)
+    kw = translate_create_kwargs(kind, fields, rest)
+    config = config_with(ARCHS[kind][0](**fields), **kw)
+    if checkpoint_path:  # the file's architecture checked against the name's, as timm's strict load does
+        hints = {**kw, **({"num_heads": config.num_heads} if kind == "vit" else {})}
+        return _loaded(checkpoint_path, hints, global_pool, expected=config)
+    return build_model(config)
 
 
 # what a checkpoint must share with the model its name builds (create_model's checkpoint_path)
@@ -86,6 +110,10 @@ def catalog_name(name: str) -> str:
     tagged = [k for k in CATALOG if k.startswith(f"timm/{name}.")]
     if tagged:
         return tagged[0]
+    repo = timm_names.hub_repo(name)  # any weights timm publishes on the hub, by timm's name and tag
+    if repo is not None:
+        register_hub(repo, "timm", "timm hub weights (by timm's name)")
+        return repo
     hints = []
     try:
         stem = get_entry(name).paper_name.replace("/", "_")  # "ViT-B/16" -> the official release's "ViT-B_16-..."

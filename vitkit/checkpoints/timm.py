@@ -589,6 +589,11 @@ def folder_facts(cfg: dict) -> dict:
         facts["img_size"] = args["img_size"]
     elif "input_size" in pre and (fixed or args.get("use_abs_pos_emb") is False or args.get("pos_embed") == "none"):
         facts["img_size"] = tuple(pre["input_size"][1:])  # (no position table to tell the native grid: the cfg's)
+    patch = args.get("patch_size")
+    if "img_size" in facts and isinstance(patch, (int, list, tuple)) and "embed_layer" not in args:
+        # timm's patch conv drops what is left over (384 px in patches of 14: a 27x27 grid, 6 px unread); vitkit
+        # takes the size the grid reads
+        facts["img_size"] = tuple(s - s % p for s, p in zip(_pair(facts["img_size"]), _pair(patch)))
     if naflex:
         mode = (args.get("pos_embed_interp_mode", "bicubic"), args.get("pos_embed_antialias", True),
                 args.get("pos_embed_align_corners", False))
@@ -639,6 +644,118 @@ def _eva_rope_facts(arch: str, args: dict) -> dict:
     else:
         facts["rope_ref_grid"] = tuple(ref) if isinstance(ref, (list, tuple)) else (ref, ref)
     return facts
+
+
+# ---- timm's names built without a file: the registered arguments, the user's over them -------------------------
+
+def arch_config(arch: str, model_args: dict | None = None, tag: str | None = None) -> tuple[str, dict]:
+    """("vit" or "resnetv2", vitkit config fields) of the model `timm.create_model(arch[.tag], **model_args)` builds
+    with random weights. The arguments are read as a folder's config.json is (`folder_facts`: the architecture's
+    registered arguments, `model_args` over them, the tag's pretrained_cfg for the classes, channels and preprocessing);
+    the sizes a file's tensors would tell come from the same arguments and timm's constructor defaults. What vitkit
+    does not implement is the CheckpointError `folder_facts` raises for such a folder."""
+    entry = registered_archs()[arch]
+    built = entry.get("built", {})
+    tag_row = {k: v for k, v in built.get("tags", {}).get(tag, {}).items() if k != "hub"} if tag else {}
+    pre = {**entry.get("pretrained_cfg", {}), "input_size": entry["input_size"],
+           "fixed_input_size": entry["fixed_input_size"], **tag_row}
+    user = dict(model_args or {})
+    # timm's create_model: the pretrained_cfg's classes and channels unless given (its image size: folder_facts)
+    classes = tag_row.get("num_classes", built.get("num_classes"))
+    if classes is not None and classes >= 0:
+        user.setdefault("num_classes", classes)
+    user.setdefault("in_chans", pre["input_size"][0])
+    if pre["fixed_input_size"] and cls_of(arch) != "ResNetV2":  # a dynamic size too: its position table's grid
+        user.setdefault("img_size", list(pre["input_size"][1:]))
+    cfg = {"architecture": arch, "model_args": user, "pretrained_cfg": pre}
+    facts = folder_facts(cfg)
+    cls, args = timm_args(cfg)
+    if cls == "ResNetV2":
+        sizes = {"layers": tuple(args["layers"]), "width_factor": args.get("width_factor", 1),
+                 "num_classes": args["num_classes"], "in_chans": args["in_chans"]}
+        if args.get("channels") not in (None, [256, 512, 1024, 2048]):
+            raise CheckpointError(f"timm's {arch} has stage widths {args['channels']}; vitkit's BiT has the standard "
+                                  f"ones")
+        return "resnetv2", {**sizes, **facts}
+    return "vit", {**_vit_sizes(arch, cls, args, facts), **facts}
+
+
+def cls_of(arch: str) -> str:
+    """timm's model class of a registered architecture."""
+    return registered_archs()[arch]["class"]
+
+
+def _vit_sizes(arch: str, cls: str | None, args: dict, facts: dict) -> dict:
+    """The sizes and layout of a timm ViT (VisionTransformer, its distilled DeiT, Eva, NaFlexVit) from its constructor
+    arguments and the class's defaults: what `infer_vit_config` reads from a file's tensors."""
+    eva, naflex = cls == "Eva", cls == "NaFlexVit"
+    if naflex and (args.get("swiglu_mlp") or not args.get("qkv_fused", True) or args.get("attn_gated")):
+        raise CheckpointError(f"timm's {arch} is a NaFlexVit with EVA-style blocks (SwiGLU, unfused or gated "
+                              f"attention), which vitkit does not implement")
+    d, depth, heads = args.get("embed_dim", 768), args.get("depth", 12), args.get("num_heads", 12)
+    hidden = int(d * args.get("mlp_ratio", 4.0))
+    pool = args.get("global_pool", "avg" if eva else "map" if naflex else "token")
+    out: dict = {"embed_dim": d, "depth": depth, "num_heads": heads, "num_classes": args["num_classes"],
+                 "in_chans": args["in_chans"], "qkv_bias": args.get("qkv_bias", True),
+                 "proj_bias": args.get("proj_bias", True)}
+    mlp = args.get("mlp_layer")
+    mlp = mlp.get("partial") if isinstance(mlp, dict) else mlp
+    if eva and args.get("swiglu_mlp"):
+        align = args.get("swiglu_align_to", 0)
+        out.update(mlp_layer="swiglu", mlp_dim=hidden + (-hidden % align if align else 0))
+    elif mlp in ("SwiGLUPacked", "GluMlp"):  # one fc1 of `hidden` rows: the gate and the value, half each
+        out.update(mlp_layer="swiglu", mlp_dim=hidden // 2)
+    elif mlp == "SwiGLU":
+        out.update(mlp_layer="swiglu", mlp_dim=hidden)
+    else:
+        out.update(mlp_layer="mlp", mlp_dim=hidden)
+    pre_norm = args.get("use_pre_transformer_norm" if eva else "pre_norm", False)
+    out.update(pre_norm=pre_norm, patch_bias=not pre_norm, class_token=args.get("class_token", not naflex))
+    if eva:
+        # EvaAttention: the key has no bias (q_bias, v_bias); AttentionRope ('rope'): one fused qkv bias
+        out["k_bias"] = args.get("attn_type", "eva") == "rope"
+        use_fc = args["use_fc_norm"] if args.get("use_fc_norm") is not None else pool == "avg"
+        post = args["use_post_transformer_norm"] if args.get("use_post_transformer_norm") is not None else not use_fc
+        absolute = args.get("use_abs_pos_emb", True)
+    else:
+        use_fc = args["fc_norm"] if args.get("fc_norm") is not None else pool in ("avg", "avgmax", "max")
+        post = args.get("final_norm", True) and not use_fc
+        use_fc = use_fc and args.get("final_norm", True)
+        absolute = args.get("pos_embed", "learned" if naflex else "learn") not in ("", "none")
+    if use_fc and post:
+        raise CheckpointError(f"timm's {arch} normalises both after the blocks and after the pooling, which vitkit "
+                              f"does not implement")
+    if use_fc and pool != "avg":
+        raise CheckpointError(f"timm's {arch} normalises after {pool!r} pooling; vitkit's fc_norm follows the "
+                              f"average alone")
+    out.update(fc_norm=bool(use_fc), final_norm=bool(use_fc or post))
+    out["pos_embed"] = "learned_1d" if absolute else "none"
+    if pool == "map":  # the attention pooling's MLP: the blocks' ratio unless its own (Eva, NaFlexVit)
+        ratio = (args.get("attn_pool_mlp_ratio") if eva or naflex else None) or args.get("mlp_ratio", 4.0)
+        if int(d * ratio) != out["mlp_dim"]:
+            out["pool_mlp_dim"] = int(d * ratio)
+    patch = args.get("patch_size", 16)
+    patch = tuple(patch) if isinstance(patch, (list, tuple)) else (patch, patch)
+    if cls == "VisionTransformerDistilled":
+        out["distilled"] = True
+    embed = args.get("embed_layer")
+    if isinstance(embed, dict) and embed.get("partial") == "HybridEmbed":
+        layers = tuple(embed.get("backbone", {}).get("stages", ()))
+        out["hybrid_layers"] = layers
+        patch = tuple(p * backbone_stride(layers) for p in patch)  # vitkit's patch: the backbone's stride times timm's
+    out["patch_size"] = patch
+    if naflex:  # the learned grid's own size (pos_embed_grid_size, else the image size's)
+        grid = args.get("pos_embed_grid_size")
+        size = args.get("img_size")
+        grid = tuple(grid) if grid else tuple(s // p for s, p in zip(_pair(size), patch)) if size else (16, 16)
+        out["img_size"] = tuple(g * p for g, p in zip(grid, patch))
+    elif "img_size" not in facts:
+        out["img_size"] = _pair(args.get("img_size", 224))
+    return out
+
+
+def _pair(v) -> tuple[int, int]:
+    return tuple(v) if isinstance(v, (list, tuple)) else (v, v)
 
 
 def architecture_facts(arch: str) -> dict:

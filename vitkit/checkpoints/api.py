@@ -179,6 +179,7 @@ def unwrap_state_dict(sd: dict) -> dict:
 
 def _convert_folder(path: Path, raw: dict[str, torch.Tensor], hub_config: dict):
     """A Hugging Face or timm hub folder's tensors and config.json -> (format, vitkit state dict, facts, unused)."""
+    hf.check_model_type(hub_config)  # a transformers model_type vitkit reads no model of: refused by name
     if timm.is_timm_folder(hub_config) and swin.is_swin(raw):
         fmt, (sd, facts, unused) = "timm-swin", swin.to_vitkit(raw)
         facts = {**facts, **swin.folder_facts(hub_config)}
@@ -297,7 +298,7 @@ def load(
             `model.load_report` (and printed).
         resample: position-embedding resampling when img_size changes: "bilinear" (the official method, scipy zoom
             order 1), "bicubic" (timm's: antialiased), "bicubic_noaa" (transformers' ViT, DeiT, DINOv2, SigLIP, CLIP)
-            or "bilinear_aa"; default: the checkpoint's own, recorded at load in `config.pos_resample` (a file
+            or "bilinear_aa" ("bilinear_noaa": transformers' BEiT's relative table); default: the checkpoint's own, recorded at load in `config.pos_resample` (a file
             vitkit wrote keeps the method of the checkpoint it came from).
         device: where to put the model.
         **overrides: config fields by keyword, as for `create_model`. img_size different from the checkpoint's

@@ -100,8 +100,97 @@ def refusal(model_type: str) -> str:
     return f"Hugging Face model_type {model_type!r} ({why or 'not a ViT family vitkit knows'}) is not one vitkit reads"
 
 
-# transformers' model_types vitkit refuses, with what each is (a reason the refusal names)
-REFUSED: dict[str, str] = {}
+def check_model_type(hub_config: dict) -> None:
+    """A CheckpointError naming a config.json's model_type when vitkit reads no model of that type (before its
+    tensors are looked at: a family vitkit does not read may share a layout with one it does)."""
+    model_type = hub_config.get("model_type")
+    if isinstance(model_type, str) and model_type not in READS:
+        raise CheckpointError(refusal(model_type))
+
+
+# ---- transformers' vision model_types: what vitkit does with each (docs/checkpoints.md's table, checked by
+# tests/test_hf_families.py against the model_types transformers maps to vision tasks) ----------------------------
+
+_CLIP_LIKE = "the image tower; {}'s `visual_projection` is the head"
+# model_type -> the classes whose folders vitkit reads (each checked against transformers' own outputs)
+READS = {
+    "vit": "ViTModel, ViTForImageClassification",
+    "deit": "DeiTModel, DeiTForImageClassificationWithTeacher (DeiTForImageClassification refused: one head beside "
+            "the distillation token)",
+    "vit_mae": "ViTMAEModel, ViTMAEForPreTraining: the encoder on every patch (the decoder left unused)",
+    "vit_msn": "ViTMSNModel, ViTMSNForImageClassification",
+    "ijepa": "IJepaModel, IJepaForImageClassification (the mean of the tokens)",
+    "beit": "BeitModel, BeitForImageClassification (relative position bias, per block or shared)",
+    "data2vec-vision": "Data2VecVisionModel, Data2VecVisionForImageClassification (BEiT's layout)",
+    "dinov2": "Dinov2Model (Dinov2ForImageClassification's classifier of [class token, mean patch token] refused; "
+              "strict=False loads its backbone)",
+    "dinov2_with_registers": "Dinov2WithRegistersModel",
+    "dinov3_vit": "DINOv3ViTModel, DINOv3ViTBackbone's weights",
+    "aimv2_vision_model": "Aimv2VisionModel (the native-resolution tower refused)",
+    "aimv2": "Aimv2Model: " + _CLIP_LIKE.format("AIMv2"),
+    "siglip_vision_model": "SiglipVisionModel",
+    "siglip": "SiglipModel (the image tower), SiglipForImageClassification",
+    "siglip2_vision_model": "Siglip2VisionModel (NaFlex)",
+    "siglip2": "Siglip2Model (the image tower; Siglip2ForImageClassification refused)",
+    "clip_vision_model": "CLIPVisionModel, CLIPVisionModelWithProjection",
+    "clip": "CLIPModel: " + _CLIP_LIKE.format("CLIP") + "; CLIPForImageClassification",
+    "metaclip_2_vision_model": "MetaClip2VisionModel, MetaClip2VisionModelWithProjection (CLIP's layout)",
+    "metaclip_2": "MetaClip2Model: " + _CLIP_LIKE.format("MetaCLIP 2"),
+    "altclip_vision_model": "AltCLIPVisionModel (CLIP's layout)",
+    "altclip": "AltCLIPModel: " + _CLIP_LIKE.format("AltCLIP"),
+    "chinese_clip_vision_model": "ChineseCLIPVisionModel (CLIP's layout)",
+    "chinese_clip": "ChineseCLIPModel: " + _CLIP_LIKE.format("Chinese-CLIP"),
+    "clipseg_vision_model": "CLIPSegVisionModel (CLIP's layout)",
+    "clipseg": "CLIPSegModel: " + _CLIP_LIKE.format("CLIPSeg") + " (CLIPSegForImageSegmentation's decoder refused)",
+    "swin": "SwinModel, SwinForImageClassification",
+}
+_CNN = "a convolutional network, not a ViT"
+_STAGED = "a hierarchical transformer (stages of different widths), not a plain ViT"
+_DETR = "a DETR detector: a CNN backbone and an encoder-decoder over its features"
+_VIDEO = "a video transformer (tubelets, time)"
+_VLM = "a vision-language model; its image tower is not one of the model_types vitkit reads"
+# model_type -> what it is: the reason vitkit's refusal names
+REFUSED = {
+    "bit": "BiT in transformers' names: vitkit reads BiT's own .npz and timm's resnetv2 files",
+    "convnext": _CNN, "convnextv2": _CNN, "dinov3_convnext": _CNN, "efficientnet": _CNN, "hgnet_v2": _CNN,
+    "mobilenet_v1": _CNN, "mobilenet_v2": _CNN, "pp_lcnet": _CNN, "regnet": _CNN, "resnet": _CNN, "textnet": _CNN,
+    "poolformer": "PoolFormer: pooling in place of attention, in stages",
+    "swiftformer": "SwiftFormer: a convolutional hybrid in stages",
+    "cvt": _STAGED, "dinat": _STAGED, "focalnet": _STAGED, "glpn": _STAGED, "levit": _STAGED, "pvt": _STAGED,
+    "pvt_v2": _STAGED, "segformer": _STAGED, "mobilevit": _STAGED, "mobilevitv2": _STAGED,
+    "hiera": "Hiera: a hierarchical ViT with mask-unit attention",
+    "swinv2": "Swin V2: scaled cosine attention and a continuous position bias; vitkit reads Swin (V1)",
+    "donut-swin": "Donut's Swin encoder (its own layout); vitkit reads transformers' Swin",
+    "swin2sr": "Swin2SR: an image super-resolution network",
+    "conditional_detr": _DETR, "dab-detr": _DETR, "deformable_detr": _DETR, "detr": _DETR, "table-transformer": _DETR,
+    "yolos": "YOLOS: a ViT with detection tokens and heads",
+    "vitdet": "ViTDet: windowed attention with decomposed relative positions (a detection backbone)",
+    "dpt": "DPT: a dense-prediction network around a ViT",
+    "depth_pro": "Depth Pro: multi-scale ViT encoders for depth",
+    "pixio": "Pixio: several class tokens (n_cls_tokens)",
+    "timesformer": _VIDEO, "videomae": _VIDEO, "vivit": _VIDEO, "videoprism": _VIDEO,
+    "videoprism_vision_model": _VIDEO,
+    "imagegpt": "ImageGPT: an autoregressive transformer over colour clusters",
+    "perceiver": "Perceiver: cross-attention to a latent array",
+    "align": "ALIGN: an EfficientNet image tower", "align_vision_model": "ALIGN: an EfficientNet image tower",
+    "blip": "BLIP: its ViT in its own layout (fused qkv)", "blip_vision_model": "BLIP: its ViT in its own layout (fused qkv)",
+    "blip-2": "BLIP-2: its ViT in its own layout and a Q-Former",
+    "blip_2_vision_model": "BLIP-2: its ViT in its own layout (fused qkv)",
+    "mlcd": "MLCD: 2-D rotary embeddings and a class token's own position", "mlcd_vision_model":
+        "MLCD: 2-D rotary embeddings and a class token's own position",
+    "tipsv2": "TIPSv2 in transformers' names: vitkit reads timm's TIPSv2",
+    "tipsv2_vision_model": "TIPSv2 in transformers' names: vitkit reads timm's TIPSv2",
+    "timm_wrapper": "a timm model wrapped by transformers: load the timm model's own hub folder or state dict",
+    "timm_backbone": "a timm model wrapped by transformers: load the timm model's own hub folder or state dict",
+    "cohere2_vision": _VLM, "llama4": _VLM, "mllama": _VLM, "shieldgemma2": _VLM,
+}
+
+
+def support(model_type: str) -> tuple[bool, str]:
+    """(True, the classes vitkit reads) or (False, why it refuses the model_type)."""
+    if model_type in READS:
+        return True, READS[model_type]
+    return False, REFUSED.get(model_type, "not a ViT family vitkit knows")
 
 
 def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, list[str]]:

@@ -27,7 +27,10 @@ from .io import CheckpointError, fuse
 
 FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "siglip_vision_model": "siglip", "siglip": "siglip",
             "clip_vision_model": "clip", "clip": "clip", "siglip2_vision_model": "siglip2", "siglip2": "siglip2",
-            "metaclip_2_vision_model": "clip", "metaclip_2": "clip"}  # MetaCLIP 2: CLIP's layout
+            # CLIP's layout under other names: MetaCLIP 2, AltCLIP, Chinese-CLIP, CLIPSeg (their text towers differ)
+            "metaclip_2_vision_model": "clip", "metaclip_2": "clip", "altclip_vision_model": "clip", "altclip": "clip",
+            "chinese_clip_vision_model": "clip", "chinese_clip": "clip", "clipseg_vision_model": "clip",
+            "clipseg": "clip"}
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
         "quick_gelu": "quick_gelu"}
 _TOWER_PREFIXES = ("vision_model.", "dinov2.", "")  # CLIPModel/SiglipModel's vision half; Dinov2ForImageClassification
@@ -51,7 +54,9 @@ def family(keys, hf_config: dict | None = None) -> str | None:
             for k in keys}
     if "encoder.layer.0.layer_scale1.lambda1" in keys:
         return "dinov2"
-    if "embeddings.patch_embedding.weight" in keys and "encoder.layers.0.self_attn.q_proj.weight" in keys:
+    # (transformers 5.24 writes AltCLIPModel's vision blocks as `encoder.layer.N`, and reads them back)
+    if "embeddings.patch_embedding.weight" in keys and ({"encoder.layers.0.self_attn.q_proj.weight",
+                                                          "encoder.layer.0.self_attn.q_proj.weight"} & set(keys)):
         if "embeddings.class_embedding" in keys:
             return "clip"
         w = keys.get("embeddings.patch_embedding.weight") if isinstance(keys, dict) else None

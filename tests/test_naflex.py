@@ -266,3 +266,20 @@ def test_an_image_folder_trains_and_evaluates_at_native_aspect(tmp_path):
     report = json.loads((run / "eval_report.json").read_text())
     assert report["n"] == 8 and report["max_patches"] == 9 and report["skipped"] == 0
     assert main(["train", *args[:-3], "aug.mixup=0.8", f"run.out_dir={tmp_path / 'mix'}"]) == 2  # one size per batch
+
+
+@pytest.mark.parametrize("name", ["timm_gap", "timm_map", "timm_par_gap", "timm_siglip"])
+def test_one_image_at_a_non_native_size_is_timms_plain_and_packed(name):
+    """timm's classic forward of one (1, C, H, W) image whose grid is not the position table's (make_naflex_fixtures.py
+    single): vitkit's plain forward and its packed batch of one give timm's logits."""
+    m = vitkit.load(FIX / name).eval()
+    ref = np.load(FIX / name / "single.npz")
+    sizes = [k[len("pixels_"):] for k in ref.files if k.startswith("pixels_")]
+    assert len(sizes) == 2 and m.config.grid_size == (8, 8)
+    with torch.no_grad():
+        for k in sizes:
+            x = torch.from_numpy(ref[f"pixels_{k}"]).float()[None] / 127.5 - 1
+            assert x.shape[-2:] != (128, 128)
+            want = torch.from_numpy(ref[f"logits_{k}"])
+            assert (m(x) - want).abs().max() <= 1e-5, k
+            assert (m([x[0]]) - want).abs().max() <= 1e-5, k

@@ -339,6 +339,54 @@ def load(
     return model.to(device).eval()
 
 
+DATA_CONFIG_KEYS = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
+
+
+def resolve_data_config(source=None, pretrained_cfg: dict | None = None, model: nn.Module | None = None,
+                        use_test_size: bool = False, verbose: bool = False) -> dict:
+    """The preprocessing a model or checkpoint expects, as timm's `timm.data.resolve_data_config` returns it:
+    {input_size: (C, H, W), interpolation, mean, std, crop_pct, crop_mode}; `vitkit.create_transform(**it)` is the
+    transform. Reads the config alone: a checkpoint is not built.
+
+    Args:
+        source: a vitkit model, a checkpoint (a path or catalog name, as `vitkit.load` takes: downloaded if need be,
+            not built), or timm's `args`: a dict whose input_size / img_size, interpolation, mean, std, crop_pct,
+            crop_mode (not None) go over the model's, as timm's do.
+        pretrained_cfg, model: timm's keywords: a timm-style record (`model.pretrained_cfg`), or the model.
+        use_test_size, verbose: accepted for timm's signature; vitkit's configs have one size.
+    """
+    args = source if isinstance(source, dict) else {}
+    if source is not None and not isinstance(source, dict):
+        if model is not None:
+            raise UsageError("resolve_data_config: a model or checkpoint once (source or model=)")
+        model = source
+    if isinstance(model, (str, Path)):
+        c = read_checkpoint(resolve(model)).config
+        cfg = {"input_size": (c.in_chans, *to_2tuple(c.img_size)), "interpolation": c.interpolation,
+               "mean": tuple(c.mean), "std": tuple(c.std), "crop_pct": c.crop_pct, "crop_mode": "center"}
+    elif model is not None:
+        if not hasattr(model, "pretrained_cfg"):
+            raise UsageError(f"resolve_data_config: {type(model).__name__} is not a vitkit model (no pretrained_cfg)")
+        cfg = model.pretrained_cfg
+    elif pretrained_cfg is not None:
+        cfg = pretrained_cfg
+    else:
+        raise UsageError("resolve_data_config: give a model, a checkpoint path or name, or pretrained_cfg=")
+    out = {k: cfg.get(k) for k in DATA_CONFIG_KEYS}
+    out["crop_mode"] = out["crop_mode"] or "center"
+    out["input_size"] = tuple(out["input_size"])
+    if args.get("input_size") is not None:
+        out["input_size"] = tuple(args["input_size"])
+    elif args.get("img_size") is not None:
+        out["input_size"] = (out["input_size"][0], *to_2tuple(args["img_size"]))
+    for k in DATA_CONFIG_KEYS[1:]:
+        if args.get(k) is not None:
+            out[k] = tuple(args[k]) if k in ("mean", "std") else args[k]
+    if verbose:
+        print("vitkit: data config: " + ", ".join(f"{k}={v}" for k, v in out.items()))
+    return out
+
+
 def _swin_method(resample: str | None) -> str:
     """A Swin's relative-position tables: PyTorch's plain bicubic unless asked otherwise (timm's and the official)."""
     return "bicubic_noaa" if resample in (None, "bilinear") else resample

@@ -310,6 +310,76 @@ class EvalTransform:
         return normalize(x, self.mean, self.std)
 
 
+# timm's `create_transform` keywords that only its training transform reads (ignored for evaluation, as timm ignores
+# them), and those whose non-default value changes the evaluation output (refused: vitkit has no such path)
+_TIMM_TRAIN_ONLY = ("no_aug", "train_crop_mode", "scale", "ratio", "hflip", "vflip", "color_jitter", "color_jitter_prob",
+                    "grayscale_prob", "gaussian_blur_prob", "auto_augment", "re_prob", "re_mode", "re_count",
+                    "re_num_splits", "separate")
+_TIMM_EVAL_DEFAULTS = {"crop_border_pixels": None, "tf_preprocessing": False, "use_prefetcher": False,
+                       "normalize": True, "naflex": False, "patchify": False}
+
+
+class ImageTransform:
+    """One PIL image -> the model's input (C, H, W) float32, as vitkit evaluates it (`preprocess`: `resize_crop`,
+    then scale and normalise); what `create_transform` returns."""
+
+    def __init__(self, img_size: tuple[int, int], mean: Sequence[float], std: Sequence[float], *, in_chans: int = 3,
+                 crop_pct: float = 1.0, interpolation: str = "bilinear") -> None:
+        self.img_size, self.mean, self.std, self.in_chans = tuple(img_size), tuple(mean), tuple(std), in_chans
+        self.crop_pct, self.interpolation = crop_pct, interpolation
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        mode = "RGB" if self.in_chans == 3 else "L"
+        img = img if img.mode == mode else _eight_bit(img).convert(mode)
+        return preprocess(img, self.img_size, self.mean, self.std, crop_pct=self.crop_pct,
+                          interpolation=self.interpolation)
+
+    def __repr__(self) -> str:
+        return (f"ImageTransform(img_size={self.img_size}, crop_pct={self.crop_pct}, "
+                f"interpolation={self.interpolation!r}, mean={self.mean}, std={self.std})")
+
+
+def create_transform(input_size: int | tuple[int, int] | tuple[int, int, int] = 224, is_training: bool = False, *,
+                     interpolation: str = "bilinear", mean: Sequence[float] = (0.485, 0.456, 0.406),
+                     std: Sequence[float] = (0.229, 0.224, 0.225), crop_pct: float | None = None,
+                     crop_mode: str | None = None, **timm_kwargs) -> ImageTransform:
+    """timm's `timm.data.create_transform(**data_config)` for evaluation: a callable PIL image -> (C, H, W) tensor,
+    the evaluation preprocessing vitkit itself applies (resize the shorter side to floor(size / crop_pct), centre
+    crop, scale to [0, 1], normalise). Takes what `vitkit.resolve_data_config` returns.
+
+    Args:
+        input_size: S, (H, W) or (C, H, W), as timm's.
+        is_training: refused: vitkit's training augmentations are the training presets' (`vitkit train`).
+        interpolation: "bilinear", "bicubic" or "nearest" (PIL's resize, as timm's).
+        mean, std, crop_pct, crop_mode: timm's defaults (ImageNet's mean and std, crop_pct 0.875); crop_mode
+            "center" only.
+        **timm_kwargs: timm's training-only keywords are ignored, as timm ignores them for evaluation; the others
+            (tf_preprocessing, use_prefetcher, normalize, naflex, ...) only at timm's defaults.
+    """
+    if is_training:
+        raise UsageError("create_transform(is_training=True): vitkit's training augmentations are the training "
+                         "presets' (vitkit train); this is the evaluation transform")
+    for k, v in timm_kwargs.items():
+        if k in _TIMM_TRAIN_ONLY:
+            continue
+        if k not in _TIMM_EVAL_DEFAULTS:
+            raise UsageError(f"create_transform: unknown keyword {k!r}")
+        if v != _TIMM_EVAL_DEFAULTS[k]:
+            raise UsageError(f"create_transform({k}={v!r}): vitkit's evaluation transform has only timm's default "
+                             f"({_TIMM_EVAL_DEFAULTS[k]!r})")
+    if crop_mode not in (None, "center"):
+        raise UsageError(f"crop_mode {crop_mode!r}: vitkit's evaluation crops the centre ('center') only")
+    if interpolation not in _PIL_INTERP:
+        raise UsageError(f"interpolation {interpolation!r}: one of {sorted(_PIL_INTERP)}")
+    size = (input_size, input_size) if isinstance(input_size, int) else tuple(input_size)
+    in_chans, hw = (size[0], size[1:]) if len(size) == 3 else (3, size)
+    if in_chans not in (1, 3) or len(mean) != in_chans or len(std) != in_chans:
+        raise UsageError(f"input_size {tuple(input_size) if not isinstance(input_size, int) else input_size} with "
+                         f"mean {tuple(mean)}, std {tuple(std)}: 1 or 3 channels, one mean and std per channel")
+    return ImageTransform(hw, mean, std, in_chans=in_chans, crop_pct=0.875 if crop_pct is None else crop_pct,
+                          interpolation=interpolation)
+
+
 def replicate_channels(data_chans: int, model_chans: int) -> int | None:
     """The one grey-to-RGB rule: a 1-channel dataset fed to a 3-channel model has its grey channel repeated 3 times
     (the `replicate_to` of the batch transforms); None where nothing is repeated (the channels agree, or no rule

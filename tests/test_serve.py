@@ -1,6 +1,7 @@
 """The HTTP service on 127.0.0.1: predictions, explanations, metrics, bad input answered with a 4xx while the
 next request is served, a bounded queue, and the web page in headless Chromium."""
 import base64
+import json
 import contextlib
 import io
 import struct
@@ -198,3 +199,36 @@ def test_the_onnx_backend_answers_as_the_torch_one(tmp_path):
         assert httpx.get(f"{srv.url}/model").json()["backend"] == "onnx"
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "openvino"])
+def test_an_export_runs_on_its_runtime_with_the_default_backend(fmt, tmp_path, capsys):
+    """`vitkit serve m.onnx` / `m.xml` with the default --backend torch (or auto): the file names its runtime; and
+    `vitkit predict` the same, its answers those of the checkpoint on torch."""
+    pytest.importorskip("onnxruntime" if fmt == "onnx" else "openvino")
+    from vitkit.inference.export import export_model
+    from vitkit.inference.predict import predict_images
+    from vitkit.serve import load_predictor
+
+    m = _model()
+    ckpt = vitkit.save(m, tmp_path / "m.safetensors")
+    path = tmp_path / ("m.onnx" if fmt == "onnx" else "m.xml")
+    export_model(m, path, fmt, dynamic_batch=True)
+    for backend in ("torch", "auto"):
+        served = load_predictor(str(path), backend)
+        assert served.backend == fmt
+        x = TorchPredictor(m).preprocess(_png(seed=7), 10**7)[0][None]
+        assert np.abs(served(x) - TorchPredictor(m)(x)).max() < 1e-4
+    Image.open(io.BytesIO(_png(seed=7))).save(tmp_path / "a.png")
+    Image.open(io.BytesIO(_png(seed=8))).save(tmp_path / "b.png")
+    want = predict_images([str(tmp_path)], str(ckpt), out=str(tmp_path / "want.jsonl"), progress=False, num_workers=0,
+                          precision="fp32")
+    got = predict_images([str(tmp_path)], str(path), out=str(tmp_path / "got.jsonl"), progress=False, num_workers=0)
+    read = lambda f: [json.loads(line) for line in (tmp_path / f).read_text().splitlines()]  # noqa: E731
+    a, b = read("want.jsonl"), read("got.jsonl")
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b):
+        assert [t["index"] for t in ra["top"]] == [t["index"] for t in rb["top"]]
+        assert ra["top"][0]["probability"] == pytest.approx(rb["top"][0]["probability"], abs=1e-4)
+    with pytest.raises(vitkit.errors.UsageError, match="export for"):
+        predict_images([str(tmp_path / "a.png")], str(path), backend="aoti", progress=False)

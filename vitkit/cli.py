@@ -33,7 +33,7 @@ from .evaluation import evaluate as _evaluate
 from .evaluation import fewshot as _fewshot
 from .evaluation import save_confusion_png, write_report
 from .evaluation.knn import knn as _knn
-from .inference.backends import PackageModel, inference_engine, load_for_inference
+from .inference.backends import ExportedModel, PackageModel, inference_engine, load_for_inference
 from .inference.export import export_model
 from .inference.features import extract_features
 from .inference.predict import predict_images
@@ -462,7 +462,7 @@ def evaluate(
             package is refused.
     """
     model, backend = load_for_inference(checkpoint, backend, trust_package)
-    dev = resolve_device("cpu" if isinstance(model, PackageModel) and device == "auto" else device)
+    dev = resolve_device("cpu" if isinstance(model, (PackageModel, ExportedModel)) and device == "auto" else device)
     model = model.to(dev)
     if max_patches and backend != "torch":
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch); an ONNX export with "

@@ -103,6 +103,12 @@ def inference_engine(model: nn.Module, device: torch.device, precision: str, bac
     line). backend torch: the eager model, `precision` resolved (`vitkit.machine.precision.for_inference`); auto /
     onnx / openvino: a `BackendModel` on the engine chosen (`open_engine`), which applies its own precision."""
     engine.check_backend(backend)
+    if isinstance(model, ExportedModel):
+        if device.type != "cpu":
+            raise UsageError(f"{model.path} runs on the CPU ({model.backend}): add --device cpu")
+        if precision not in ("auto", "fp32"):
+            raise UsageError(f"{model.path} runs in fp32 on {model.backend}, not {precision}")
+        return model, "fp32", f"backend {model.reason}"
     if isinstance(model, PackageModel):
         if device.type != "cpu":
             raise UsageError(f"{model.path} runs on the CPU (an AOTInductor package compiled for it): add --device cpu")
@@ -175,11 +181,52 @@ class PackageModel(nn.Module):
         return y
 
 
+class ExportedModel(nn.Module):
+    """An ONNX file (onnxruntime) or an OpenVINO IR (.xml, OpenVINO in fp32) made by `vitkit export`, called like the
+    eager model: (B, C, H, W) float32 tensor -> float32 logits on the CPU; `config` from the file's metadata. An
+    export without a dynamic batch runs one image at a time."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        from .export import onnx_config, openvino_config
+
+        self.path = Path(path)
+        self.backend = "onnx" if self.path.suffix == ".onnx" else "openvino"
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no {'ONNX file' if self.backend == 'onnx' else 'OpenVINO IR'} at {path}")
+        with untrusted(str(path), CheckpointError):
+            self.config = config_from_dict((onnx_config if self.backend == "onnx" else openvino_config)(path))
+            self.run = engine.engine(self.backend, "fp32", path)
+        self.device = torch.device("cpu")
+        self.reason = f"{self.backend}-fp32: the export {self.path.name}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().float().cpu().contiguous().numpy()
+        try:
+            return torch.from_numpy(self.run(x))
+        except Exception:  # a fixed batch of one (exported without --dynamic-batch)
+            if len(x) == 1:
+                raise
+            return torch.cat([torch.from_numpy(self.run(x[i:i + 1])) for i in range(len(x))])
+
+
+def is_export(path: str | Path) -> bool:
+    """An ONNX file or an OpenVINO IR made by `vitkit export`: its runtime is named by the file."""
+    return str(path).endswith((".onnx", ".xml"))
+
+
 def load_for_inference(checkpoint: str, backend: str, trust_package: bool = False) -> tuple[nn.Module, str]:
     """(the model, the backend to run it on) for `checkpoint`: a package from `vitkit export --format aoti` is its
     own engine (`PackageModel`, with `trust_package` for one this machine's vitkit did not compile; backend torch,
-    auto or aoti run it), anything else loads as a checkpoint."""
+    auto or aoti run it), an ONNX file or OpenVINO IR runs on its runtime (`ExportedModel`; backend torch, auto or
+    the file's own), anything else loads as a checkpoint."""
     engine.check_backend(backend)
+    if is_export(checkpoint):
+        model = ExportedModel(checkpoint) if backend in ("torch", "auto", "onnx", "openvino") else None
+        if model is None or backend not in ("torch", "auto", model.backend):
+            raise UsageError(f"{checkpoint} is an export for {'onnxruntime' if str(checkpoint).endswith('.onnx') else 'OpenVINO'}: "
+                             f"run it with the default backend, or give the checkpoint for --backend {backend}")
+        return model, model.backend
     if not is_package(checkpoint):
         return load(checkpoint), backend
     if backend in ("onnx", "openvino"):

@@ -47,7 +47,7 @@ from ..machine.precision import autocast
 from ..models.layers.packing import pack
 from ..cache import WriteError, check_output, open_output, write_failure
 from ..safety import open_regular, parse_json, read_bytes
-from .backends import PackageModel, inference_engine, load_for_inference
+from .backends import ExportedModel, PackageModel, inference_engine, load_for_inference
 
 FORMATS = ("table", "json", "jsonl", "csv")
 RESUMABLE = ("jsonl", "csv")
@@ -893,7 +893,7 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
     model, backend = load_for_inference(checkpoint, backend, trust_package)
     if max_patches and backend != "torch":
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
-    dev = resolve_device("cpu" if isinstance(model, PackageModel) and device == "auto" else device)
+    dev = resolve_device("cpu" if isinstance(model, (PackageModel, ExportedModel)) and device == "auto" else device)
     weights = model_digest(model) if out is not None and fmt in RESUMABLE else None  # on the CPU, before it moves
     model = model.to(dev)
     runner, prec, _ = inference_engine(model, dev, precision, backend, min(len(inputs), batch_size))
@@ -901,7 +901,8 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
     if weights is not None:  # what made the records: the model, and the engine and precision it runs on
         choice = getattr(runner, "choice", None)
         engine_backend, engine_prec = (choice.backend, choice.precision) if choice is not None else (
-            ("aoti", runner.precision) if isinstance(runner, PackageModel) else ("torch", prec))
+            ("aoti", runner.precision) if isinstance(runner, PackageModel) else
+            (runner.backend, "fp32") if isinstance(runner, ExportedModel) else ("torch", prec))
         runs = run_fingerprint(model, top_k=top_k, tta=tta, precision=engine_prec, backend=engine_backend,
                                device=dev.type, max_patches=max_patches, weights=weights)
     return run(runner, inputs, out=out, fmt=fmt, resume=resume, top_k=top_k, batch_size=batch_size, tta=tta,

@@ -25,8 +25,9 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: s
     import uvicorn  # optional: the [serve] extra
 
     limits = limits or Limits()
-    app = create_app(load_predictor(checkpoint, backend, threads, precision, limits.max_batch, trust_package), limits,
-                     name=Path(checkpoint).stem, api_key=api_key or None)
+    predictor = load_predictor(checkpoint, backend, threads, precision, limits.max_batch, trust_package)
+    backend = getattr(predictor, "backend", backend)  # an export runs on its own runtime
+    app = create_app(predictor, limits, name=Path(checkpoint).stem, api_key=api_key or None)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:

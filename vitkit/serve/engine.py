@@ -166,7 +166,8 @@ class EnginePredictor(Predictor):
 def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None = None, precision: str = "auto",
                    max_batch: int = 8, trust_package: bool = False) -> Predictor:
     """What the service runs for `checkpoint` on `backend`. A compiled package this machine's vitkit did not make
-    loads only with `trust_package` (its native code runs in the server)."""
+    loads only with `trust_package` (its native code runs in the server). An ONNX file (.onnx) runs on onnxruntime
+    and an OpenVINO IR (.xml) on OpenVINO with the default backend (torch) or auto."""
     check_backend(backend)
     if is_package(checkpoint):  # vitkit's compiled engine, as `vitkit export --format aoti` made it
         if backend not in ("torch", "auto", "aoti"):
@@ -177,6 +178,8 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
             raise UsageError(f"{checkpoint} computes in {served.precision}, not {precision}")
         return served
     exported = str(checkpoint).endswith((".onnx", ".xml"))
+    if exported and backend in ("torch", "auto"):  # the file names its runtime: an export runs where it was made for
+        backend = "onnx" if str(checkpoint).endswith(".onnx") else "openvino"
     if backend in ("auto", "aoti") or (backend in ("onnx", "openvino") and not exported):  # measured or exported
 
         check_backend(backend)

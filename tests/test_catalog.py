@@ -292,6 +292,30 @@ def test_hub_offline_error_names_the_repo_and_what_to_do(hub, home, monkeypatch)
         vitkit.load("test-org/no-such-repo")
 
 
+def test_an_unreachable_hub_reads_the_cache_or_fails_at_once_with_what_to_do(hub, home, monkeypatch):
+    """No network (HF_ENDPOINT at a closed local port, HF_HUB_OFFLINE unset): a cached repository loads from the cache,
+    an uncached one fails with the offline message, without huggingface_hub's retries."""
+    import socket
+
+    from vitkit.checkpoints.catalog import register_hub
+
+    register_hub("test-org/dinov2-tiny", "timm")
+    vitkit.load("test-org/dinov2-tiny")  # into the cache, from the stand-in hub
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(k, raising=False)
+    assert vitkit.load("test-org/dinov2-tiny").config.reg_tokens == 0  # the cache, as HF_HUB_OFFLINE=1 would
+    register_hub("test-org/not-cached", "timm")
+    with pytest.raises(CheckpointError) as e:
+        vitkit.load("test-org/not-cached")
+    msg = str(e.value)
+    assert f"http://127.0.0.1:{port} cannot be reached" in msg and "not in the cache" in msg
+    assert "hf download test-org/not-cached" in msg and "\n" not in msg
+
+
 def test_hub_cache_copy_is_checked_against_its_sha256(hub, home):
     from vitkit.checkpoints.catalog import register_hub
 

@@ -11,7 +11,8 @@ default 100 kB/s): a server that sends one byte at a time is cut off, the partia
 
 Files on the Hugging Face hub (timm's and transformers' repositories) are fetched with `huggingface_hub`, into the
 cache timm and transformers share (HF_HOME, HF_HUB_CACHE), at a revision (a branch, tag or commit), honouring
-HF_ENDPOINT and offline mode (HF_HUB_OFFLINE=1: the cache only). The cache names each weight file by its SHA-256
+HF_ENDPOINT and offline mode (HF_HUB_OFFLINE=1: the cache only; a hub whose endpoint does not answer a TCP connect
+within 3 s: the cache only too, at once, instead of huggingface_hub's 24 s of retries). The cache names each weight file by its SHA-256
 (the hub's LFS object id), which vitkit checks once per file. Offline, the error names the repository, the revision
 and how to put the files in place.
 """
@@ -202,6 +203,29 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
+# Seconds one TCP connect to the hub's endpoint may take before the hub counts as unreachable: without a network
+# huggingface_hub retries each request five times with backoff (24 s) before it fails.
+HUB_CONNECT_TIMEOUT_S = 3.0
+
+
+def hub_unreachable(endpoint: str) -> str | None:
+    """Why the hub at `endpoint` cannot be reached (one TCP connect to its host and port within
+    HUB_CONNECT_TIMEOUT_S), or None if it can, or if a proxy is configured (the proxy decides: not probed)."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                                       "all_proxy")):
+        return None
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(endpoint)
+    try:
+        with socket.create_connection((u.hostname or "", u.port or (443 if u.scheme == "https" else 80)),
+                                      timeout=HUB_CONNECT_TIMEOUT_S):
+            return None
+    except OSError as e:  # refused, no route, no DNS, timed out
+        return f"{endpoint} cannot be reached: {e.strerror or e or type(e).__name__}"
+
+
 def hub_download(repo: str, files: list[str], revision: str = "main") -> list[Path]:
     """Fetch files of a Hugging Face hub repository with huggingface_hub (its shared cache, HF_ENDPOINT, offline
     mode) and check each weight file's SHA-256 against the hub's id for it. A CheckpointError says what to do when
@@ -212,15 +236,21 @@ def hub_download(repo: str, files: list[str], revision: str = "main") -> list[Pa
     except ImportError as e:
         raise CheckpointError(f"{repo} is on the Hugging Face hub: pip install huggingface_hub") from e
     out = []
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    # no network: the cache only, at once (huggingface_hub would retry for 24 s before failing)
+    unreachable = None if _offline() else hub_unreachable(endpoint or HF_HUB)
     for fname in files:
         try:
-            path = hf_hub_download(repo, fname, revision=revision, endpoint=os.environ.get("HF_ENDPOINT") or None,
-                                   cache_dir=os.environ.get("HF_HUB_CACHE") or None, local_files_only=_offline())
+            path = hf_hub_download(repo, fname, revision=revision, endpoint=endpoint,
+                                   cache_dir=os.environ.get("HF_HUB_CACHE") or None,
+                                   local_files_only=_offline() or unreachable is not None)
         except Exception as e:  # offline, unknown repo or revision, missing file, HTTP errors: one clear message
             cache = os.environ.get("HF_HUB_CACHE") or "~/.cache/huggingface/hub (HF_HOME, HF_HUB_CACHE)"
+            why = (f"{unreachable}, and it is not in the cache" if unreachable else
+                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             raise CheckpointError(
                 f"could not get {fname} of the Hugging Face hub repository {repo!r} at revision {revision!r} "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, on a machine that can "
+                f"({why}). Offline, on a machine that can "
                 f"reach the hub run `hf download {repo} {' '.join(files)} --revision {revision}` and copy its "
                 f"models--{repo.replace('/', '--')} folder into {cache} here (then HF_HUB_OFFLINE=1 uses it), or put "
                 f"{', '.join(files)} in a folder and load that folder") from e

@@ -407,3 +407,20 @@ def test_a_package_whose_config_disagrees_with_its_graph_is_one_clear_error(pack
     assert cli.main(["predict", *_images(tmp_path, 2), "--checkpoint", str(one), "--trust-package"]) == 2
     err = capsys.readouterr().err
     assert "disagree" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_bytes_around_a_packages_zip_are_refused_and_torch_reads_only_what_was_checked(package, tmp_path, where):
+    """Python's zipfile forgives bytes before an archive (shifting every offset) where torch's reader takes them
+    literally, so a second archive hidden there would be what torch loads: such a file is refused, trusted or not;
+    and what torch is handed is the archive rebuilt from the checked members, never the file itself."""
+    data = package.read_bytes()
+    evil = tmp_path / f"{where}.pt2"
+    evil.write_bytes(b"\0" * 4096 + data if where == "before" else data + b"PK\x03\x04" + b"\0" * 64)
+    for trust in (False, True):
+        with pytest.raises(CheckpointError, match="bytes before or after the archive"):
+            aoti.open_package(evil, trust=trust)
+    opened = aoti.open_package(package)
+    with zipfile.ZipFile(opened.file) as rebuilt, zipfile.ZipFile(package) as original:
+        assert rebuilt.namelist() == original.namelist() and opened.file.parent.stat().st_mode & 0o077 == 0
+        assert all(rebuilt.read(n) == original.read(n) for n in original.namelist())

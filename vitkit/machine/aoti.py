@@ -198,14 +198,16 @@ class Package:
 
 def _private_copy(path: str | Path) -> tuple[Path, str, int]:
     """`path` (a regular file) copied into a new folder of mode 0700, hashed as it is copied: (the copy, SHA-256,
-    bytes). Refused where the temporary folder has no room for it twice (the copy and the loader's extraction)."""
+    bytes). Refused where the temporary folder has no room for it three times over (the copy, the archive rebuilt
+    from it, the loader's extraction)."""
     with open_regular(path, error=CheckpointError) as src:
         size = os.fstat(src.fileno()).st_size
         folder = Path(tempfile.mkdtemp(prefix="vitkit-package-"))  # 0700: nobody else can swap what is checked
         try:
             free = shutil.disk_usage(folder).free
-            if 2 * size > free:
-                raise CheckpointError(f"{path}: {gib(size)}; loading it needs twice that in {folder.parent}, which has "
+            if 3 * size > free:
+                raise CheckpointError(f"{path}: {gib(size)}; loading it needs three times that in {folder.parent} (a "
+                                      f"copy, the archive rebuilt from its checked members, the loader's files), which has "
                                       f"{gib(free)} free (TMPDIR picks another folder)")
             h, copy = hashlib.sha256(), folder / "package.pt2"
             with open(copy, "xb") as dst:
@@ -230,6 +232,15 @@ def check_members(z: zipfile.ZipFile, path: str | Path) -> list[tuple[str, int]]
     infos = z.infolist()
     if not infos or len(infos) > 4096:
         raise CheckpointError(f"{what}: {len(infos)} members: not a package vitkit wrote")
+    # Python's zipfile forgives bytes before the archive (it shifts every offset) and after it; torch's reader does
+    # not, and would read another archive hidden there: only a zip that is nothing but itself is read at all
+    z.fp.seek(0)
+    start = z.fp.read(4)
+    z.fp.seek(-22, os.SEEK_END)
+    end = z.fp.read(22)
+    if start != b"PK\x03\x04" or min(i.header_offset for i in infos) != 0 or not end.startswith(b"PK\x05\x06") \
+            or end[20:22] != b"\x00\x00":
+        raise CheckpointError(f"{what}: bytes before or after the archive (another zip could hide there): refused")
     roots = {i.filename.split("/", 1)[0] for i in infos}
     if len(roots) != 1 or not _SAFE_NAME.fullmatch(next(iter(roots))) or next(iter(roots)) in (".", ".."):
         raise CheckpointError(f"{what}: its members are not all in one top folder with a plain name: refused")
@@ -239,7 +250,7 @@ def check_members(z: zipfile.ZipFile, path: str | Path) -> list[tuple[str, int]]
         name = info.filename
         rel = name.split("/", 1)[1] if "/" in name else ""
         parts = name.split("/")
-        if (name in seen or name.lower() in seen or "\\" in name or "\x00" in name or name.startswith("/")
+        if (name in seen or name.lower() in seen or "\\" in name or "\x00" in info.orig_filename or name.startswith("/")
                 or any(p in ("", ".", "..") for p in parts) or not name.isascii()):
             raise CheckpointError(f"{what}: member {name!r} has a name that could point outside the package or "
                                   f"shadow another: refused before anything is extracted")
@@ -282,6 +293,22 @@ def check_members(z: zipfile.ZipFile, path: str | Path) -> list[tuple[str, int]]
     if total > 1 << 41:
         raise CheckpointError(f"{what}: its members claim {gib(total)} in all: refused")
     return libraries
+
+
+def _rebuild(copy: Path, path: str | Path) -> Path:
+    """The checked members of `copy` written again, in order, into a fresh zip beside it (stored, no comment): what
+    torch's loader reads is what `check_members` read through Python's zipfile, whatever tricks the original's bytes
+    play on another reader (a second central directory, offsets that differ between readers)."""
+    out = copy.with_name("model.pt2")
+    try:
+        with zipfile.ZipFile(copy) as zin, zipfile.ZipFile(out, "x", zipfile.ZIP_STORED) as zout:
+            for info in zin.infolist():
+                with zin.open(info) as src, zout.open(zipfile.ZipInfo(info.filename, info.date_time), "w",
+                                                      force_zip64=info.file_size > (1 << 31)) as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as e:  # a CRC error, a member cut short, a full disk
+        raise CheckpointError(f"{path}: its members cannot be read whole ({e}): refused") from e
+    return out
 
 
 def _trust_dir(create: bool = False) -> Path | None:
@@ -372,6 +399,8 @@ def open_package(path: str | Path, trust: bool = False) -> Package:
             # said on stderr whatever logging is set up: the opt-in's one chance to be read before the code runs
             print(f"vitkit: warning: loading {package.describe()}: its native code runs in this process with your "
                   f"permissions, as you asked (--trust-package)", file=sys.stderr, flush=True)
+        package.file = _rebuild(copy, path)
+        copy.unlink()  # only the rebuilt archive is kept, and only it is handed to torch
     except BaseException:
         shutil.rmtree(copy.parent, ignore_errors=True)
         raise

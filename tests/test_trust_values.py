@@ -379,3 +379,18 @@ def test_ctrl_c_in_a_two_process_run_stops_every_rank_at_one_saved_step(tmp_path
     meta = checkpoint.read_meta(saved)
     assert meta["world_size"] == 2 and 3 <= meta["step"] < 94 and json.loads(stdout)["step"] == meta["step"]
     assert "vitkit: resume with: vitkit train --nproc 2 fashion-mnist " in err
+
+
+def test_a_closed_terminal_sighup_saves_the_step_in_hand_as_sigterm_does(tmp_path):
+    """SIGHUP (the terminal or the ssh session closed) killed the run with nothing saved since the last checkpoint:
+    it is handled as SIGTERM is, the step in hand saved (exit 129)."""
+    from vitkit.training import checkpoint
+
+    out = tmp_path / "run"
+    run = _Run(out, *RUN_ARGS, f"run.out_dir={out}")
+    run.wait_until(lambda: run.logged_step() >= 3, "step 3")
+    os.killpg(run.proc.pid, signal.SIGHUP)
+    code, stdout, err = run.finish()
+    assert code == 129, err[-2000:]
+    saved = checkpoint.latest(out)
+    assert saved is not None and checkpoint.read_meta(saved)["step"] >= 3, err[-2000:]

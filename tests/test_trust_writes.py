@@ -374,3 +374,20 @@ def test_every_other_output_refuses_a_fifo_or_a_device_too(ckpts, tmp_path, caps
         write_report(EvalResult(acc1=1.0, acc5=1.0, loss=0.0, n=1, skipped=0, per_class=[1.0],
                                 confusion=np.ones((1, 1)), classes=["a"]), node)
     assert stat.S_ISCHR(os.lstat(node).st_mode)
+
+
+def test_an_output_folder_that_is_not_a_folder_is_one_line_before_the_work(ckpts, images, tmp_path, capsys):
+    """explain's, eval's and train's output folders: a FIFO, a device or a link to nowhere where the folder would go
+    was an unexpected FileExistsError (exit 1), and eval's only after the whole evaluation: now one line, exit 2,
+    before any work, the node left as it was."""
+    fifo, dangling = tmp_path / "fifo", tmp_path / "dangling"
+    os.mkfifo(fifo)
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert main(["explain", str(images[0]), "--checkpoint", str(ckpts[0]), "--out", str(fifo)]) == 2
+    assert "not a folder" in _one_line_error(capsys.readouterr().err)
+    assert main(["eval", str(ckpts[0]), "--test-dir", str(tmp_path / "missing"), "--out", str(dangling)]) == 2
+    assert "link to nowhere" in _one_line_error(capsys.readouterr().err)  # before the (missing) test data is read
+    assert main(["train", "fashion-mnist", "data.dataset=digits", "--smoke", f"run.out_dir={fifo}", "--max-steps",
+                 "1"]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.path.islink(dangling)

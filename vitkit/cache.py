@@ -116,6 +116,27 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def output_dir(path: str | Path) -> Path:
+    """`path` made a folder to write outputs into (its parents too), or a `WriteError` naming it: a file, FIFO,
+    device, socket or a link to nowhere where the folder should be, or a parent that is not a folder. A link to a
+    folder is followed (the user named that folder). Called before the work whose outputs go there."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+    except (FileExistsError, NotADirectoryError):
+        try:
+            st = os.stat(p)
+        except OSError:
+            raise WriteError(f"{p}: a link to nowhere, or below something that is not a folder: refused as an output "
+                             f"folder") from None
+        kind = next((name for test, name in _NOT_REPLACEABLE if test(st.st_mode)), "a file")
+        raise WriteError(f"{p}: {kind.split(':')[0]}, not a folder: refused as an output folder (vitkit leaves it as it "
+                         f"is)") from None
+    except OSError as e:
+        raise write_failure(e, p) or WriteError(f"{p}: cannot be made a folder ({e.strerror or e})") from None
+
+
 def open_output(path: str | Path, keep: int = 0):
     """`path` opened to write text (UTF-8, newlines as written) after its first `keep` bytes (0: emptied), if it
     is missing or a regular file (`check_output`), checked again on what was opened: opened without following a

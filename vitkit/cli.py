@@ -21,7 +21,7 @@ from . import __version__, env
 from ._cli_util import add_function
 from .analysis.commands import explain_images, inspect_model
 from .bench import bench
-from .cache import atomic_write, check_output
+from .cache import atomic_write, check_output, output_dir
 from .checkpoints import CATALOG, inspect_checkpoint, load, resolve
 from .checkpoints import convert as _convert
 from .checkpoints import timm_table
@@ -335,7 +335,8 @@ def train(
     Example: vitkit train fashion-mnist optim.lr=1e-3 schedule.epochs=20 run.out_dir=runs/x
     (the preset may come first, or as --preset).
     The resolved config is saved in the run directory; a killed run resumes where it stopped. Ctrl-C (or SIGTERM)
-    stops after the step in hand, saves it and prints the command that resumes it (exit 130; 143 for SIGTERM); a
+    stops after the step in hand, saves it and prints the command that resumes it (exit 130; 143 for SIGTERM, 129
+    for SIGHUP: a closed terminal or ssh session); a
     second Ctrl-C aborts at once (the steps since the last checkpoint lost).
     Several processes: `torchrun --nproc-per-node N -m vitkit train ...` (several machines: add --nnodes and
     --rdzv-endpoint), or --nproc N on this machine; run.strategy picks DDP (the default) or FSDP2.
@@ -390,7 +391,7 @@ def train(
                   file=sys.stderr, flush=True)
     if not result.get("interrupted"):
         return 0
-    return 130 if result.get("signal") == "SIGINT" else 143
+    return {"SIGINT": 130, "SIGHUP": 129}.get(result.get("signal"), 143)
 
 
 def _run_ranks(cmd: list[str]) -> int:
@@ -461,6 +462,8 @@ def evaluate(
             user): its native code runs in this process with your permissions (docs/safety.md). Without it such a
             package is refused.
     """
+    for f in ("eval_report.json", "confusion.png"):  # the outputs' folder and files checked before the work
+        check_output(output_dir(Path(out) if out else Path(checkpoint).parent) / f)
     model, backend = load_for_inference(checkpoint, backend, trust_package)
     dev = resolve_device("cpu" if isinstance(model, (PackageModel, ExportedModel)) and device == "auto" else device)
     model = model.to(dev)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..cache import output_dir
 from ..data.datasets import IMAGE_EXTS, iterate_batches, load_dataset
 from ..data.image import EvalTransform, ImageDecodeError, decode_for
 from ..data.splits import prepare
@@ -45,7 +46,7 @@ def explain_images(model: nn.Module, images: list[str | Path], out: str | Path, 
             inputs[str(path)] = str(e)
     if images and all(isinstance(v, str) for v in inputs.values()):
         raise ImageDecodeError("no image could be read: " + "; ".join(inputs.values()))
-    out.mkdir(parents=True, exist_ok=True)
+    output_dir(out)
     records = []
     for path in images:
         if isinstance(inputs[str(path)], str):
@@ -137,8 +138,7 @@ def inspect_model(model: nn.Module, out: str | Path, *, data: str | None = None,
     """Fig. 7: filter principal components, position-embedding similarity, and (with data) mean attention distance."""
     require_vit(model)
     model.eval()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(out)
     res: dict = {}
     arrays: dict = {}
     pcs, ratio = filter_principal_components(embedding_filters(model), components)

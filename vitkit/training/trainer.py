@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from ..cache import output_dir
 from ..data.datasets import iterate_batches
 from ..evaluation import save_confusion_png, write_report
 from ..machine.device import resolve_device
@@ -70,11 +71,12 @@ def train(cfg: TrainConfig, *, resume: bool = True, max_steps: int | None = None
 
 
 class _StopRequest:
-    """SIGTERM, or a first Ctrl-C (SIGINT): stop after the step in hand, save it and return (`interrupted`); every
+    """SIGTERM, SIGHUP (the terminal or the ssh session closed), or a first Ctrl-C (SIGINT): stop after the step in
+    hand, save it and return (`interrupted`); every
     rank stops at the same step (`Dist.any`). A second Ctrl-C aborts at once (KeyboardInterrupt: the steps since the
     last checkpoint are lost, the checkpoints on disk are intact, a half-written one never replaces a good one)."""
 
-    SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+    SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", **({signal.SIGHUP: "SIGHUP"} if hasattr(signal, "SIGHUP") else {})}
 
     def __init__(self, main: bool) -> None:
         self.main, self.asked, self.interrupts = main, None, 0
@@ -90,7 +92,7 @@ class _StopRequest:
         self.asked = self.asked or self.SIGNALS[signum]
 
     def install(self) -> dict:
-        """Handle SIGTERM and SIGINT; returns the handlers they had (none off the main thread: nothing installed)."""
+        """Handle SIGTERM, SIGHUP and SIGINT; returns the handlers they had (none off the main thread: nothing installed)."""
         old = {}
         for sig in self.SIGNALS:
             try:
@@ -122,7 +124,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     if dist.main:
         if ck is None:  # a fresh start: whatever an earlier run left here moves aside, so its records do not mix with these
             checkpoint.set_aside(out)
-        out.mkdir(parents=True, exist_ok=True)
+        output_dir(out)
     dist.barrier()
     if dist.main:
         (out / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))

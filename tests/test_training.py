@@ -233,6 +233,26 @@ def test_finetune_a_fixture_checkpoint_at_a_new_resolution(tmp_path):
     assert after.head.weight.abs().sum() > 0
 
 
+def test_a_run_from_a_checkpoint_prints_and_records_the_model_it_loaded(tmp_path, capsys):
+    """model.checkpoint=PATH: the run names what it loaded (timm's name from a timm folder, the registered name of a
+    vitkit file's architecture), not the preset's model.name, on stderr, in config.yaml and result.json."""
+    import yaml
+
+    from conftest import FIXTURES_HERE
+
+    vitkit.save(vitkit.create_model("deit3_s16", img_size=32, num_classes=3), tmp_path / "deit.safetensors")
+    for ckpt, want in [(FIXTURES_HERE / "naflex" / "timm_gap", "naflexvit_base_patch16_gap"),
+                       (tmp_path / "deit.safetensors", "deit3_s16")]:
+        cfg = tiny_cfg(tmp_path / want, **{"model.checkpoint": str(ckpt), "model.overrides": {"img_size": 32}})
+        assert cfg.model.name != want
+        res = train(cfg, max_steps=1)
+        assert f"model {want} from {ckpt}" in capsys.readouterr().err
+        assert res["model"] == json.loads((tmp_path / want / "result.json").read_text())["model"] == want
+        assert yaml.safe_load((tmp_path / want / "config.yaml").read_text())["model"]["loaded"] == want
+    res = train(tiny_cfg(tmp_path / "plain"), max_steps=1)
+    assert res["model"] == "vit_ti16"
+
+
 def test_low_precision_token_stream_trains(tmp_path):
     cfg = tiny_cfg(tmp_path / "lowp", **{"schedule.epochs": 8, "run.lowp_stream": True, "run.precision": "bf16"})
     assert train(cfg)["acc1"] > 0.9

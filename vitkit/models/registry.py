@@ -279,6 +279,39 @@ def build_config(name: str, /, **overrides) -> ViTConfig | ResNetV2Config | Swin
     return cls(**{**entry.kwargs, **implied, **overrides})
 
 
+# What a name does not fix: the preprocessing, head, resolution, regularisation and how the grid is resampled
+_NOT_ARCHITECTURE = {"img_size", "in_chans", "num_classes", "class_names", "mean", "std", "interpolation", "crop_pct",
+                     "drop_rate", "attn_drop_rate", "drop_path_rate", "dynamic_img_size", "pos_resample",
+                     "pos_resample_square", "naflex"}
+_SIZE_FIELDS = ("arch", "embed_dim", "depth", "num_heads", "patch_size", "mlp_dim", "hybrid_layers", "layers",
+                "width_factor", "depths", "window_size")
+
+
+def name_of(config: ViTConfig | ResNetV2Config | SwinConfig) -> str:
+    """The registered name of the architecture `config` describes (a loaded checkpoint's: `vit_b16`, `deit3_b16`):
+    the first whose every architectural field agrees, else the first of the same size (width, depth, heads, patch,
+    stages) as "NAME-like"; else a description of its size ("vit (width 64, depth 2, 4 heads, patch 16, MLP 256)")."""
+    def fields(c, names=None):
+        d = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if f.name not in _NOT_ARCHITECTURE}
+        return {k: d.get(k) for k in names} if names else d
+
+    own, size = fields(config), fields(config, _SIZE_FIELDS)
+    same_size = None
+    for name in _REGISTRY:
+        c = build_config(name)
+        if type(c) is not type(config):
+            continue
+        if fields(c) == own:
+            return name
+        if same_size is None and fields(c, _SIZE_FIELDS) == size:
+            same_size = name
+    if same_size is not None:
+        return f"{same_size}-like"
+    shown = {"patch_size": lambda v: f"patch {v[0]}" if v[0] == v[1] else f"patch {v}", "embed_dim": "width {}".format,
+             "depth": "depth {}".format, "num_heads": "{} heads".format, "mlp_dim": "MLP {}".format}
+    return f"{config.arch} ({', '.join(shown.get(k, lambda v, k=k: f'{k} {v}')(v) for k, v in size.items() if k != 'arch' and v is not None)})"
+
+
 def config_with(config: ViTConfig | ResNetV2Config, **overrides) -> ViTConfig | ResNetV2Config:
     """A copy of `config` with fields replaced by keyword; unknown keywords raise a ValueError naming the valid ones."""
     _check_fields(type(config), overrides)

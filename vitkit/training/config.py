@@ -71,6 +71,8 @@ class ModelConfig:
     lora_targets: what gets adapters: qkv (the fused query-key-value projection, one adapter over it whole), or
         some of q, k, v (its row blocks alone, each with its own adapter: [q, v] is the LoRA paper's choice), proj
         (attention output), mlp (fc1 and fc2; SwiGLU's fc1_g, fc1_x and fc2).
+    loaded: written by the run that starts from a checkpoint: the architecture it holds (timm's name from a timm
+        folder, else the registered name of its size, `vitkit.models.registry.name_of`), as printed; not read.
     """
 
     name: str = "vit_ti16"
@@ -83,6 +85,7 @@ class ModelConfig:
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q", "v"])
+    loaded: str | None = None
 
 
 @dataclass

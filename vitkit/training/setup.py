@@ -5,6 +5,7 @@ rank before anything is written. `prepare_run` returns the `Run` the loop (`loop
 from __future__ import annotations
 
 import copy
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ..machine import precision as precision_mod
 from . import compile as compile_mod
 from ..machine.fast_linear import pack_linears
 from ..models import lora
+from ..models.registry import name_of
 from ..models.stats import count_flops
 from .config import TrainConfig
 from .distill import load_teacher
@@ -141,6 +143,8 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
                              "labels": int(spec.train.labels.sum())})
     model = build_model_for(cfg, spec).to(device)
     mc = model.config
+    if cfg.model.checkpoint:
+        cfg.model.loaded = checkpoint_model_name(cfg.model.checkpoint, mc)
     if dist.main:  # before any wrapping: counting FLOPs runs a forward, which under FSDP2 every rank would have to join
         print(f"vitkit: {_describe_model(cfg, model)}", file=sys.stderr, flush=True)
     if len(spec.train) < d.batch_size * r.accumulate:
@@ -273,6 +277,23 @@ def _choose_compile(cfg: TrainConfig, model: nn.Module, dist: Dist, precision: s
     return choice.on
 
 
+def checkpoint_model_name(checkpoint: str, config) -> str:
+    """The architecture a checkpoint holds, by name: timm's (`architecture` in a timm folder's config.json), else the
+    registered name of its size (`registry.name_of`: `vit_b16`, `deit3_s16-like`, or its size in words)."""
+    path = Path(checkpoint)
+    try:
+        hub = json.loads((path / "config.json").read_text()) if path.is_dir() else {}
+    except (OSError, ValueError):
+        hub = {}
+    timm_name = hub.get("architecture") if isinstance(hub, dict) else None
+    return timm_name if isinstance(timm_name, str) and timm_name else name_of(config)
+
+
+def run_model_name(cfg: TrainConfig) -> str:
+    """The model a run trains, as printed and recorded: the checkpoint's architecture (`model.loaded`) or the name."""
+    return cfg.model.loaded or cfg.model.name
+
+
 def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
     """One line on the model a run built: name, architecture, parameters and GFLOPs per image."""
     c = model.config
@@ -289,7 +310,7 @@ def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
         gflops = "GFLOPs not counted"
     arch = f", D {c.embed_dim}, depth {c.depth}, {c.num_heads} heads, patch {tuple(c.patch_size)}" if hasattr(c, "depth") else ""
     src = f" from {cfg.model.checkpoint}" if cfg.model.checkpoint else ""
-    return (f"model {cfg.model.name}{src}: {kind}{arch}, {tuple(c.img_size)} px, {params / 1e6:.3g}M parameters, "
+    return (f"model {run_model_name(cfg)}{src}: {kind}{arch}, {tuple(c.img_size)} px, {params / 1e6:.3g}M parameters, "
             f"{gflops} per image")
 
 

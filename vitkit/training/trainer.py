@@ -38,7 +38,7 @@ from .config import TrainConfig
 from .distributed import Dist
 from .logs import MetricsLog, Progress
 from .loop import due, evaluate_and_keep_best, evaluate_on, save_weights, train_step, write_checkpoint
-from .setup import TrainingError, prepare_run
+from .setup import TrainingError, prepare_run, run_model_name
 
 __all__ = ["TrainingError", "train"]
 
@@ -152,7 +152,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     t_start = t_log = time.perf_counter()
     loss_log = correct_log = seen_log = 0.0
     skipped_total = 0
-    result: dict = {"interrupted": False}
+    result: dict = {"model": run_model_name(cfg), "interrupted": False}
     last_eval: tuple[int, dict] = (-1, {})  # (step, {"model": EvalResult, "ema": EvalResult}) of the latest evaluation
     try:
         while step < limit:

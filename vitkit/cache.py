@@ -116,13 +116,21 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
-def output_dir(path: str | Path) -> Path:
+def output_dir(path: str | Path, make: bool = True) -> Path:
     """`path` made a folder to write outputs into (its parents too), or a `WriteError` naming it: a file, FIFO,
     device, socket or a link to nowhere where the folder should be, or a parent that is not a folder. A link to a
-    folder is followed (the user named that folder). Called before the work whose outputs go there."""
+    folder is followed (the user named that folder). Called before the work whose outputs go there; `make=False`
+    only checks (a missing folder passes, its nearest existing parent must be a folder), creating nothing."""
     p = Path(path)
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        if make:
+            p.mkdir(parents=True, exist_ok=True)
+            return p
+        q = p
+        while not os.path.lexists(q) and q != q.parent:
+            q = q.parent
+        if not os.path.isdir(q):
+            raise FileExistsError(q)
         return p
     except (FileExistsError, NotADirectoryError):
         try:

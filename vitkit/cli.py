@@ -463,7 +463,7 @@ def evaluate(
             package is refused.
     """
     for f in ("eval_report.json", "confusion.png"):  # the outputs' folder and files checked before the work
-        check_output(output_dir(Path(out) if out else Path(checkpoint).parent) / f)
+        check_output(output_dir(Path(out) if out else Path(checkpoint).parent, make=False) / f)
     model, backend = load_for_inference(checkpoint, backend, trust_package)
     dev = resolve_device("cpu" if isinstance(model, (PackageModel, ExportedModel)) and device == "auto" else device)
     model = model.to(dev)

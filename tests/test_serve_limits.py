@@ -4,6 +4,7 @@ count and a deadline; the latencies are printed (-s), and asserted only as "answ
 import contextlib
 import io
 import json
+import os
 import re
 import resource
 import select
@@ -43,7 +44,7 @@ def _png(size=(40, 52)) -> bytes:
 def _room_for(n: int) -> None:
     """This process's open-file limit raised to hold `n` sockets more (both ends, where the server runs here)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = n + 512
+    want = n + len(os.listdir("/proc/self/fd")) + 512  # beside what this process (a long pytest run) holds already
     if soft != resource.RLIM_INFINITY and soft < want:
         if hard != resource.RLIM_INFINITY and hard < want:
             pytest.skip(f"needs {want} open files, the hard limit is {hard}")
@@ -221,8 +222,11 @@ def test_idle_and_slow_headers_are_closed_after_the_header_timeout():
     0.25 s: all closed by a header timeout of 1 s, none long before it."""
     _room_for(2 * 1030)
     with guarded_server(Limits(header_timeout_s=1.0)) as port:
-        partial, silent = _hold(port, 1000), _hold(port, 20, b"")
-        trickle = _hold(port, 3, b"G")
+        partial = []
+        for _ in range(5):  # in fives of 200: a loaded machine's server accepts slower than 1,000 connects in a row,
+            partial += _hold(port, 200)  # and what overflows the listen backlog is reset by the kernel, not the app
+            time.sleep(0.05)
+        silent, trickle = _hold(port, 20, b""), _hold(port, 3, b"G")
         closed = _watch(partial + silent + trickle, 10, trickle)
         times = sorted(t for t, _ in closed.values())
         print(f"\nheader timeout 1 s: {len(closed)} of 1,023 closed, held {times[0]:.2f} to {times[-1]:.2f} s")

@@ -286,10 +286,12 @@ def _marker_library(tmp_path, marker):
     return lib.read_bytes()
 
 
-def test_a_package_this_machines_vitkit_did_not_compile_runs_no_code_without_an_opt_in(package, tmp_path, capsys):
+def test_a_package_this_machines_vitkit_did_not_compile_runs_no_code_without_an_opt_in(package, tmp_path, capsys,
+                                                                                          monkeypatch):
     """Its own metadata vouches for nothing: the library swapped, or the vitkit_* keys deleted, and the package is
     refused before its library is loaded; a package copied from another machine (another VITKIT_HOME) needs
     --trust-package, which says what it runs."""
+    monkeypatch.setattr(aoti, "_MADE_HERE", set())  # another process than the one that compiled the fixture
     marker = tmp_path / "ran"
     swapped = _rezip(package, tmp_path / "swapped.pt2", change={".wrapper.so": _marker_library(tmp_path, marker)})
     stripped = _rezip(package, tmp_path / "stripped.pt2", change={"wrapper_metadata.json": lambda d: json.dumps(
@@ -346,6 +348,7 @@ def test_the_engine_cache_never_reuses_a_package_this_machine_did_not_record(pac
     """A package planted in (or changed inside) a shared VITKIT_HOME's cache is removed, to be compiled again; a
     trust folder that others can write, or another user owns, vouches for nothing."""
     monkeypatch.setenv("VITKIT_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(aoti, "_MADE_HERE", set())  # another process than the one that compiled the fixture
     planted = tmp_path / "home" / "backends" / "exports" / "x-aoti-fp32.pt2"
     planted.parent.mkdir(parents=True)
     shutil.copy(package, planted)
@@ -355,6 +358,7 @@ def test_the_engine_cache_never_reuses_a_package_this_machine_did_not_record(pac
     digest = aoti.record_trusted(planted)  # made here: kept
     backends._forget_unvouched(planted)
     assert planted.exists() and aoti.is_trusted(digest)
+    aoti._MADE_HERE.clear()  # from here on only the record on disk vouches
     folder = tmp_path / "home" / "trusted" / "packages"
     folder.chmod(0o777)  # a folder anyone may write to vouches for nothing
     assert not aoti.is_trusted(digest)
@@ -424,3 +428,20 @@ def test_bytes_around_a_packages_zip_are_refused_and_torch_reads_only_what_was_c
     with zipfile.ZipFile(opened.file) as rebuilt, zipfile.ZipFile(package) as original:
         assert rebuilt.namelist() == original.namelist() and opened.file.parent.stat().st_mode & 0o077 == 0
         assert all(rebuilt.read(n) == original.read(n) for n in original.namelist())
+
+
+def test_a_package_compiled_where_the_record_cannot_be_written_still_loads_in_that_process(tmp_path, monkeypatch):
+    """A read-only VITKIT_HOME: the digest cannot be recorded (a warning says so), but the process that compiled the
+    package vouches for it, so `vitkit export --format aoti` still checks its own output; another process would
+    need --trust-package."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "trusted").write_text("not a folder")  # the record's folder cannot be made
+    monkeypatch.setenv("VITKIT_HOME", str(home))
+    m = vitkit.create_model("vit_ti16", img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, mlp_dim=32,
+                            num_classes=3)
+    r = export_model(m, tmp_path / "m.pt2", "aoti")
+    assert r.worst <= 1e-4
+    monkeypatch.setattr(aoti, "_MADE_HERE", set())
+    with pytest.raises(CheckpointError, match="did not make"):
+        aoti.load_package(tmp_path / "m.pt2")

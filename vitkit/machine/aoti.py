@@ -333,6 +333,9 @@ def _trust_dir(create: bool = False) -> Path | None:
     return folder
 
 
+_MADE_HERE: set[str] = set()  # the packages this process compiled
+
+
 def file_digest(path: str | Path) -> str:
     """The SHA-256 of a regular file (`open_regular`), read in 1 MiB pieces."""
     h = hashlib.sha256()
@@ -347,6 +350,7 @@ def record_trusted(path: str | Path) -> str:
     that this machine's vitkit loads it without an opt-in. Returns the digest. Where the folder cannot be used (not
     this user's, or writable by others), a warning says so and the package then needs --trust-package."""
     digest = file_digest(path)
+    _MADE_HERE.add(digest)  # this process vouches for it even where the record cannot be written (a read-only home)
     try:
         folder = _trust_dir(create=True)
         if folder is None:
@@ -363,6 +367,8 @@ def record_trusted(path: str | Path) -> str:
 
 def is_trusted(digest: str) -> bool:
     """Whether this machine's vitkit compiled the package of this SHA-256 (`record_trusted`)."""
+    if digest in _MADE_HERE:
+        return True
     folder = _trust_dir()
     if folder is None or not re.fullmatch(r"[0-9a-f]{64}", digest):
         return False

@@ -67,7 +67,7 @@ def file_digest(path: Path, algo: str) -> str:
         h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
     else:
         h = hashlib.new(algo)
-    with open(path, "rb") as f:
+    with open_regular(path, error=CheckpointError) as f:  # a FIFO or device is refused, not read forever
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()

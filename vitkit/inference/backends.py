@@ -12,6 +12,7 @@ from torch import nn
 
 from ..cache import atomic_write, cache_dir
 from ..checkpoints import load
+from ..download import sha256_of
 from ..checkpoints.api import config_from_dict
 from ..errors import CheckpointError, UsageError
 from ..safety import parse_json, untrusted
@@ -54,7 +55,7 @@ def _forget_unvouched(path: Path) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if stat.S_ISREG(st.st_mode) and aoti.is_trusted(aoti.file_digest(path)):
+    if stat.S_ISREG(st.st_mode) and aoti.is_trusted(sha256_of(path)):
         return
     engine.say(f"{path.name}: a cached compiled package this machine's vitkit did not record making: compiling it "
                f"again")
@@ -160,6 +161,7 @@ class PackageModel(nn.Module):
         with untrusted(f"{path} (its vitkit_config)", CheckpointError):
             self.config = config_from_dict(cfg)
         self.run, meta = aoti.load_package(path, trust=trust)
+        self.digest = self.run.package.digest  # the SHA-256 of what was checked and loaded
         self.path, self.precision = Path(path), meta.get("vitkit_precision", "fp32")
         self.dynamic_size = meta.get("vitkit_dynamic_size") == "true"
         self.device = torch.device("cpu")

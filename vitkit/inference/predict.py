@@ -46,6 +46,7 @@ from ..machine.device import resolve_device
 from ..machine.precision import autocast
 from ..models.layers.packing import pack
 from ..cache import WriteError, check_output, open_output, write_failure
+from ..download import sha256_of
 from ..safety import open_regular, parse_json, read_bytes
 from .backends import ExportedModel, PackageModel, inference_engine, load_for_inference
 
@@ -423,22 +424,16 @@ def _tail(fmt: str, any_records: bool) -> str:
 
 # ---- what made a file's records ------------------------------------------------------------------------------------
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    with open_regular(path) as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def model_digest(model: nn.Module) -> str:
     """16 hex digits of the model's weights and config (`machine.engine.weights_digest`), or of the file of a
     compiled package (whose weights are in it)."""
     from ..machine.engine import weights_digest
 
-    path = getattr(model, "path", None)  # a compiled package (`backends.PackageModel`)
+    if getattr(model, "digest", None):  # a compiled package: its SHA-256, taken when it was opened (not read again)
+        return model.digest[:16]
+    path = getattr(model, "path", None)  # an exported model (`backends.ExportedModel`)
     if isinstance(path, Path) and not any(True for _ in model.parameters()):
-        return _file_digest(path)
+        return sha256_of(path)[:16]
     return weights_digest(model)[:16]
 
 

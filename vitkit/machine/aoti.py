@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from ..cache import cache_dir
+from ..download import sha256_of
 from ..errors import CheckpointError, UsageError
 from ..safety import check_regular, check_zip_entry, gib, open_regular
 from .cpu import cpu_info
@@ -336,20 +337,11 @@ def _trust_dir(create: bool = False) -> Path | None:
 _MADE_HERE: set[str] = set()  # the packages this process compiled
 
 
-def file_digest(path: str | Path) -> str:
-    """The SHA-256 of a regular file (`open_regular`), read in 1 MiB pieces."""
-    h = hashlib.sha256()
-    with open_regular(path, error=CheckpointError) as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def record_trusted(path: str | Path) -> str:
     """Vouch for a package this process compiled: its SHA-256 recorded under `$VITKIT_HOME/trusted/packages/`, so
     that this machine's vitkit loads it without an opt-in. Returns the digest. Where the folder cannot be used (not
     this user's, or writable by others), a warning says so and the package then needs --trust-package."""
-    digest = file_digest(path)
+    digest = sha256_of(Path(path))
     _MADE_HERE.add(digest)  # this process vouches for it even where the record cannot be written (a read-only home)
     try:
         folder = _trust_dir(create=True)

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vitkit import log as vitkit_log
+
 FIXTURES = Path(os.environ.get("VITKIT_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 FIXTURES_HERE = Path(__file__).resolve().parent / "fixtures"  # made by tests/fixtures/make_timm_fixtures.py
 
@@ -14,6 +16,10 @@ FIXTURES_HERE = Path(__file__).resolve().parent / "fixtures"  # made by tests/fi
 # that two workers on a 2-core machine do not run four GEMM threads.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads() // WORKERS)))
+
+# vitkit's messages (`vitkit.log`) on stderr as the command shows them, in every test and whatever ran before: a test
+# reads a library call's warning from capsys as a user of the command would see it (tests/test_log.py checks both ways).
+vitkit_log.show()
 
 
 @pytest.fixture(autouse=True)

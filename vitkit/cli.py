@@ -17,7 +17,7 @@ from typing import Literal
 import safetensors.torch
 import yaml
 
-from . import __version__, env
+from . import __version__, env, log
 from ._cli_util import add_function
 from .analysis.commands import explain_images, inspect_model
 from .bench import bench
@@ -822,6 +822,7 @@ def main(argv: list[str] | None = None) -> int:
     fn = args.pop("_fn")
     args.pop("command")
     debug = args.pop("debug")
+    log.show()  # vitkit's messages on stderr as `vitkit: ...` lines (`vitkit.log`)
     try:
         env.check_all()  # every VITKIT_* knob that is set, before any work (`vitkit.env`)
         ret = fn(**args)

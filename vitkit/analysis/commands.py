@@ -1,6 +1,7 @@
 """`vitkit explain` and `vitkit inspect`: the analysis API applied to files, writing PNGs and the raw arrays (.npz)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -17,6 +18,8 @@ from .attention import (attention_rollout, grad_cam, grad_rollout, layer_head_ma
                         require_vit, swin_window_maps)
 from .embeddings import embedding_filters, filter_principal_components, position_similarity
 from ..errors import UsageError
+
+log = logging.getLogger(__name__)
 
 
 def _input(model: nn.Module, path: str | Path) -> tuple[torch.Tensor, np.ndarray]:
@@ -121,7 +124,7 @@ def _batches_from(model: nn.Module, data: str, num_images: int, data_dir: str | 
             except (ImageDecodeError, OSError):
                 skipped.append(f.name)
         if skipped:
-            print(f"vitkit: skipped {len(skipped)} unreadable image(s): {', '.join(skipped[:5])}")
+            log.warning(f"skipped {len(skipped)} unreadable image(s): {', '.join(skipped[:5])}")
         if not good:
             raise UsageError(f"no readable images under {root}")
         for i in range(0, len(good), batch_size):

@@ -17,12 +17,12 @@ import csv
 import dataclasses
 import gzip
 import io
+import logging
 import math
 import pickle
 import random
 import signal
 import struct
-import sys
 import tarfile
 import zlib
 from dataclasses import dataclass, field
@@ -43,6 +43,8 @@ from ..safety import open_regular
 from .image import (_PIL_INTERP, BadSample, DecodedFiles, ImageDecodeError, load_image, replicate_channels, resize_float,
                     sample_geometry, to_uint8_tensor)
 from .shards import ShardDataset, fetch_small
+
+log = logging.getLogger(__name__)
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
 # Zalando's own repository, over https; the MD5s are the ones the dataset publishes (its README, torchvision).
@@ -394,7 +396,7 @@ def _report_bad(bad: list[BadSample]) -> int:
     for b in bad:
         if b.name not in _REPORTED:
             _REPORTED.add(b.name)
-            print(f"vitkit: skipped an undecodable image, {b.name}: {b.reason}", file=sys.stderr, flush=True)
+            log.warning(f"skipped an undecodable image, {b.name}: {b.reason}")
     return len(bad)
 
 

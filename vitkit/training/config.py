@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -13,6 +13,8 @@ from typing import Any, get_type_hints
 from ..data.augment import AugConfig
 from ..errors import UsageError
 from ..safety import parse_json, parse_yaml, read_bytes, untrusted
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -323,8 +325,8 @@ def apply_overrides(cfg: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     name = overrides.get("model.name")
     if name is not None and str(name) != cfg.model.name and cfg.model.overrides:
         dropped = ", ".join(f"{k}={v!r}" for k, v in cfg.model.overrides.items())
-        print(f"vitkit: model.name={name} replaces {cfg.model.name}: its model overrides are dropped ({dropped}); "
-              f"set model.overrides.KEY=V for any you want", file=sys.stderr)
+        log.warning(f"model.name={name} replaces {cfg.model.name}: its model overrides are dropped ({dropped}); "
+                    f"set model.overrides.KEY=V for any you want")
         cfg.model.overrides = {}
     for key, value in overrides.items():
         parts = key.split(".")

@@ -179,11 +179,15 @@ def apply_lora(model: nn.Module, rank: int, *, alpha: float | None = None, dropo
             adapt, slices = _plan(names, targets)
             if not adapt or not isinstance(lin, Linear):
                 continue
-            part = lin.out_features // len(names)
+            if slices is not None and getattr(module, "num_kv_groups", 1) > 1:
+                raise UsageError(f"LoRA targets q/k/v on {name}: its grouped-query attention has fewer key/value rows "
+                                 f"than query rows; give target qkv (the fused projection whole)")
+            parts = 1 if slices is None else len(names)  # one adapter over all rows: any row layout (GQA's too)
+            part = lin.out_features // parts
             if rank > min(lin.in_features, part):
                 raise UsageError(f"LoRA rank {rank} exceeds {name}.{attr}'s smallest dimension "
                                  f"({min(lin.in_features, part)}): a rank that high adapts no less than training it whole")
-            plans.append((module, attr, f"{name}.{attr}" if name else attr, len(names), slices))
+            plans.append((module, attr, f"{name}.{attr}" if name else attr, parts, slices))
     if not plans:
         raise UsageError(f"LoRA targets {list(targets)} found nothing to adapt in this {type(model).__name__}: LoRA "
                          f"adapts the attention and MLP projections of a Transformer (ViT, its hybrids, Swin), not a CNN")

@@ -52,7 +52,7 @@ from .layers import (
     make_norm,
 )
 from .layers.attention import check_impl
-from .layers.block import Block
+from .layers.block import Block, ResPostBlock
 from .layers.mlp import lecun_normal_
 from .layers.packing import PackedBatch, as_packed
 from .layers.patch_embed import to_2tuple
@@ -102,9 +102,9 @@ def norm_layer(c: ViTConfig):
     return lambda dim: make_norm(c.norm, dim, c.norm_eps)
 
 
-def make_block(c: ViTConfig, drop_path: float) -> Block:
-    """One encoder block of the config `c`, its layers built here and handed to `Block` (in this order: the random
-    initialisation of a seeded model does not change)."""
+def make_block(c: ViTConfig, drop_path: float, index: int = 0) -> Block:
+    """Encoder block `index` of the config `c`, its layers built here and handed to `Block` (in this order: the
+    random initialisation of a seeded model does not change)."""
     rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens) if c.pos_embed == "relative" else None
     if rel is not None:
         rel.method = c.pos_resample
@@ -113,7 +113,7 @@ def make_block(c: ViTConfig, drop_path: float) -> Block:
     attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,
                      rel_pos=rel, qk_norm=c.qk_norm, inner_norm=c.attn_norm, norm_eps=c.norm_eps,
                      rope_prefix=c.num_prefix_tokens, k_bias=c.k_bias, proj_bias=c.proj_bias, rope_half=c.rope_half,
-                     norm_layer=norm_layer(c))
+                     norm_layer=norm_layer(c), num_kv_heads=c.kv_heads(index))
     ls1 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
     norm2 = norm_layer(c)(d)
     if c.mlp_layer == "swiglu":
@@ -121,7 +121,8 @@ def make_block(c: ViTConfig, drop_path: float) -> Block:
     else:
         mlp = Mlp(d, c.mlp_dim, act=c.act, drop=c.drop_rate, bias=c.proj_bias)
     ls2 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
-    return Block(norm1, attn, ls1, DropPath(drop_path), norm2, mlp, ls2, DropPath(drop_path))
+    block = ResPostBlock if c.res_post_norm else Block
+    return block(norm1, attn, ls1, DropPath(drop_path), norm2, mlp, ls2, DropPath(drop_path))
 
 
 class PreLogits(nn.Module):
@@ -169,7 +170,7 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         self.pos_drop = nn.Dropout(c.drop_rate)
         self.norm_pre = norm(c.embed_dim) if c.pre_norm else nn.Identity()
         dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]  # stochastic depth, linear over depth
-        self.blocks = nn.ModuleList(make_block(c, dpr[i]) for i in range(c.depth))
+        self.blocks = nn.ModuleList(make_block(c, dpr[i], i) for i in range(c.depth))
         self.norm = norm(c.embed_dim) if c.final_norm and not c.fc_norm else nn.Identity()
         self.fc_norm = norm(c.embed_dim) if c.fc_norm else nn.Identity()
         self.attn_pool = (AttentionPool(c.embed_dim, c.pool_heads or c.num_heads,

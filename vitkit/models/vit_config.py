@@ -18,6 +18,8 @@ CLASSIFIERS = ("token", "gap", "map")
 MLP_LAYERS = ("mlp", "swiglu")
 ROPES = (None, *ROPE_KINDS)
 ROPE_INDEXING = ("ij", "xy")
+# fields newer than the previous vitkit release, with their defaults: `to_dict` leaves them out when at the default
+_LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0}
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
@@ -95,6 +97,14 @@ class ViTConfig:
             square of the image's longer side and read the top-left part (timm's `pos_embed_ar_preserving`).
         naflex: the weights came from (or go to) a NaFlex model, timm's `NaFlexVit` or SigLIP 2's tower: a timm
             export writes a NaFlexVit (`embeds.*` names, a Linear patch embedding over (ph, pw, C) patches).
+        res_post_norm: residual post-norm: each branch reads the un-normed tokens and its output is normed before
+            the residual add, x + ls(norm1(attn(x))), x + ls(norm2(mlp(x))) (timm's Eva `use_post_norm`: EVA-02-CLIP-E
+            "enormous"; Swin V2's res-post-norm); the norms keep their names (norm1, norm2).
+        num_kv_heads: grouped-query attention (Sapiens2): this many key/value heads, each shared by
+            num_heads // num_kv_heads query heads (head h reads key/value head h // that); None: one per query
+            head. The fused qkv's rows are q (D), k and v (num_kv_heads x head width each).
+        kv_full_blocks: with num_kv_heads, the first and the last this many blocks keep one key/value head per query
+            head (Sapiens2: 8); 0: every block is grouped.
     """
 
     img_size: tuple[int, int] = (224, 224)
@@ -155,6 +165,9 @@ class ViTConfig:
     pos_resample: str = "bilinear"
     pos_resample_square: bool = False
     naflex: bool = False
+    res_post_norm: bool = False
+    num_kv_heads: int | None = None
+    kv_full_blocks: int = 0
     arch: str = "vit"
 
     def __post_init__(self) -> None:
@@ -214,6 +227,16 @@ class ViTConfig:
             raise UsageError("register tokens beside DeiT's distillation token: no published model has both")
         if self.embed_dim % self.num_heads:
             raise UsageError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
+        if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
+            raise UsageError(f"num_kv_heads {self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        if self.num_kv_heads == self.num_heads:  # one key/value head per query head: plain multi-head attention
+            self.num_kv_heads = None
+        if self.num_kv_heads is not None and self.rope == "mixed":
+            raise UsageError("num_kv_heads with rope='mixed': ROPE-ViT-Mixed's frequencies are per query head")
+        if self.kv_full_blocks < 0:
+            raise UsageError(f"kv_full_blocks must be >= 0, got {self.kv_full_blocks}")
+        if self.num_kv_heads is None:  # which blocks are grouped means nothing without grouping
+            self.kv_full_blocks = 0
         if self.hybrid_layers is not None:
             self.hybrid_layers = tuple(self.hybrid_layers)
             if any(n < 1 for n in self.hybrid_layers):
@@ -244,8 +267,20 @@ class ViTConfig:
     def num_tokens(self) -> int:
         return self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
 
+    def kv_heads(self, block: int) -> int | None:
+        """The key/value heads of block `block` (grouped-query attention), or None for one per query head."""
+        if self.num_kv_heads is None or not self.kv_full_blocks <= block < self.depth - self.kv_full_blocks:
+            return None
+        return self.num_kv_heads
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The flat dict every vitkit checkpoint carries. The fields added after the flat format's 59 are written
+        only when set, so that the previous vitkit reads every checkpoint that does not use them."""
+        d = asdict(self)
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
+        return d
 
     def options(self) -> list[str]:
         """The later-ViT options this config turns on, in words (for a run's one-line model description)."""
@@ -260,5 +295,7 @@ class ViTConfig:
               "patch norm" if self.patch_norm else "", "no projection biases" if not self.proj_bias else "",
               "no final norm" if not self.final_norm else "",
               "MAP head" if self.classifier == "map" else "", "quick GELU" if self.act == "quick_gelu" else "",
-              "distillation token" if self.distilled else ""]
+              "distillation token" if self.distilled else "",
+              "residual post-norm" if self.res_post_norm else "",
+              f"grouped-query attention ({self.num_kv_heads} key/value heads)" if self.num_kv_heads else ""]
         return [o for o in on if o]

@@ -1,8 +1,9 @@
 """Multi-head self-attention (Sec. 3.1, App. A) with an optional learned relative-position bias (App. D.4).
 
 The later ViTs' options, each off by default: qk-norm (a LayerNorm on every head's queries and keys, ViT-22B),
-a LayerNorm on the heads' output before the projection (EVA-02 CLIP's sub-LN) and 2-D rotary embeddings of the
-patch tokens' queries and keys (`rope.py`, EVA-02).
+a LayerNorm on the heads' output before the projection (EVA-02 CLIP's sub-LN), 2-D rotary embeddings of the
+patch tokens' queries and keys (`rope.py`, EVA-02) and grouped-query attention (fewer key/value heads than query
+heads, each shared by a group of query heads: Sapiens2).
 
 The fused kernel `F.scaled_dot_product_attention` is the default path; the explicit softmax path runs when
 the attention weights are asked for, and on CPU in bf16 where it is measured to be faster.
@@ -103,6 +104,11 @@ def check_impl(impl: str) -> str:
 class Attention(nn.Module):
     """Self-attention over tokens with a fused qkv projection: rows of `qkv.weight` are q, k, v, each head-major.
 
+    With `num_kv_heads` (grouped-query attention, GQA) there are fewer key and value heads than query heads: the
+    rows are q (num_heads x head_dim), then k and v (num_kv_heads x head_dim each), and query head h reads key/value
+    head h // (num_heads // num_kv_heads), as timm's `AttentionRope` (whose separate q_proj, k_proj and v_proj are
+    these three row blocks).
+
     `impl` ("auto", "sdpa", "explicit", `ATTENTION_IMPLS`): how this layer computes the attention; an attribute of
     the instance, so that one model's choice is not another's."""
 
@@ -123,6 +129,7 @@ class Attention(nn.Module):
         proj_bias: bool = True,
         rope_half: bool = False,
         norm_layer=None,
+        num_kv_heads: int | None = None,
         impl: str = "auto",
     ) -> None:
         super().__init__()
@@ -131,11 +138,16 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_kv_heads < 1 or num_heads % self.num_kv_heads:
+            raise UsageError(f"num_kv_heads {num_kv_heads} does not divide num_heads {num_heads}")
+        self.num_kv_groups = num_heads // self.num_kv_heads  # query heads per key/value head (1: plain MHA)
+        kv = self.num_kv_heads * self.head_dim
         # EVA-02's keys have no bias: the query and value biases are then parameters of their own (timm Eva's names)
         split_bias = qkv_bias and not k_bias
-        self.qkv = Linear(dim, 3 * dim, bias=qkv_bias and not split_bias)
+        self.qkv = Linear(dim, dim + 2 * kv, bias=qkv_bias and not split_bias)
         self.q_bias = nn.Parameter(torch.zeros(dim)) if split_bias else None
-        self.v_bias = nn.Parameter(torch.zeros(dim)) if split_bias else None
+        self.v_bias = nn.Parameter(torch.zeros(kv)) if split_bias else None
         self.attn_drop = attn_drop
         self.proj = Linear(dim, dim, bias=proj_bias)  # AIMv2: no bias
         self.proj_drop = nn.Dropout(proj_drop)
@@ -150,11 +162,11 @@ class Attention(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # Official init: xavier-uniform on each of the (D, D) q/k/v/out kernels, zero biases.
-        d = self.proj.in_features
+        # Official init: xavier-uniform on each of the q, k, v ((D, D) each without GQA) and out kernels, zero biases.
+        d, kv = self.proj.in_features, self.num_kv_heads * self.head_dim
         with torch.no_grad():
-            for i in range(3):
-                nn.init.xavier_uniform_(self.qkv.weight[i * d : (i + 1) * d])
+            for start, rows in ((0, d), (d, kv), (d + kv, kv)):
+                nn.init.xavier_uniform_(self.qkv.weight[start : start + rows])
             if self.qkv.bias is not None:
                 self.qkv.bias.zero_()
         nn.init.xavier_uniform_(self.proj.weight)
@@ -196,16 +208,21 @@ class Attention(nn.Module):
         if self.q_bias is None:
             qkv = self.qkv(x)
         else:  # (q_bias, 0, v_bias)
-            bias = torch.cat([self.q_bias, torch.zeros_like(self.q_bias), self.v_bias])
+            bias = torch.cat([self.q_bias, torch.zeros_like(self.v_bias), self.v_bias])
             qkv = self.qkv._linear(x, self.qkv.weight, self.qkv.weight, bias)
-        q, k, v = qkv.split(D, dim=-1)  # each (B, T, D)
-        q, k, v = (t.view(B, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # each (B, H, T, hd)
+        kv = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([D, kv, kv], dim=-1)  # (B, T, D), (B, T, kv), (B, T, kv); kv = D without GQA
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k, v = (t.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))  # each (B, Hkv, T, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             p = self.rope_prefix
             q = torch.cat([q[:, :, :p], apply_rope(q[:, :, p:], *rope, half=self.rope_half)], dim=2)
             k = torch.cat([k[:, :, :p], apply_rope(k[:, :, p:], *rope, half=self.rope_half)], dim=2)
+        if self.num_kv_groups > 1:  # query head h reads key/value head h // groups: (B, Hkv, T, hd) -> (B, H, T, hd)
+            k = k.repeat_interleave(self.num_kv_groups, dim=1)
+            v = v.repeat_interleave(self.num_kv_groups, dim=1)
         if queries is not None:  # the other tokens' q costs one D x D matmul of a block's twelve: kept, so that
             q = q[:, :, :queries]  # the projection stays one (packable) Linear; (B, H, Q, hd)
         Q = q.shape[2]

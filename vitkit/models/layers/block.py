@@ -1,7 +1,8 @@
 """One pre-norm encoder block (Eq. 2-3 of arXiv 2010.11929): x + MSA(LN(x)), then x + MLP(LN(x)).
 
-The block is built from the layers it is handed (the model's factory, `vit.make_block`, picks them from the config):
-two norms, the attention, the MLP, and on each residual branch a LayerScale (or Identity) and a DropPath.
+The block is built from the layers it is handed (the model's factory, `vit_layers.make_block`, picks them from the
+config): two norms, the attention, the MLP, and on each residual branch a LayerScale (or Identity) and a DropPath.
+`ResPostBlock` is the same block with the norms moved onto the residual branches' outputs (`res_post_norm`).
 """
 from __future__ import annotations
 
@@ -55,3 +56,21 @@ class Block(nn.Module):
         if grid is not None and self.attn.rel_pos is not None and is_fx_tracing():  # the bias's table for the grid
             return _attention_at(self.attn, x, grid, rope, mask)
         return self.attn(x, grid=grid, rope=rope, mask=mask)
+
+
+class ResPostBlock(Block):
+    """The residual post-norm block (Swin V2's res-post-norm; timm's `EvaBlockPostNorm`, EVA-02-CLIP-E "enormous"):
+    each branch reads the un-normed stream and its output is normed before the residual add,
+    x + drop_path1(ls1(norm1(attn(x)))), then x + drop_path2(ls2(norm2(mlp(x)))). The same layers and names as
+    `Block`."""
+
+    def forward(self, x: torch.Tensor, return_attention: bool = False, queries: int | None = None,
+                grid: tuple[int, int] | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None):
+        """As `Block.forward`: (B, T, D) -> (B, T, D) (or (B, queries, D)), with the softmax weights if asked."""
+        y = self._attend(x, return_attention, queries, grid, rope, mask)
+        if return_attention:
+            y, attn = y
+        x = (x if queries is None else x[:, :queries]) + self.drop_path1(self.ls1(self.norm1(y)))  # (B, T or queries, D)
+        x = x + self.drop_path2(self.ls2(self.norm2(self.mlp(x))))
+        return (x, attn) if return_attention else x

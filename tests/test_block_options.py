@@ -1,0 +1,144 @@
+"""Two block options: residual post-norm (`res_post_norm`) and grouped-query attention (`num_kv_heads`,
+`kv_full_blocks`), against timm's own outputs (tests/fixtures/block_options, made by make_block_options.py) and
+against plain multi-head attention with each key/value head copied to its group."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vitkit
+from vitkit.errors import UsageError
+from vitkit.models.lora import apply_lora
+from vitkit.models.registry import build_model
+from vitkit.models.vit_config import ViTConfig
+from vitkit.checkpoints.io import read_safetensors
+
+FIXTURES = Path(__file__).parent / "fixtures" / "block_options"
+
+# vitkit's config of each fixture's timm model (the README there names timm's arguments)
+CONFIGS = {
+    "timm_post_norm": dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, mlp_dim=96, num_classes=5,
+                           k_bias=False, res_post_norm=True),
+    "timm_gqa": dict(img_size=(16, 12), patch_size=4, embed_dim=32, depth=3, num_heads=4, mlp_dim=128, num_classes=5,
+                     num_kv_heads=2, kv_full_blocks=1, qk_norm=True, norm="rmsnorm", reg_tokens=2, init_values=0.5,
+                     pos_embed="none", rope="dinov3", rope_temperature=100.0, rope_half=True),
+}
+
+
+def timm_eva_to_vitkit(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """timm Eva's names -> vitkit's, for these fixtures: separate q/k/v projections fused into qkv (rows q, k, v),
+    gamma_1/gamma_2 -> ls1/ls2.gamma, pos_embed -> pos_embed.weight; every other name is the same."""
+    out, parts = {}, {}
+    for k, v in sd.items():
+        m = re.fullmatch(r"(blocks\.\d+\.attn\.)([qkv])_proj\.(weight|bias)", k)
+        if m:
+            parts.setdefault((m[1], m[3]), {})[m[2]] = v
+            continue
+        out["pos_embed.weight" if k == "pos_embed" else re.sub(r"\.gamma_([12])$", r".ls\1.gamma", k)] = v
+    for (prefix, kind), qkv in parts.items():
+        out[f"{prefix}qkv.{kind}"] = torch.cat([qkv["q"], qkv["k"], qkv["v"]])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_timm(name):
+    folder = FIXTURES / name
+    sd, _ = read_safetensors(folder / "model.safetensors")
+    model = build_model(ViTConfig(**CONFIGS[name])).eval()
+    model.load_state_dict(timm_eva_to_vitkit(sd), strict=True)
+    x = torch.from_numpy(np.load(folder / "input.npy"))
+    with torch.no_grad():
+        feats, logits = model.forward_features(x), model(x)
+    assert (feats - torch.from_numpy(np.load(folder / "features.npy"))).abs().max() <= 1e-4
+    assert (logits - torch.from_numpy(np.load(folder / "logits.npy"))).abs().max() <= 1e-4
+    # the fixture's timm model has what the config says: grouped key/value heads in the middle block only
+    if name == "timm_gqa":
+        assert json.loads((folder / "config.json").read_text())["model_args"]["num_kv_heads"] == [4, 2, 4]
+        assert [b.attn.num_kv_heads for b in model.blocks] == [4, 2, 4]
+
+
+def _gqa_and_mha(**kw) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A GQA model (6 query heads, 2 key/value heads of width 8), and a plain one whose key/value heads are the GQA
+    model's, each copied to the 3 query heads of its group (head h reads key/value head h // 3)."""
+    base = dict(img_size=24, patch_size=8, embed_dim=48, depth=2, num_heads=6, mlp_dim=64, num_classes=3,
+                qk_norm=True, rope="eva", **kw)
+    torch.manual_seed(0)
+    gqa = build_model(ViTConfig(**base, num_kv_heads=2)).eval()
+    mha = build_model(ViTConfig(**base)).eval()
+    with torch.no_grad():
+        gqa.head.weight.normal_()  # a head that is not zero, so that the logits say something
+
+    def per_query_head(t: torch.Tensor) -> torch.Tensor:  # (2 * 8, ...) -> (6 * 8, ...)
+        return t.unflatten(0, (2, 8)).repeat_interleave(3, dim=0).flatten(0, 1)
+
+    sd = {}
+    for k, v in gqa.state_dict().items():
+        if k.endswith((".attn.qkv.weight", ".attn.qkv.bias")):
+            q, k_rows, v_rows = v.split([48, 16, 16])
+            v = torch.cat([q, per_query_head(k_rows), per_query_head(v_rows)])
+        elif k.endswith(".attn.v_bias"):
+            v = per_query_head(v)
+        sd[k] = v
+    mha.load_state_dict(sd)
+    return gqa, mha
+
+
+@pytest.mark.parametrize("kw", [{}, dict(k_bias=False)], ids=["qkv_bias", "q_v_bias"])
+def test_gqa_is_mha_with_shared_heads(kw):
+    gqa, mha = _gqa_and_mha(**kw)
+    assert tuple(gqa.blocks[0].attn.qkv.weight.shape) == (48 + 2 * 16, 48)
+    x = torch.randn(2, 3, 24, 24, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(x), mha(x), rtol=0, atol=1e-5)  # the class-token-only last block
+        a, b = gqa.forward_intermediates(x, attention=True), mha.forward_intermediates(x, attention=True)
+        torch.testing.assert_close(a["features"], b["features"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(a["attention"][1], b["attention"][1], rtol=0, atol=1e-5)  # the explicit path
+        imgs = [x[0], x[1, :, :16, :]]
+        torch.testing.assert_close(gqa(imgs), mha(imgs), rtol=0, atol=1e-5)  # a packed batch
+
+
+def test_gqa_blocks_and_config():
+    c = ViTConfig(embed_dim=64, depth=6, num_heads=8, num_kv_heads=2, kv_full_blocks=2)
+    assert [c.kv_heads(i) for i in range(6)] == [None, None, 2, 2, None, None]
+    assert ViTConfig(num_kv_heads=12).num_kv_heads is None  # as many as the query heads: plain attention
+    assert ViTConfig(kv_full_blocks=3).kv_full_blocks == 0  # nothing grouped: nothing to keep full
+    with pytest.raises(UsageError, match="num_kv_heads 5 does not divide num_heads 12"):
+        ViTConfig(num_kv_heads=5)
+    with pytest.raises(UsageError, match="rope='mixed'"):
+        ViTConfig(num_kv_heads=4, rope="mixed")
+    with pytest.raises(UsageError, match="kv_full_blocks"):
+        ViTConfig(num_kv_heads=4, kv_full_blocks=-1)
+    gqa, _ = _gqa_and_mha()
+    with pytest.raises(UsageError, match="grouped-query"):
+        apply_lora(gqa, 4, targets=("q", "v"))
+    assert apply_lora(gqa, 4, targets=("qkv",))  # the fused projection whole: any row layout
+
+
+def test_post_norm_block_order():
+    """x + norm1(attn(x)): the norm on the branch's output (its weight scales the attention's output), not its
+    input."""
+    c = dict(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, mlp_dim=32, num_classes=0)
+    torch.manual_seed(0)
+    m = build_model(ViTConfig(**c, res_post_norm=True)).eval()
+    blk, x = m.blocks[0], torch.randn(2, 5, 32)
+    with torch.no_grad():
+        blk.norm1.weight.mul_(3)
+        h = x + blk.norm1(blk.attn(x))
+        torch.testing.assert_close(blk(x), h + blk.norm2(blk.mlp(h)), rtol=0, atol=0)
+
+
+def test_options_save_and_load(tmp_path):
+    torch.manual_seed(0)
+    cfg = ViTConfig(img_size=16, patch_size=8, embed_dim=32, depth=3, num_heads=4, mlp_dim=32, num_classes=3,
+                    num_kv_heads=1, kv_full_blocks=1, res_post_norm=True)
+    m = build_model(cfg).eval()
+    back = vitkit.load(vitkit.save(m, tmp_path / "m.safetensors")).eval()
+    assert back.config == cfg
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(back(x), m(x))

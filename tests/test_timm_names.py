@@ -26,6 +26,7 @@ DOC = Path(__file__).parents[1] / "docs" / "timm.md"
 # What vitkit does not implement, by timm's name -> words the refusal must carry (its family). Every other name must
 # build with timm's count: a name that stops building, or starts to, fails here.
 REFUSED = {
+    r"^(vit_s?relpos_|test_vit_relpos)": "ViT-RelPos: a position bias an MLP computes", r"^samvit_": "SAM's ViT",
     r"^beit3_": "BEiT-3", r"^eva02_enormous": "post-norm", r"^naflexvit_.*_(parfac|radio)": "factorized",
     r"^resnetv2_\d+(d|t|d_\w+)?$": "other than BiT", r"_rpn_": "res-post-norm", r"_(xp|pwee)_": "ParallelScalingBlock",
     r"_18x2_": "ParallelThingsBlock", r"_(dlittle|dwee|dpwee)_": "differential attention",
@@ -67,7 +68,7 @@ def _counts(model) -> tuple[int, int]:
 
 
 def test_every_timm_name_builds_with_timms_count_or_is_refused_by_family():
-    assert len(ARCHS) == 292 and all("params" in e["built"] for e in ARCHS.values())
+    assert len(ARCHS) == 317 and all("params" in e["built"] for e in ARCHS.values())
     wrong, built = {}, []
     with _meta_without_init():
         for name, entry in sorted(ARCHS.items()):
@@ -82,7 +83,7 @@ def test_every_timm_name_builds_with_timms_count_or_is_refused_by_family():
                 wrong[name] = (got, want)
             built.append(name)
     assert not wrong
-    assert len(built) == 246
+    assert len(built) == 253  # 246 of the six modules vitkit read first, and BEiT's 7
 
 
 @pytest.mark.parametrize("name", COMMON)
@@ -197,11 +198,14 @@ def test_a_timm_name_with_checkpoint_path(tmp_path):
 
 
 def test_names_vitkit_does_not_build_say_why():
-    with pytest.raises(UsageError, match=r"^timm's samvit_base_patch16 \(SAM's ViT: windowed attention with relative "
-                                         r"positions\) is not one vitkit implements"):
+    with pytest.raises(UsageError, match=r"^timm's samvit_base_patch16 \(SAM's ViT: windowed attention with decomposed "
+                                         r"relative positions and a convolutional neck; vitkit does not implement "
+                                         r"it\) is not one vitkit implements"):
         vitkit.create_model("samvit_base_patch16")
-    with pytest.raises(UsageError, match=r"timm's beit_base_patch16_224 \(BEiT"):
-        vitkit.create_model("beit_base_patch16_224")
+    with pytest.raises(UsageError, match=r"timm's vit_relpos_base_patch16_224 \(ViT-RelPos: .*RelPosMlp"):
+        vitkit.create_model("vit_relpos_base_patch16_224")
+    with pytest.raises(UsageError, match=r"timm's cait_s24_224 \(CaiT"):  # a family outside timm_archs.json
+        vitkit.create_model("cait_s24_224")
     with pytest.raises(UsageError, match=r"unknown model 'vit_base_patch16_225'.*did you mean vit_base_patch16_224"):
         vitkit.create_model("vit_base_patch16_225")
     with pytest.raises(UsageError, match="unknown model 'vit_z99'"):

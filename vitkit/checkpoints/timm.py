@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..models.resnet import backbone_stride
+from . import timm_beit
 from .io import CheckpointError, expect_shape, fuse
 import difflib
 
@@ -125,6 +126,8 @@ def _is_eva(keys) -> bool:
 
 
 def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    if timm_beit.is_timm_beit(w):  # timm's Beit: its relative position tables (`timm_beit.KEYS`)
+        return timm_beit.to_vitkit(w)
     w, facts, unused = dict(w), {"act": "gelu", "norm_eps": 1e-6}, []
     if "mask_token" in w:  # DINOv2's release: the masked-image-modelling token, unused by the backbone
         w.pop("mask_token")
@@ -192,6 +195,8 @@ def eva_style(config) -> bool:
 
 
 def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    if config.pos_embed == "relative":  # timm's Beit holds the relative position bias
+        return timm_beit.from_vitkit(sd, config)
     none_ok = config.pos_embed == "none" and (eva_style(config) or config.norm == "rmsnorm")  # Eva, AIMv2: optional
     if config.pos_embed != "learned_1d" and not none_ok:
         raise CheckpointError(f"timm's ViT holds a learned 1-D position embedding, not {config.pos_embed!r}")
@@ -281,6 +286,12 @@ def folder_config(c) -> dict:
     if c.patch_bias == c.pre_norm:
         raise CheckpointError("timm builds the patch embedding without bias exactly when there is a pre-norm (CLIP); "
                               f"this model has pre_norm={c.pre_norm} and patch_bias={c.patch_bias}")
+    if c.pos_embed == "relative":  # timm's Beit, every constructor argument in model_args
+        args = timm_beit.folder_args(c)
+        cfg.update(architecture="beit_base_patch16_224", num_features=c.embed_dim, global_pool=args["global_pool"],
+                   model_args=args)
+        cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": "patch_embed.proj", "classifier": "head"}
+        return cfg
     if eva_style(c):
         return _eva_folder_config(c, cfg)
     if c.norm == "rmsnorm":
@@ -437,12 +448,16 @@ ARCHS_FILE = Path(__file__).with_name("timm_archs.json")
 def registered_archs() -> dict[str, dict]:
     """{architecture: {module, class, kwargs, input_size, fixed_input_size}}: what each architecture timm registers
     in the families vitkit reads passes to its model class (`tests/fixtures/make_registry_sweep.py archs` captures
-    it from timm itself; layers are named, partials carry their keywords)."""
-    return json.loads(ARCHS_FILE.read_text())["archs"]
+    it from timm itself; layers are named, partials carry their keywords), with the modules read beside them
+    (`more_archs`: beit, vision_transformer_relpos, vision_transformer_sam)."""
+    doc = json.loads(ARCHS_FILE.read_text())
+    return {**doc["archs"], **doc.get("more_archs", {})}
 
 
-# The model classes' own defaults where they differ from VisionTransformer's (timm's Eva pools by the average).
-_CLASS_DEFAULTS = {"Eva": {"global_pool": "avg"}}
+# The model classes' own defaults where they differ from VisionTransformer's (timm's Eva and Beit pool by the average).
+_CLASS_DEFAULTS = {"Eva": {"global_pool": "avg"}, "Beit": timm_beit.CLASS_DEFAULTS}
+# timm's model classes vitkit implements; the others (VisionTransformerRelPos, VisionTransformerSAM) are refused
+TIMM_CLASSES = ("VisionTransformer", "VisionTransformerDistilled", "Eva", "NaFlexVit", "ResNetV2", "Beit")
 
 
 def timm_args(cfg: dict) -> tuple[str | None, dict]:
@@ -531,6 +546,9 @@ def folder_facts(cfg: dict) -> dict:
         facts["class_names"] = [str(labels[k]) for k in sorted(labels, key=int)]
     if arch.startswith("resnetv2") or cls == "ResNetV2":
         return {**facts, **_resnetv2_facts(arch, args, pre)}
+    if cls is not None and cls not in TIMM_CLASSES:
+        raise CheckpointError(f"timm's {arch} is a {cls}, a model class vitkit does not implement (vitkit: "
+                              f"{', '.join(TIMM_CLASSES)})")
     if _UNSUPPORTED_NAMES.match(arch):
         raise CheckpointError(f"timm's {arch} uses a rotary, factorized or patch scheme vitkit does not implement "
                               f"(vitkit: EVA-02's rotary embeddings, NaFlexVit's learned grid)")
@@ -573,6 +591,8 @@ def folder_facts(cfg: dict) -> dict:
     for key, ours in _MODEL_ARGS.items():
         if key in args:
             facts[ours] = args[key]
+    if "init_values" in facts and not facts["init_values"]:
+        facts["init_values"] = None  # timm's blocks have LayerScale only `if init_values` (0: none)
     if eva and "use_rot_pos_emb" in args:
         facts.update(_eva_rope_facts(arch, args))
     if eva and args.get("attn_pool_num_heads"):  # the Perception Encoder's pooling: its own head count
@@ -618,6 +638,9 @@ def folder_facts(cfg: dict) -> dict:
         raise CheckpointError(f"timm's {arch} averages the prefix tokens with the patches (pool_include_prefix), "
                               f"which vitkit does not implement (its 'avg' pools the patches alone)")
     only_default = _ONLY_DEFAULT if eva else {**_ONLY_DEFAULT, **_EVA_ONLY}  # what vitkit reads from an Eva alone
+    if cls == "Beit":  # its positions, pooling and key bias: its own arguments (timm_beit)
+        only_default = {k: v for k, v in only_default.items() if k not in timm_beit.ARGS}
+        facts.update(timm_beit.arg_facts(arch, args))
     for key, default in only_default.items():
         value = args.get(key, default)
         if value != default and value not in _SAME.get(key, ()):
@@ -689,6 +712,8 @@ def _vit_sizes(arch: str, cls: str | None, args: dict, facts: dict) -> dict:
     """The sizes and layout of a timm ViT (VisionTransformer, its distilled DeiT, Eva, NaFlexVit) from its constructor
     arguments and the class's defaults: what `infer_vit_config` reads from a file's tensors."""
     eva, naflex = cls == "Eva", cls == "NaFlexVit"
+    if cls == "Beit":
+        timm_beit.check_buildable(arch, args)
     if naflex and (args.get("swiglu_mlp") or not args.get("qkv_fused", True) or args.get("attn_gated")):
         raise CheckpointError(f"timm's {arch} is a NaFlexVit with EVA-style blocks (SwiGLU, unfused or gated "
                               f"attention), which vitkit does not implement")
@@ -700,7 +725,7 @@ def _vit_sizes(arch: str, cls: str | None, args: dict, facts: dict) -> dict:
                  "proj_bias": args.get("proj_bias", True)}
     mlp = args.get("mlp_layer")
     mlp = mlp.get("partial") if isinstance(mlp, dict) else mlp
-    if eva and args.get("swiglu_mlp"):
+    if (eva or cls == "Beit") and args.get("swiglu_mlp"):  # timm's SwiGLU of int(D * mlp_ratio) hidden units
         align = args.get("swiglu_align_to", 0)
         out.update(mlp_layer="swiglu", mlp_dim=hidden + (-hidden % align if align else 0))
     elif mlp in ("SwiGLUPacked", "GluMlp"):  # one fc1 of `hidden` rows: the gate and the value, half each
@@ -771,8 +796,9 @@ def architecture_facts(arch: str) -> dict:
     kw = entry["kwargs"]
     pre = {**entry.get("pretrained_cfg", {}), "input_size": entry.get("input_size")}
     facts = folder_facts({"architecture": arch, "pretrained_cfg": pre})
-    if kw.get("use_abs_pos_emb", True) and kw.get("pos_embed", "learn") != "none":
-        facts.pop("img_size", None)  # the position table's grid says it
+    absolute = kw.get("use_abs_pos_emb", True) and kw.get("pos_embed", "learn") != "none"
+    if absolute or kw.get("use_rel_pos_bias") or kw.get("use_shared_rel_pos_bias"):
+        facts.pop("img_size", None)  # the position table's grid says it (BEiT's relative table: a square one)
     return facts
 
 

@@ -31,14 +31,22 @@ _EVA_ARGS = {"img_size", "patch_size", "in_chans", "num_classes", "global_pool",
 _NOT_ARCH = {"drop_rate", "pos_drop_rate", "patch_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate",
              "weight_init", "fix_init", "dynamic_img_pad", "rope_shift_coords", "rope_jitter_coords",
              "rope_rescale_coords"}
+_BEIT_ARGS = {"img_size", "patch_size", "in_chans", "num_classes", "global_pool", "embed_dim", "depth", "num_heads",
+              "qkv_bias", "mlp_ratio", "swiglu_mlp", "scale_mlp", "norm_layer", "init_values", "use_abs_pos_emb",
+              "use_rel_pos_bias", "use_shared_rel_pos_bias", "use_fc_norm"}
 _RESNET_ARGS = {"layers", "channels", "in_chans", "num_classes", "width_factor", "stem_chs", "stem_type", "avg_down",
                 "preact", "basic", "bottle_ratio", "conv_layer", "norm_layer", "act_layer"}
 # vitkit's values of a field timm names the same (vitkit's pos_embed='learned_1d', mlp_layer='swiglu'): vitkit's
 _VITKIT_VALUES = {"pos_embed": ("learned_1d", "learned_2d", "sincos_2d", "relative"), "mlp_layer": ("mlp", "swiglu")}
 
 # timm's architectures of its ViT modules that vitkit refuses, by family: the translation refuses each (a
-# CheckpointError naming the argument); this names the family for the message and the table.
+# CheckpointError naming the argument or the model class); this names the family for the message and the table.
 REFUSED_FAMILIES = [
+    (r"^(vit_s?relpos_|test_vit_relpos)", "ViT-RelPos: a position bias an MLP computes from log-spaced offsets "
+                                          "(RelPosMlp), shared by all blocks in vit_srelpos, with res-post-norm "
+                                          "blocks in the _rpn_ ones; vitkit's relative bias is BEiT's learned table"),
+    (r"^samvit_", "SAM's ViT: windowed attention with decomposed relative positions and a convolutional neck; vitkit "
+                  "does not implement it"),
     (r"^beit3_", "BEiT-3: a norm inside the GELU MLP (Magneto's sub-LN)"),
     (r"^eva02_enormous", "EVA-02-E CLIP: post-norm blocks"),
     (r"^naflexvit_.*_(parfac|radio)", "NaFlexVit with factorized positions (RADIO, parfac)"),
@@ -53,8 +61,6 @@ REFUSED_FAMILIES = [
 ]
 # timm's ViT-like families outside the modules vitkit reads: refused by name, with what they add
 OTHER_FAMILIES = [
-    (r"^samvit_", "SAM's ViT: windowed attention with relative positions"),
-    (r"^beitv?2?_", "BEiT: a relative position bias in every block"),
     (r"^cait_", "CaiT: class-attention layers and talking heads"),
     (r"^xcit_", "XCiT: cross-covariance attention"),
     (r"^levit_", "LeViT: a convolutional stem and attention biases"),
@@ -140,7 +146,7 @@ def _refused(arch: str, reason: str) -> UsageError:
 def split_kwargs(arch: str, kwargs: dict) -> tuple[dict, dict]:
     """(timm's constructor arguments, the rest) of create_model's keywords for timm's `arch`."""
     cls = timm.cls_of(arch)
-    names = (_RESNET_ARGS if cls == "ResNetV2" else _EVA_ARGS if cls == "Eva" else
+    names = (_RESNET_ARGS if cls == "ResNetV2" else _EVA_ARGS if cls == "Eva" else _BEIT_ARGS if cls == "Beit" else
              (set(timm.registered_archs()[arch]["kwargs"]) | {"img_size", "in_chans", "num_classes"}) - _NOT_ARCH
              if cls == "NaFlexVit" else _VIT_ARGS)
     model_args, rest = {}, {}
@@ -175,4 +181,4 @@ def unknown(name: str) -> UsageError:
                           f"timm names vitkit builds")
     near = difflib.get_close_matches(name, list_models() + sorted(timm.registered_archs()), n=3, cutoff=0.7)
     return UsageError(f"unknown model {name!r}" + (f" (did you mean {', '.join(near)}?)" if near else "")
-                      + f"; `vitkit models` lists vitkit's names, `vitkit models --timm` timm's")
+                      + "; `vitkit models` lists vitkit's names, `vitkit models --timm` timm's")

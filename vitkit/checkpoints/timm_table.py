@@ -44,8 +44,9 @@ def markdown() -> str:
     by family."""
     all_rows = rows()
     ok = [r for r in all_rows if r["builds"]]
-    lines = [f"timm {timm_version()}: {len(all_rows)} architectures in the modules vision_transformer, "
-             f"vision_transformer_hybrid, deit, eva, naflexvit and resnetv2; vitkit builds {len(ok)}, each with timm's "
+    modules = sorted({e["module"] for e in timm.registered_archs().values()})
+    lines = [f"timm {timm_version()}: {len(all_rows)} architectures in the modules {', '.join(modules[:-1])} and "
+             f"{modules[-1]}; vitkit builds {len(ok)}, each with timm's "
              f"parameter count (`tests/test_timm_names.py`). Params: `timm.create_model(name)` with its default "
              f"tag's head (classes), and with `num_classes=0`. Made by `python -m vitkit.checkpoints.timm_table "
              f"--markdown`.", "", "| timm's name | classes | params | params (no head) | tags (the default first) |",

@@ -1,0 +1,172 @@
+"""timm's BEiT (`timm.models.beit`: BEiT, Bao et al. 2021; BEiT v2, Peng et al. 2022) <-> vitkit names: a ViT with a
+learned relative position bias in every block (App. D.4's bias, with BEiT's three entries for the class token's rows
+and columns), LayerScale, query and value biases without a key bias, and the mean of the patch tokens with a norm after
+it (timm's `global_pool='avg'`, `use_fc_norm`).
+
+The names map by one table, `KEYS` (timm's pattern -> vitkit's), read left to right to load and right to left to
+export. timm's shared table (`use_shared_rel_pos_bias`: `rel_pos_bias.*`, added to every block's bias) is summed into
+each block's own table: the same bias, and every resampling vitkit applies to a table is linear in it, so the sum
+stays the same function at other grids too. The index buffers older files keep (`relative_position_index`) are a
+function of the grid, rebuilt by the model.
+
+At another resolution than its own, timm resamples the relative table along a geometric progression
+(`resize_rel_pos_bias_table`); vitkit resamples it bilinearly (`pos_resample`): a file at its own grid, square or
+not, gives timm's outputs; at a resampled grid the two differ.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .io import CheckpointError, expect_shape
+
+# timm's name -> vitkit's. "{i}": a block's index; "{leaf}": weight or bias; "{fc}": a layer of the MLP (timm's Mlp:
+# fc1, fc2; its SwiGLU, `swiglu_mlp`: fc1_g, fc1_x, the hidden norm of `scale_mlp`, fc2, the names vitkit's has).
+KEYS: tuple[tuple[str, str], ...] = (
+    ("cls_token", "cls_token"),
+    ("pos_embed", "pos_embed.weight"),  # use_abs_pos_emb: (1, 1 + N, D), the class token's position first
+    ("patch_embed.proj.{leaf}", "patch_embed.proj.{leaf}"),
+    ("blocks.{i}.norm1.{leaf}", "blocks.{i}.norm1.{leaf}"),
+    ("blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.qkv.weight"),  # rows: q, k, v, each head-major
+    ("blocks.{i}.attn.q_bias", "blocks.{i}.attn.q_bias"),
+    ("blocks.{i}.attn.v_bias", "blocks.{i}.attn.v_bias"),
+    ("blocks.{i}.attn.relative_position_bias_table", "blocks.{i}.attn.rel_pos.table"),  # ((2gh-1)(2gw-1) + 3, H)
+    ("blocks.{i}.attn.proj.{leaf}", "blocks.{i}.attn.proj.{leaf}"),
+    ("blocks.{i}.gamma_1", "blocks.{i}.ls1.gamma"),
+    ("blocks.{i}.norm2.{leaf}", "blocks.{i}.norm2.{leaf}"),
+    ("blocks.{i}.mlp.{fc}.{leaf}", "blocks.{i}.mlp.{fc}.{leaf}"),
+    ("blocks.{i}.gamma_2", "blocks.{i}.ls2.gamma"),
+    ("norm.{leaf}", "norm.{leaf}"),  # after the blocks (token pooling, or use_fc_norm=False)
+    ("fc_norm.{leaf}", "fc_norm.{leaf}"),  # after the average (use_fc_norm)
+    ("head.{leaf}", "head.{leaf}"),
+)
+SHARED_TABLE = "rel_pos_bias.relative_position_bias_table"
+_SLOTS = {"i": r"\d+", "leaf": r"weight|bias", "fc": r"fc1_g|fc1_x|fc1|fc2|norm"}
+
+
+def _compile(pattern: str) -> re.Pattern:
+    parts = re.split(r"\{(\w+)\}", pattern)  # literal, slot, literal, ...
+    return re.compile("".join(re.escape(p) if n % 2 == 0 else f"(?P<{p}>{_SLOTS[p]})" for n, p in enumerate(parts)))
+
+
+_TO_VITKIT = [(_compile(theirs), ours) for theirs, ours in KEYS]
+_TO_TIMM = [(_compile(ours), theirs) for theirs, ours in KEYS]
+
+
+def rename(key: str, to: str = "vitkit") -> str | None:
+    """A timm BEiT name as vitkit's (`to="vitkit"`), or a vitkit name as timm's (`to="timm"`); None: not in `KEYS`."""
+    for pattern, out in _TO_VITKIT if to == "vitkit" else _TO_TIMM:
+        if m := pattern.fullmatch(key):
+            return out.format(**m.groupdict())
+    return None
+
+
+def is_timm_beit(keys) -> bool:
+    """timm's Beit: a relative position table in the blocks' attention, or one shared by all."""
+    return SHARED_TABLE in keys or any(re.fullmatch(r"blocks\.\d+\.attn\.relative_position_bias_table", k) for k in keys)
+
+
+def to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    """A timm Beit state dict -> (vitkit state dict, config facts, unused keys)."""
+    sd, unused = {}, []
+    for k, v in w.items():
+        if k.endswith("relative_position_index"):
+            unused.append(k)
+        elif k != SHARED_TABLE:
+            ours = rename(k)
+            if ours is None:
+                raise CheckpointError(f"timm BEiT key {k!r} is not one of timm's Beit (vitkit.checkpoints.timm_beit.KEYS)")
+            sd[ours] = v
+    if "blocks.0.mlp.norm.weight" in sd and "blocks.0.mlp.fc1.weight" in sd:
+        raise CheckpointError("timm's BEiT with scale_mlp and a GELU MLP (a norm inside it): vitkit has that norm "
+                              "inside SwiGLU only")
+    shared = w.get(SHARED_TABLE)
+    if shared is not None:  # one table for all blocks, added to each block's own: summed into each
+        for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("blocks.")}):
+            key = f"blocks.{i}.attn.rel_pos.table"
+            own = sd.get(key)
+            sd[key] = shared.clone() if own is None else expect_shape(key, own, tuple(shared.shape), "the shared "
+                                                                      "table's shape") + shared
+    relative = "blocks.0.attn.rel_pos.table" in sd
+    if relative and "pos_embed.weight" in sd:
+        raise CheckpointError("timm's BEiT with an absolute position embedding beside its relative position bias "
+                              "(use_abs_pos_emb with use_rel_pos_bias): vitkit's models have one kind")
+    facts: dict = {"act": "gelu", "norm_eps": 1e-6}  # timm's Beit: exact GELU, timm's LayerNorm (eps 1e-6)
+    if relative:
+        facts["pos_resample"] = "bilinear"  # vitkit's; timm's geometric progression is not one (the docstring)
+    return sd, facts, unused
+
+
+def from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """vitkit weights of a model with a relative position bias -> timm Beit names (`to_vitkit` read backwards). The
+    fused qkv bias an export hands over, (q, 0, v), is split into timm's query and value biases."""
+    if config.qkv_bias and config.k_bias:
+        raise CheckpointError("timm's Beit has query and value biases only; this model has a key bias (k_bias=True)")
+    out = {}
+    for k, v in sd.items():
+        if m := re.fullmatch(r"(blocks\.\d+\.attn\.)qkv\.bias", k):
+            q, key_bias, value = v.chunk(3)
+            if key_bias.any():
+                raise CheckpointError(f"{k}: a nonzero key bias, which timm's Beit has no place for")
+            out[m.group(1) + "q_bias"], out[m.group(1) + "v_bias"] = q, value
+            continue
+        theirs = rename(k, to="timm")
+        if theirs is None:
+            raise CheckpointError(f"{k!r} has no place in timm's Beit (a ViT with a relative position bias, a class "
+                                  f"token and no other prefix tokens, LayerNorm, no inner norms)")
+        out[theirs] = v
+    return out
+
+
+# ---- timm's constructor arguments --------------------------------------------------------------------------------
+
+# Beit's own arguments, read here; the others (sizes, qkv_bias, mlp_ratio, scale_mlp, init_values, norm_layer,
+# global_pool) are read as VisionTransformer's are. `head_init_scale` scales the head's initialisation alone.
+ARGS = {"use_abs_pos_emb": True, "use_rel_pos_bias": False, "use_shared_rel_pos_bias": False, "use_fc_norm": None,
+        "swiglu_mlp": False, "head_init_scale": 0.001}
+CLASS_DEFAULTS = {"global_pool": "avg"}
+
+
+def arg_facts(arch: str, args: dict) -> dict:
+    """vitkit config facts from timm Beit's constructor arguments, or a CheckpointError naming what vitkit does not
+    implement."""
+    relative = bool(args.get("use_rel_pos_bias") or args.get("use_shared_rel_pos_bias"))
+    absolute = bool(args.get("use_abs_pos_emb", True))
+    if relative and absolute:
+        raise CheckpointError(f"timm's {arch} has an absolute position embedding beside its relative position bias "
+                              f"(use_abs_pos_emb with use_rel_pos_bias): vitkit's models have one kind")
+    pool = args.get("global_pool", CLASS_DEFAULTS["global_pool"])
+    fc_norm = args["use_fc_norm"] if args.get("use_fc_norm") is not None else pool == "avg"
+    if fc_norm and pool != "avg":
+        raise CheckpointError(f"timm's {arch} normalises after {pool!r} pooling; vitkit's fc_norm follows the average "
+                              f"alone")
+    facts = {"pos_embed": "relative" if relative else "learned_1d" if absolute else "none", "k_bias": False,
+             "class_token": True, "fc_norm": bool(fc_norm), "final_norm": True, "rope": None, "rope_ref_grid": None}
+    if relative:
+        facts["pos_resample"] = "bilinear"
+    return facts
+
+
+def check_buildable(arch: str, args: dict) -> None:
+    """What vitkit builds as timm does, parameter for parameter: not one table shared by all blocks."""
+    if args.get("use_shared_rel_pos_bias"):
+        raise CheckpointError(f"timm's {arch} with use_shared_rel_pos_bias=True has one relative table for all "
+                              f"blocks; vitkit's blocks have one each (a file of it loads: the shared table summed "
+                              f"into every block's)")
+
+
+def folder_args(c) -> dict:
+    """timm Beit's constructor arguments for a vitkit config with a relative position bias (every one spelled out,
+    so the registered architecture's own do not count)."""
+    if c.classifier not in ("token", "gap"):
+        raise CheckpointError(f"timm's Beit pools the class token or the patches' average, not {c.classifier!r}")
+    ratio = c.mlp_dim / c.embed_dim
+    if int(c.embed_dim * ratio) != c.mlp_dim:
+        raise CheckpointError(f"timm's Beit computes its MLP width as int(D * mlp_ratio), which cannot give {c.mlp_dim}")
+    return {"img_size": list(c.img_size), "patch_size": list(c.patch_size), "in_chans": c.in_chans,
+            "num_classes": c.num_classes, "embed_dim": c.embed_dim, "depth": c.depth, "num_heads": c.num_heads,
+            "mlp_ratio": ratio, "qkv_bias": c.qkv_bias, "swiglu_mlp": c.mlp_layer == "swiglu", "scale_mlp": c.mlp_norm,
+            "init_values": c.init_values, "use_abs_pos_emb": False, "use_rel_pos_bias": True,
+            "use_shared_rel_pos_bias": False, "use_fc_norm": c.fc_norm,
+            "global_pool": "avg" if c.classifier == "gap" else "token"}

@@ -1,3 +1,4 @@
+import math
 import os
 import socket
 import threading
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from vitkit import log as vitkit_log
+from vitkit.machine import threads as thread_policy
 
 FIXTURES = Path(os.environ.get("VITKIT_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 FIXTURES_HERE = Path(__file__).resolve().parent / "fixtures"  # made by tests/fixtures/make_timm_fixtures.py
@@ -16,6 +18,12 @@ FIXTURES_HERE = Path(__file__).resolve().parent / "fixtures"  # made by tests/fi
 # that two workers on a 2-core machine do not run four GEMM threads.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads() // WORKERS)))
+
+# The thread policy (vitkit.machine.threads) reads the machine's load, which tests do not control: the thread count
+# stays the one above, and a choice measured while other workers ran is cached as on a quiet machine.
+# tests/test_threads.py turns both on with readings of its own.
+thread_policy.ADAPT = False
+thread_policy.BUSY_LIMIT = math.inf
 
 # vitkit's messages (`vitkit.log`) on stderr as the command shows them, in every test and whatever ran before: a test
 # reads a library call's warning from capsys as a user of the command would see it (tests/test_log.py checks both ways).

@@ -44,6 +44,7 @@ from ..errors import UsageError, VitkitError
 from ..evaluation.metrics import check_tta, tta_log_probs
 from ..machine.device import resolve_device
 from ..machine.precision import autocast
+from ..machine.threads import Governor
 from ..models.layers.packing import pack
 from ..cache import WriteError, check_output, open_output, write_failure
 from ..download import sha256_of
@@ -318,6 +319,8 @@ def predict_batches(model: nn.Module, inputs: Inputs, *, top_k: int = 5, batch_s
         batches ahead (the memory bound: never more decoded images than those batches and the one in the model).
     stop: polled while waiting for a slow input; when it answers True, `Stopped` is raised.
     tta, precision, max_patches: as `predict`.
+    On the CPU, torch's thread count follows the cores other processes leave, batch by batch
+    (`vitkit.machine.threads.Governor`), and is put back at the end.
     """
     check_tta(tta)  # before any image is read
     if batch_size < 1:
@@ -329,6 +332,7 @@ def predict_batches(model: nn.Module, inputs: Inputs, *, top_k: int = 5, batch_s
     model.eval()
     prefetch = _Prefetch(_Decoder(inputs, c, max_patches), batch_ranges(len(inputs), batch_size, start),
                          max(0, num_workers), depth=max(2, num_workers), stop=stop)
+    governor = Governor() if torch.device(device).type == "cpu" else None
     try:
         for indices, decoded in prefetch:
             good = [(pos, x) for pos, x in enumerate(decoded) if isinstance(x, torch.Tensor)]
@@ -339,6 +343,8 @@ def predict_batches(model: nn.Module, inputs: Inputs, *, top_k: int = 5, batch_s
                     x = pack([t for _, t in good], tuple(c.patch_size), length=max_patches).to(device)
                 else:
                     x = transform(torch.stack([t for _, t in good])).to(device)  # the checkpoint's eval transform
+                if governor is not None:
+                    governor.step()
                 with autocast(precision, device):
                     probs = tta_log_probs(model, x, tta).float().exp().cpu().numpy()  # (B, K)
                 tops = {pos: top_classes(p, names, top_k) for (pos, _), p in zip(good, probs)}
@@ -346,6 +352,8 @@ def predict_batches(model: nn.Module, inputs: Inputs, *, top_k: int = 5, batch_s
                    {"image": inputs.names[i], "error": decoded[pos]} for pos, i in enumerate(indices)]
     finally:
         prefetch.close()
+        if governor is not None:
+            governor.close()
 
 
 def predict(model: nn.Module, images: Sequence[str | Path], top_k: int = 5, batch_size: int = 32, tta: str = "none",

@@ -22,7 +22,10 @@ instead of the caller); the compiled engine, torch's own, in this one, interleav
 rounds (three for a call over half a second), each repeating the call until it lasts MIN_ROUND_S, the median round
 its rate; torch-fp32 and torch-bf16 in the same rounds, interleaved, and torch-bf16 kept only where it is clearly
 the faster (`vitkit.machine.precision.decide`: a median per-round speed-up of BF16_MARGIN, the faster in most rounds). On a
-CPU without native bf16 the bf16 engines are not timed unless bf16 is asked for by name. The measurements are cached per machine (CPU, ISA caps, torch, threads), installed engine
+CPU without native bf16 the bf16 engines are not timed unless bf16 is asked for by name. Eager runs at the thread count
+the load allows (`vitkit.machine.threads`); a measurement during which other processes used the CPU decides for this
+run only, uncached, and an exported engine that wins it must beat eager again side by side in this process
+(`side_by_side`). The measurements are cached per machine (CPU, ISA caps, torch, threads), installed engine
 versions, model weights and batch in $VITKIT_HOME/backends/<machine>.json, and the ONNX export and the compiled
 packages (made by the `export` function the caller hands in: `vitkit.inference.backends.export_for`) in
 $VITKIT_HOME/backends/exports/, so each model is measured, exported and compiled once per machine.
@@ -46,6 +49,7 @@ from ..cache import cache_dir, read_json_cache, write_json_cache
 from ..errors import CheckpointError, UsageError
 from ..safety import untrusted
 from . import aoti, cpu, engine_probe
+from . import threads as thread_policy
 from . import precision as probe  # called through the module: tests patch probe.bf16_support
 from .fast_linear import pack_linears
 
@@ -241,7 +245,8 @@ def _probe_child(backend: str, precision: str, path: Path, x: np.ndarray, thread
 
 def measure(model: nn.Module, batch: int, *, threads: int | None = None, tolerance: float = TOLERANCE,
             candidates: tuple[str, ...] = CANDIDATES, digest: str | None = None, log=None,
-            force_bf16: bool = False, export: Exporter | None = None) -> list[Candidate]:
+            force_bf16: bool = False, export: Exporter | None = None,
+            watch: thread_policy.LoadWatch | None = None) -> list[Candidate]:
     """Every candidate's img/s at `batch` and its difference from fp32 eager on the calibration batch.
 
     The in-process candidates (torch-fp32, torch-bf16, the compiled aoti-fp32 and aoti-bf16) are timed together, in
@@ -249,8 +254,11 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
     `precision.decide` finds it clearly faster than torch-fp32 (the median per-round speed-up at least
     precision.BF16_MARGIN, the faster in most rounds). On a CPU without native bf16 (`precision.bf16_support`) the
     bf16 candidates are not timed (nor compiled; torch-bf16's logits are still compared), unless `force_bf16` (bf16
-    asked for by name)."""
-    threads = threads or torch.get_num_threads()
+    asked for by name). The in-process candidates run at torch's thread count; ONNX Runtime and OpenVINO, which keep
+    their own pools, at `threads` or the count torch had before any governor lowered it (`threads.ceiling`), as they
+    will run. `watch` (a `threads.LoadWatch`) is handed every timed stretch: what other processes used meanwhile."""
+    pool = threads or thread_policy.ceiling()
+    watch = watch or thread_policy.LoadWatch()
     x = calibration_batch(model, batch)
     table = [Candidate(n) for n in CANDIDATES if n in candidates]
     ref: np.ndarray | None = None
@@ -288,7 +296,8 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
                     if onnx_file is None:
                         say("exporting to ONNX for the onnx and openvino candidates (once per model) ...")
                         onnx_file = export(model, digest, "onnx", batch)
-                    c.rate, y = _probe_child(c.backend, c.precision, onnx_file, x, threads, timeout=600)
+                    with watch.window():
+                        c.rate, y = _probe_child(c.backend, c.precision, onnx_file, x, pool, timeout=600)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is not a candidate
                 c.rate, c.skipped = 0.0, f"failed: {str(e).splitlines()[0][:160] if str(e) else type(e).__name__}"
                 inproc.pop(c.name, None)
@@ -311,7 +320,8 @@ def measure(model: nn.Module, batch: int, *, threads: int | None = None, toleran
         rounds: dict[str, list[float]] = {}
         with torch.random.fork_rng():
             try:
-                rounds = engine_probe.interleaved_rounds(inproc) if inproc else {}
+                with watch.window():
+                    rounds = engine_probe.interleaved_rounds(inproc) if inproc else {}
             except Exception as e:  # noqa: BLE001 - a candidate that fails while timed is not a candidate
                 for c in table:
                     if c.name in inproc:
@@ -357,9 +367,12 @@ def choose(model: nn.Module, batch: int, *, threads: int | None = None, toleranc
            candidates: tuple[str, ...] = CANDIDATES, refresh: bool = False, log=None,
            force_bf16: bool = False, export: Exporter) -> BackendChoice:
     """The fastest engine within `tolerance` of fp32 eager for `model` at `batch` on this machine (measured once per
-    machine, engine versions, weights and batch, then read from the cache)."""
+    machine, engine versions, weights and batch, then read from the cache). Without `threads`, at the thread count
+    the load allows now (`threads.settle`: every thread on a quiet machine). A measurement during which other
+    processes used the CPU (`threads.LoadWatch`) decides for this run only: it is not cached, and a line says so;
+    an exported engine that wins it is then timed again beside eager (`side_by_side`), never picked if slower."""
     pb = max(1, min(batch, PROBE_BATCH))
-    threads = threads or torch.get_num_threads()
+    given, threads = threads, threads or thread_policy.settle()
     digest = weights_digest(model)
     versions = {b: installed(b) for b in ("torch", "aoti", "onnx", "openvino")}
     key = json.dumps([CACHE_VERSION, digest, pb, threads, tolerance, sorted(candidates), versions]
@@ -369,18 +382,53 @@ def choose(model: nn.Module, batch: int, *, threads: int | None = None, toleranc
     cached = key in known and not refresh
     if cached:
         table = [Candidate(**row) for row in known[key]]
-    else:
-        table = measure(model, pb, threads=threads, tolerance=tolerance, candidates=candidates, digest=digest, log=log,
-                        force_bf16=force_bf16, export=export)
-        known[key] = [vars(c) for c in table]
-        write_json_cache(cache, known, indent=1, sort_keys=True)
+    watch = thread_policy.LoadWatch()
+    if not cached:
+        table = measure(model, pb, threads=given, tolerance=tolerance, candidates=candidates, digest=digest, log=log,
+                        force_bf16=force_bf16, export=export, watch=watch)
+        if watch.busy:
+            (log or thread_policy.log.warning)(watch.note("--backend auto's engines"))
+        else:
+            known[key] = [vars(c) for c in table]
+            write_json_cache(cache, known, indent=1, sort_keys=True)
     name, why = pick(table)
-    reason = (f"auto -> {name}: {why} (batch {pb}, {threads} threads, {cpu.cpu_model()}"
-              f"{', measured earlier' if cached else ''})")
+    if watch.busy and name.split("-")[0] in ("onnx", "openvino") and export is not None:
+        name, why = side_by_side(model, table, name, why, pb, given, lambda: export(model, digest, "onnx", pb))
+    when = ", measured earlier" if cached else ", measured under load: this run only" if watch.busy else ""
+    reason = f"auto -> {name}: {why} (batch {pb}, {threads} threads, {cpu.cpu_model()}{when})"
     path = None
     if export is not None and not name.startswith("torch"):
         path = export(model, digest, name if name.startswith("aoti") else "onnx", pb)
     return BackendChoice(name, reason, table, pb, path)
+
+
+def side_by_side(model: nn.Module, table: list[Candidate], name: str, why: str, batch: int, threads: int | None,
+                 exported: Callable[[], Path]) -> tuple[str, str]:
+    """`pick`'s winner `name`, an engine measured in a child process, timed again in this one interleaved with the
+    fastest eager candidate (`engine_probe.interleaved_rounds`), as it would run: measured under load, the child's
+    rounds and eager's came at other moments, and the winner is kept only where it is faster side by side (the
+    median of per-round ratios). Returns (the engine, the reason); the winner unchanged where either cannot run."""
+    eager = max((c for c in table if c.backend == "torch" and c.rate and not c.skipped), key=lambda c: c.rate,
+                default=None)
+    if eager is None:
+        return name, why
+    x = calibration_batch(model, batch)
+    was_training = model.training
+    try:
+        fn = engine(name.split("-")[0], name.split("-")[1], exported(), threads or thread_policy.ceiling())
+        run = torch_runner(model, eager.precision)
+        with torch.random.fork_rng():
+            rounds = engine_probe.interleaved_rounds({name: lambda: fn(x), eager.name: lambda: run(x)})
+    except Exception:  # noqa: BLE001 - the check is a second opinion: without it the first stands
+        return name, why
+    finally:
+        pack_linears(model, enable=False)
+        model.train(was_training)
+    ratio = engine_probe.median([te / tw for tw, te in zip(rounds[name], rounds[eager.name])])
+    if ratio >= 1:
+        return name, f"{why}; {ratio:.2f}x {eager.name} side by side"
+    return eager.name, (f"{eager.rate:.1f} img/s; {name} ({next(c.rate for c in table if c.name == name):.1f} in its "
+                        f"own process) ran at {ratio:.2f}x {eager.name} side by side in this one")
 
 
 def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threads: int | None = None,
@@ -448,7 +496,7 @@ class BackendModel(nn.Module):
         else:
             self.eager = None
             with untrusted(str(choice.export), CheckpointError):
-                fn = engine(choice.backend, choice.precision, choice.export, threads or torch.get_num_threads())
+                fn = engine(choice.backend, choice.precision, choice.export, threads or thread_policy.ceiling())
         self.run = chunked(fn, max(choice.batch, PROBE_BATCH))
         self.device = torch.device("cpu") if self.eager is None else next(model.parameters()).device
 

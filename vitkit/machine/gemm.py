@@ -17,9 +17,12 @@ and two for a training step's weight gradient dW = dY^T X, whose operands are bo
 makes a machine slower, since plain MKL is a candidate. A path whose op is missing (a build without MKL or
 oneDNN), fails or computes something else is simply not a candidate. The choices are cached in memory and in
 $VITKIT_HOME/gemm/<cpu>[-caps-<ISA caps>]-<torch>-t<threads>.json, so each shape is measured once per machine (0.15 s a path).
+A choice measured while other processes used the CPU (`threads.LoadWatch`) holds for this process only: it is not
+written there, and one line says so.
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,13 +34,17 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .. import env
 from ..cache import cache_dir, read_json_cache, write_json_cache
 from . import cpu
+from . import threads as thread_policy
 from .device import sync
+
+log = logging.getLogger(__name__)
 
 PATHS = ("mkl", "mkl-packed", "onednn-packed")
 WGRAD_PATHS = ("mkl", "onednn")  # the weight gradient dW = dY^T X: both operands activations, nothing to prepack
 _CHOICES: dict[tuple, str] = {}
 _RATES: dict[tuple, dict[str, float]] = {}
 _LOADED = False
+_UNSAVED: set[tuple] = set()  # choices measured under load: this process's only
 # "mkl" | "mkl-packed" | "onednn-packed": skip the measurement (tests, A/Bs); None: measure; FROM_ENV (the default):
 # VITKIT_GEMM's value when `choose` runs (`vitkit.env`). Tests set this attribute; any other value is refused by name.
 FROM_ENV = "from VITKIT_GEMM"
@@ -121,7 +128,8 @@ def _save() -> None:
                 merged[tuple(row["shape"])] = row
     except (KeyError, TypeError):
         pass
-    merged.update({k: {"shape": list(k), "path": p, "gflops": _RATES.get(k, {})} for k, p in _CHOICES.items()})
+    merged.update({k: {"shape": list(k), "path": p, "gflops": _RATES.get(k, {})} for k, p in _CHOICES.items()
+                   if k not in _UNSAVED})
     write_json_cache(path, list(merged.values()), indent=1)  # a read-only home: measured again next time
 
 
@@ -177,7 +185,7 @@ def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3, k
 def choose(k: int, n: int, rows: int, kind: str = "linear") -> str:
     """The fastest path for y = x W^T + b with x (rows, k), W (n, k) (kind "linear", one of PATHS), or for its
     weight gradient dW = dY^T X (kind "wgrad", one of WGRAD_PATHS); measured once per machine, shape and thread
-    count (row counts grouped by powers of two)."""
+    count (row counts grouped by powers of two), or once per process where the CPU was busy meanwhile."""
     force = forced()
     if kind == "linear" and force in PATHS and available(force):
         return force
@@ -186,10 +194,17 @@ def choose(k: int, n: int, rows: int, kind: str = "linear") -> str:
     _load()
     key = (kind, k, n, _bucket(rows), torch.get_num_threads())
     if key not in _CHOICES:
-        rates = measure(k, n, _bucket(rows), kind=kind)
+        watch = thread_policy.LoadWatch()
+        with watch.window():
+            rates = measure(k, n, _bucket(rows), kind=kind)
         _RATES[key] = rates
         _CHOICES[key] = max(rates, key=rates.get) if rates else "mkl"
-        _save()
+        if watch.busy:
+            if not _UNSAVED:
+                log.info(watch.note("the GEMM path per layer shape"))
+            _UNSAVED.add(key)
+        else:
+            _save()
     return _CHOICES[key]
 
 

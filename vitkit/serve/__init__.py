@@ -26,6 +26,7 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: s
 
     limits = limits or Limits()
     predictor = load_predictor(checkpoint, backend, threads, precision, limits.max_batch, trust_package)
+    predictor.threads = threads  # fixed where given; otherwise torch's follow the load (`MicroBatcher`)
     backend = getattr(predictor, "backend", backend)  # an export runs on its own runtime
     app = create_app(predictor, limits, name=Path(checkpoint).stem, api_key=api_key or None)
     try:

@@ -27,6 +27,7 @@ from ..inference.export import onnx_config, openvino_compile, openvino_config
 from ..inference.predict import top_classes
 from ..machine.engine import check_backend
 from ..machine.precision import autocast, for_inference
+from ..machine.threads import Governor
 from ..models.layers.packing import pack, resize_to_patches
 from ..safety import untrusted
 
@@ -40,6 +41,7 @@ class Predictor:
     # native aspect ratios (NaFlex, `vitkit serve --max-patches N`): each image resized, keeping its aspect ratio, to
     # at most this many patches, and a batch of them packed into one forward; None: the checkpoint's square size
     max_patches: int | None = None
+    threads: int | None = None  # the CPU threads asked for (--threads); None: torch's follow the load (`MicroBatcher`)
 
     def __call__(self, x: np.ndarray | list[np.ndarray]) -> np.ndarray:
         """(B, C, H, W) float32 -> (B, K); with max_patches, a list of (C, H_i, W_i) -> (B, K), one packed forward."""
@@ -245,6 +247,8 @@ def take_packed(sizes: list[int], max_batch: int, max_tokens: int, length: int =
 class MicroBatcher:
     """Groups requests that arrive together: a batch runs when `max_batch` are waiting or `max_wait_ms` after the
     first, in one worker thread (the event loop never waits on the model). At most `max_queue` requests wait.
+    On the CPU, that thread sets torch's thread count before each batch to the cores other processes leave
+    (`vitkit.machine.threads.Governor`; the predictor's `threads` fix it).
     With a predictor of packed batches (`max_patches`), images of different sizes go into one forward, as many as
     fit `max_batch` and `max_tokens` padded patch tokens."""
 
@@ -257,6 +261,8 @@ class MicroBatcher:
         self.pending: list[tuple[np.ndarray, asyncio.Future]] = []
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vitkit-model")
         self.lock = threading.Lock()  # the model runs one batch (or one explanation) at a time
+        on_cpu = torch.device(getattr(predictor, "device", None) or "cpu").type == "cpu"
+        self.governor = Governor(getattr(predictor, "threads", None)) if on_cpu else None
         self.stats = BatchStats()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -288,6 +294,8 @@ class MicroBatcher:
 
     def _locked(self, fn, *args):
         with self.lock:
+            if self.governor is not None:
+                self.governor.step()  # in the model's thread: OpenMP's thread count is per thread
             return fn(*args)
 
     async def _run(self) -> None:

@@ -33,6 +33,7 @@ from ..cache import output_dir
 from ..data.datasets import iterate_batches
 from ..evaluation import save_confusion_png, write_report
 from ..machine.device import resolve_device
+from ..machine.threads import Governor
 from . import checkpoint
 from .config import TrainConfig
 from .distributed import Dist
@@ -149,6 +150,10 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     bar = Progress(run.total, r.progress, dist.main)
     g = torch.Generator(device=run.device)
     run.net.train()
+    # torch's threads follow the cores other processes leave, step by step (vitkit.machine.threads); run.threads, or
+    # run.deterministic (bitwise resume needs one thread count), fixes them
+    governor = Governor(r.threads or (torch.get_num_threads() if r.deterministic else None)) \
+        if run.device.type == "cpu" else None
     t_start = t_log = time.perf_counter()
     loss_log = correct_log = seen_log = 0.0
     skipped_total = 0
@@ -163,6 +168,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                 # every random choice of this step derives from (seed, step, rank): exact resume anywhere
                 torch.manual_seed(r.seed * 1_000_003 + step + dist.rank * 1_000_000_007)
                 g.manual_seed(r.seed * 1_000_033 + step + dist.rank * 1_000_000_007)
+                if governor is not None:
+                    governor.step()
                 loss_s, correct, seen, skipped, lr = train_step(run, batches, step, g)
                 loss_log, correct_log, seen_log, skipped_total = loss_log + loss_s, correct_log + correct, seen_log + seen, skipped_total + skipped
                 step += 1
@@ -197,6 +204,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     finally:
         logger.close()
         stop.restore(old_handlers)
+        if governor is not None:
+            governor.close()
     final = run.ema if run.ema is not None else run.model
     save_weights(run, final, out / "final.safetensors")
     # the loop evaluated the final weights at its last step; evaluate again only if it did not, or if it held out

@@ -17,6 +17,7 @@ import torch
 import vitkit
 from vitkit.checkpoints import timm_table
 from vitkit.checkpoints.timm import registered_archs
+from vitkit.checkpoints.io import CheckpointError
 from vitkit.errors import UsageError
 
 ARCHS = registered_archs()
@@ -27,10 +28,10 @@ DOC = Path(__file__).parents[1] / "docs" / "timm.md"
 # build with timm's count: a name that stops building, or starts to, fails here.
 REFUSED = {
     r"^(vit_s?relpos_|test_vit_relpos)": "ViT-RelPos: a position bias an MLP computes", r"^samvit_": "SAM's ViT",
-    r"^beit3_": "BEiT-3", r"^eva02_enormous": "post-norm", r"^naflexvit_.*_(parfac|radio)": "factorized",
-    r"^resnetv2_\d+(d|t|d_\w+)?$": "other than BiT", r"_rpn_": "res-post-norm", r"_(xp|pwee)_": "ParallelScalingBlock",
+    r"^beit3_": "BEiT-3", r"^naflexvit_.*_(parfac|radio)": "factorized",
+    r"^resnetv2_\d+(d|t|d_\w+)?$": "other than BiT", r"_(xp|pwee)_": "ParallelScalingBlock",
     r"_18x2_": "ParallelThingsBlock", r"_(dlittle|dwee|dpwee)_": "differential attention",
-    r"_sapiens2$": "grouped-query", r"_mci_": "MobileCLIP", r"_resnet\d+d": "ResNet-D",
+    r"_sapiens2$": "attn_only_layer_scale", r"_mci_": "MobileCLIP", r"_resnet\d+d": "ResNet-D",
 }
 # The names people type most (timm's download counts): all build, with timm's count.
 COMMON = ["vit_base_patch16_224", "vit_small_patch16_224", "vit_large_patch16_224", "vit_tiny_patch16_224",
@@ -83,7 +84,7 @@ def test_every_timm_name_builds_with_timms_count_or_is_refused_by_family():
                 wrong[name] = (got, want)
             built.append(name)
     assert not wrong
-    assert len(built) == 253  # 246 of the six modules vitkit read first, and BEiT's 7
+    assert len(built) == 255  # 246 of the six modules vitkit read first, the 2 res-post-norm ones and BEiT's 7
 
 
 @pytest.mark.parametrize("name", COMMON)
@@ -121,7 +122,7 @@ def test_timm_names_with_timms_keywords_take_timms_weights():
     idx = json.loads((reg / "index.json").read_text())["archs"]
     x = torch.from_numpy(np.load(reg / "input.npy"))
     names = _registry_cases()
-    assert len(names) == 231
+    assert len(names) == 233
     weights: dict[str, dict] = {}
     worst = 0.0
     threads = torch.get_num_threads()
@@ -178,7 +179,7 @@ def test_timms_keywords_over_a_timm_name():
         assert vitkit.create_model("vit_so400m_patch14_siglip_384").config.img_size == (378, 378)  # the grid timm reads
         assert vitkit.create_model("resnetv2_50x1_bit", num_classes=7).num_classes == 7
     for kw, match in [(dict(act_layer="relu"), "act_layer 'relu'"), (dict(global_pool="max"), "global_pool 'max'"),
-                      (dict(block_fn="ResPostBlock"), "block_fn"), (dict(proj_drop_rate=0.3), "one dropout rate"),
+                      (dict(block_fn="ParallelScalingBlock"), "block_fn"), (dict(proj_drop_rate=0.3), "one dropout rate"),
                       (dict(features_only=True), "forward_intermediates"), (dict(colour=1), "unknown option")]:
         with pytest.raises(UsageError, match=match):
             vitkit.create_model("vit_base_patch16_224", **kw)
@@ -226,3 +227,44 @@ def test_models_cli_lists_timms_names(capsys):
     assert re.search(r"vit_base_patch16_224\s+86\.57 M\s+builds", out)
     main(["models", "--timm", "--pattern", "beit3_base*"])
     assert "refused: BEiT-3" in capsys.readouterr().out
+
+
+BLOCK_OPTIONS = FIXTURES / "block_options"
+
+
+@pytest.mark.parametrize("folder, name", [("timm_post_norm", "eva02_enormous_patch14_clip_224"),
+                                          ("timm_gqa", "vit_base_patch16_sapiens2")])
+def test_post_norm_and_grouped_query_attention_from_timms_folders(folder, name):
+    """timm's Eva with `use_post_norm` (EVA-02-CLIP-E: vitkit's res_post_norm) and with grouped key/value heads in its
+    middle block (`num_kv_heads` [4, 2, 4]: vitkit's num_kv_heads=2, kv_full_blocks=1), written by timm's save_for_hf
+    (tests/fixtures/block_options: a 4x4 grid, a 4x3 one): vitkit.load gives timm's logits, and timm's name with the
+    folder's model_args builds the same tensors. (The registry sweep's eva02_enormous_patch14_clip_224 and
+    vit_base_patch16_rpn_224, timm's ViT with ResPostBlock, are timm's at a 3x3 and a 2x5 grid.)"""
+    d = BLOCK_OPTIONS / folder
+    x = torch.from_numpy(np.load(d / "input.npy"))
+    loaded = vitkit.load(d)
+    c = loaded.config
+    assert (c.res_post_norm, c.num_kv_heads, c.kv_full_blocks) == ((True, None, 0) if folder == "timm_post_norm" else
+                                                                   (False, 2, 1))
+    args = json.loads((d / "config.json").read_text())["model_args"]
+    model = vitkit.create_model(name, **args).eval()
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    with torch.no_grad():
+        for m in (loaded, model):
+            assert np.abs(m(x).numpy() - np.load(d / "logits.npy")).max() <= 1e-4
+
+
+def test_a_post_norm_model_exports_to_timm(tmp_path):
+    """vitkit's res_post_norm exports as timm's vit_base_patch16_rpn_224 (ResPostBlock; an Eva post-norm block without
+    rotary embeddings or SwiGLU is that block with (q, 0, v) biases): vitkit reads it back to the same logits (timm
+    read the exports of this folder and of the registry's two post-norm ones to timm's logits, 0 difference); a
+    grouped-query attention export to timm is refused."""
+    d = BLOCK_OPTIONS / "timm_post_norm"
+    x = torch.from_numpy(np.load(d / "input.npy"))
+    out = vitkit.export(vitkit.load(d), tmp_path / "rpn", to="timm")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architecture"] == "vit_base_patch16_rpn_224" and "init_values" not in cfg["model_args"]
+    with torch.no_grad():
+        assert np.abs(vitkit.load(out)(x).numpy() - np.load(d / "logits.npy")).max() <= 1e-4
+    with pytest.raises(CheckpointError, match="grouped-query attention"):
+        vitkit.export(vitkit.load(BLOCK_OPTIONS / "timm_gqa"), tmp_path / "gqa", to="timm")

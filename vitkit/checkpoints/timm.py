@@ -161,11 +161,11 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
     for blk in sorted({b for b, _ in split}):  # q/k/v apart -> one fused qkv; the key's bias is zero
         q = f"{blk}attn."
         if (blk, "attn.q_proj.weight") in split:
-            sd[q + "qkv.weight"] = fuse({f"{q}{n}_proj.weight": split[(blk, f"attn.{n}_proj.weight")] for n in "qkv"})
+            sd[q + "qkv.weight"] = _fuse_qkv({f"{q}{n}_proj.weight": split[(blk, f"attn.{n}_proj.weight")] for n in "qkv"})
             qb, vb = split.get((blk, "attn.q_proj.bias")), split.get((blk, "attn.v_proj.bias"))
             kb = split.get((blk, "attn.k_proj.bias"))
             if kb is not None:  # AttentionRope unfused: a key bias too, so one fused qkv bias (k_bias=True)
-                sd[q + "qkv.bias"] = fuse({f"{q}q_proj.bias": qb, f"{q}k_proj.bias": kb, f"{q}v_proj.bias": vb})
+                sd[q + "qkv.bias"] = _fuse_qkv({f"{q}q_proj.bias": qb, f"{q}k_proj.bias": kb, f"{q}v_proj.bias": vb})
                 continue
         else:
             qb, vb = split.get((blk, "attn.q_bias")), split.get((blk, "attn.v_bias"))
@@ -185,6 +185,18 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
     return sd, facts, unused
 
 
+def _fuse_qkv(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """timm's separate query, key and value projections (keys in that order) -> vitkit's fused rows q, k, v. With
+    grouped-query attention (Sapiens2) the key and value have fewer rows than the query (num_kv_heads x head width);
+    the key and value must have one shape, and the query their input width."""
+    (qn, q), *kv = parts.items()
+    k_and_v = fuse(dict(kv))
+    if q.shape[1:] != k_and_v.shape[1:] or q.shape[0] < kv[0][1].shape[0]:
+        raise CheckpointError(f"{qn} of shape {tuple(q.shape)} beside {kv[0][0]} of shape {tuple(kv[0][1].shape)}: "
+                              f"not a query and its key (the same input width, no more key than query rows)")
+    return torch.cat([q, k_and_v])  # (D + 2 kv, ...)
+
+
 def eva_style(config) -> bool:
     """Whether timm holds this model as an `Eva` (rotary embeddings, SwiGLU, norms inside attention or the MLP,
     PE's pooling of every token); AIMv2's RMSNorm and bias-free SwiGLU are timm's VisionTransformer."""
@@ -197,6 +209,9 @@ def eva_style(config) -> bool:
 def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     if config.pos_embed == "relative":  # timm's Beit holds the relative position bias
         return timm_beit.from_vitkit(sd, config)
+    if getattr(config, "num_kv_heads", None) is not None:
+        raise CheckpointError("a timm export of grouped-query attention (num_kv_heads) is not offered: export to "
+                              "vitkit")
     none_ok = config.pos_embed == "none" and (eva_style(config) or config.norm == "rmsnorm")  # Eva, AIMv2: optional
     if config.pos_embed != "learned_1d" and not none_ok:
         raise CheckpointError(f"timm's ViT holds a learned 1-D position embedding, not {config.pos_embed!r}")
@@ -309,6 +324,9 @@ def folder_config(c) -> dict:
     defaults = {"init_values": None, "reg_tokens": 0, "no_embed_class": False, "pre_norm": False, "qk_norm": False,
                 "dynamic_img_size": False}
     args.update({k: v for k, v in modern.items() if v != defaults[k]})
+    if c.res_post_norm and (c.distilled or c.hybrid_layers is not None or c.norm_eps != 1e-6):
+        raise CheckpointError("timm registers res-post-norm ViTs (ResPostBlock) as vit_base_patch16_rpn_224 alone: "
+                              "no distillation token, hybrid or LayerNorm eps other than 1e-6")
     if c.norm_eps == 1e-5:
         args["pre_norm"] = c.pre_norm  # the CLIP architecture's own default is True
     first_conv = "patch_embed.proj"
@@ -318,8 +336,9 @@ def folder_config(c) -> dict:
         raise CheckpointError(f"timm's ViTs use LayerNorm eps 1e-6 (1e-5 for the CLIP ones), not {c.norm_eps}")
     if c.hybrid_layers is None:
         # the CLIP architecture is the one whose LayerNorms have eps 1e-5 (the rest of it is in model_args)
-        arch = ("deit_base_distilled_patch16_224" if c.distilled else
-                "vit_base_patch16_clip_224" if c.norm_eps == 1e-5 else "vit_base_patch16_224")
+        # the res-post-norm one is the architecture whose blocks are timm's ResPostBlock (no LayerScale)
+        arch = ("deit_base_distilled_patch16_224" if c.distilled else "vit_base_patch16_rpn_224" if c.res_post_norm
+                else "vit_base_patch16_clip_224" if c.norm_eps == 1e-5 else "vit_base_patch16_224")
         args["patch_size"] = list(c.patch_size)
     else:
         arch = TIMM_HYBRID_ARCHS.get(tuple(c.hybrid_layers))
@@ -426,7 +445,10 @@ def _eva_folder_config(c, cfg: dict) -> dict:
             "use_rot_pos_emb": c.rope is not None, "rope_temperature": c.rope_temperature,
             "ref_feat_shape": list(c.rope_ref_grid) if c.rope_ref_grid else None,
             "dynamic_img_size": c.dynamic_img_size, "use_abs_pos_emb": c.pos_embed == "learned_1d",
-            "attn_type": "rope" if c.qkv_bias and c.k_bias else "eva", "use_post_transformer_norm": c.final_norm and not c.fc_norm}
+            "attn_type": "rope" if c.qkv_bias and c.k_bias else "eva", "use_post_transformer_norm": c.final_norm and not c.fc_norm,
+            "use_post_norm": c.res_post_norm}
+    if c.res_post_norm and (c.qk_norm or c.init_values is not None):
+        raise CheckpointError("timm's Eva post-norm block (use_post_norm) has no qk-norm and no LayerScale")
     if c.rope:
         args.update(rope_type={v: k for k, v in _ROPE_TYPES.items()}[c.rope], rope_grid_indexing=c.rope_indexing,
                     rope_grid_offset=c.rope_offset, rope_rotate_half=c.rope_half)
@@ -511,7 +533,9 @@ _EVA_ONLY = {"rope_type": "cat", "rope_grid_offset": 0.0, "rope_grid_indexing": 
              "attn_pool_num_heads": None, "attn_pool_mlp_ratio": None, "use_abs_pos_emb": True,
              "rope_shift_coords": None, "rope_jitter_coords": None, "rope_rescale_coords": None}
 _SAME = {"pos_embed": ("learn", "learned", "none"), "rope_type": ("cat", ""), "attn_pool_mlp_ratio": (None,), "attn_type": ("eva", "standard", "rope"),
-         "weight_init": ("", "skip")}
+         "weight_init": ("", "skip"),
+         # read into vitkit's res_post_norm (`_block_facts`)
+         "block_fn": ("ResPostBlock",), "use_post_norm": (True,)}
 # timm's MLP layers that are the paper's MLP or a SwiGLU vitkit reads from the tensors
 _MLP_LAYERS = {None, "Mlp", "SwiGLUPacked", "SwiGLU"}
 
@@ -593,6 +617,7 @@ def folder_facts(cfg: dict) -> dict:
             facts[ours] = args[key]
     if "init_values" in facts and not facts["init_values"]:
         facts["init_values"] = None  # timm's blocks have LayerScale only `if init_values` (0: none)
+    facts.update(_block_facts(arch, args, eva))
     if eva and "use_rot_pos_emb" in args:
         facts.update(_eva_rope_facts(arch, args))
     if eva and args.get("attn_pool_num_heads"):  # the Perception Encoder's pooling: its own head count
@@ -638,6 +663,8 @@ def folder_facts(cfg: dict) -> dict:
         raise CheckpointError(f"timm's {arch} averages the prefix tokens with the patches (pool_include_prefix), "
                               f"which vitkit does not implement (its 'avg' pools the patches alone)")
     only_default = _ONLY_DEFAULT if eva else {**_ONLY_DEFAULT, **_EVA_ONLY}  # what vitkit reads from an Eva alone
+    if eva:  # grouped key/value heads: `_block_facts`
+        only_default = {k: v for k, v in only_default.items() if k != "num_kv_heads"}
     if cls == "Beit":  # its positions, pooling and key bias: its own arguments (timm_beit)
         only_default = {k: v for k, v in only_default.items() if k not in timm_beit.ARGS}
         facts.update(timm_beit.arg_facts(arch, args))
@@ -645,6 +672,31 @@ def folder_facts(cfg: dict) -> dict:
         value = args.get(key, default)
         if value != default and value not in _SAME.get(key, ()):
             raise CheckpointError(f"timm's {arch} sets {key}={value!r}, which vitkit does not implement")
+    return facts
+
+
+def _block_facts(arch: str, args: dict, eva: bool) -> dict:
+    """timm's block variants vitkit has as config fields: residual post-norm (Eva's `use_post_norm`, EVA-02-CLIP-E;
+    VisionTransformer's `block_fn=ResPostBlock`: neither has LayerScale, timm's ResPostBlock initialises its norms'
+    weights with init_values) and grouped-query attention (Eva's `num_kv_heads`, per block: Sapiens2 groups the
+    middle blocks alone, vitkit's `kv_full_blocks` keeps that many full at each end)."""
+    facts: dict = {}
+    if (eva and args.get("use_post_norm")) or args.get("block_fn") == "ResPostBlock":
+        facts.update(res_post_norm=True, init_values=None)
+    kv = args.get("num_kv_heads") if eva else None
+    if kv is not None:
+        heads, depth = args.get("num_heads", 12), args.get("depth", 12)
+        kv = [heads if h is None else h for h in (kv if isinstance(kv, (list, tuple)) else [kv] * depth)]
+        groups = sorted(set(kv) - {heads})
+        if len(kv) != depth or len(groups) > 1:
+            raise CheckpointError(f"timm's {arch} has num_kv_heads {kv}: vitkit groups its blocks' keys and values "
+                                  f"into one number of heads")
+        if groups:
+            ends = next(i for i, h in enumerate(kv) if h != heads)  # full blocks at the start (and so at the end)
+            if kv != [heads] * ends + groups * (depth - 2 * ends) + [heads] * ends:
+                raise CheckpointError(f"timm's {arch} has num_kv_heads {kv}: vitkit keeps full heads in as many "
+                                      f"blocks at each end and groups the middle ones (kv_full_blocks)")
+            facts.update(num_kv_heads=groups[0], kv_full_blocks=ends)
     return facts
 
 

@@ -48,14 +48,13 @@ REFUSED_FAMILIES = [
     (r"^samvit_", "SAM's ViT: windowed attention with decomposed relative positions and a convolutional neck; vitkit "
                   "does not implement it"),
     (r"^beit3_", "BEiT-3: a norm inside the GELU MLP (Magneto's sub-LN)"),
-    (r"^eva02_enormous", "EVA-02-E CLIP: post-norm blocks"),
     (r"^naflexvit_.*_(parfac|radio)", "NaFlexVit with factorized positions (RADIO, parfac)"),
     (r"^resnetv2_\d+(d|t|d_\w+)?$", "ResNetV2 other than BiT: BatchNorm, EvoNorm, FRN, deep or tiered stems"),
-    (r"_rpn_", "res-post-norm blocks (ResPostBlock)"),
     (r"_(xp|pwee)_", "parallel attention and MLP (ParallelScalingBlock)"),
     (r"_18x2_", "two parallel blocks per layer (ParallelThingsBlock)"),
     (r"_(dlittle|dwee|dpwee)_", "differential attention"),
-    (r"_sapiens2$", "Sapiens2: grouped-query attention (fewer key/value heads)"),
+    (r"_sapiens2$", "Sapiens2: LayerScale on the attention branch alone (attn_only_layer_scale); vitkit has its "
+                    "grouped-query attention (num_kv_heads: a Sapiens2 folder without that LayerScale loads)"),
     (r"_mci_", "MobileCLIP's MCi: a convolutional stem"),
     (r"_resnet\d+d", "hybrids on a ResNet-D (vitkit's hybrids have BiT's ResNetV2)"),
 ]
@@ -158,16 +157,18 @@ def split_kwargs(arch: str, kwargs: dict) -> tuple[dict, dict]:
 
 def config_fields(name: str, model_args: dict | None = None) -> tuple[str, dict]:
     """("vit" or "resnetv2", vitkit config fields) of timm's `name` (a tag selects the classes and preprocessing
-    its weights have, as in timm) built with `model_args`, or a UsageError naming why vitkit does not build it."""
+    its weights have, as in timm) built with `model_args`, or a UsageError naming why vitkit does not build it (a
+    refused name by its family, unless the keywords change what vitkit lacks: Sapiens2 with
+    attn_only_layer_scale=False)."""
     arch, tag = split(name) or (None, None)
     if arch is None:
         raise unknown(name)
-    reason = refusal(arch)
-    if reason:
-        raise _refused(arch, reason)
     try:
         return timm.arch_config(arch, model_args, tag)
-    except CheckpointError as e:
+    except (CheckpointError, UsageError) as e:
+        reason = refusal(arch)
+        if reason:
+            raise _refused(arch, reason) from e
         asked = ", ".join(f"{k}={v!r}" for k, v in (model_args or {}).items())
         raise UsageError(f"{e} (asked for with {asked})") from e
 

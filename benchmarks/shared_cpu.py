@@ -165,7 +165,7 @@ def prepare(name: str, kwargs: dict, batch: int, engines: list[str]) -> dict[str
     if "compiled" in engines:
         if engine_mod.installed("aoti") is None:
             raise SystemExit("the compiled engine needs a C++ compiler (g++): drop it with --engines")
-        print(f"  compiling {name} batch {batch} with AOTInductor (once per model and machine) ...", flush=True)
+        print(f"  the compiled package of {name} (compiled once per model and machine, then cached) ...", flush=True)
         files["compiled"] = str(export_for(model, None, "aoti-fp32", batch))
     if {"onnx", "openvino"} & set(engines):
         files["onnx"] = files["openvino"] = str(export_for(model, None, "onnx", batch))
@@ -254,7 +254,7 @@ def report(res: dict, cpu: str, busy: list[int]) -> str:
     for e in ("eager", "compiled"):
         on, off = res["table"].get(f"{e} (policy on)"), res["table"].get(f"{e} (policy off)")
         if on and off and busy[0] == 0:
-            lines.append(f"{e}: policy on / off beside 0 busy (the quiet-machine cost): "
+            lines.append(f"{e}: policy on / off beside 0 busy processes (on a quiet machine: what the policy costs): "
                          f"{on['0']['img_per_s'] / off['0']['img_per_s']:.2f}x")
     return "\n".join(lines)
 

@@ -275,3 +275,27 @@ def test_an_exported_engine_that_wins_under_load_must_beat_eager_side_by_side(mo
         assert name == want, why
         assert ("0.50x torch-fp32 side by side" in why) if want == "torch-fp32" else ("2.00x torch-fp32" in why)
     assert m.training is False and not any(getattr(x, "packable", False) for x in m.modules())
+
+
+@pytest.mark.skipif(engine.installed("aoti") is None, reason="no C++ compiler for Inductor")
+def test_a_package_compiled_at_a_lowered_thread_count_runs_at_any_count(tmp_path, monkeypatch):
+    """Inductor writes the thread count into a package compiled at any count but the machine's: one compiled while
+    the governor had lowered torch's count must still follow the count it runs at."""
+    import zipfile
+
+    from vitkit.machine import aoti
+
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path / "home"))
+    before = torch.get_num_threads()
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=1, embed_dim=64, num_heads=2, mlp_dim=128,
+                            num_classes=10).eval()
+    torch.set_num_threads(1)
+    try:
+        out = aoti.compile_package(aoti.Autocast(m, "fp32"), (torch.randn(2, 3, 32, 32),), None, tmp_path / "m.pt2", {})
+        assert torch.get_num_threads() == 1  # the caller's count, put back
+    finally:
+        torch.set_num_threads(before)
+    with zipfile.ZipFile(out) as z:
+        code = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".cpp"))
+    assert "#pragma omp parallel" in code or (os.cpu_count() or 1) == 1
+    assert "num_threads(" not in code

@@ -125,10 +125,18 @@ def compile_package(module: Autocast, example: tuple[torch.Tensor, ...], dims: t
         raise UsageError(f"compiling a package (--format aoti, --backend aoti) needs a C++ compiler: {NO_COMPILER}")
     meta = {**metadata, "vitkit_torch": torch.__version__, "vitkit_isa": vec_isa(),
             "vitkit_cpu_flags": " ".join(sorted(cpu_flags()))}
-    with torch.no_grad():
-        ep = torch.export.export(module, example, dynamic_shapes=None if dims is None else (tuple(dims),))
-        aoti_compile_and_package(ep, package_path=str(out),
-                                 inductor_configs={"freezing": True, "aot_inductor.metadata": meta})
+    # Inductor writes loops that run at whatever thread count the caller has (`#pragma omp parallel`) only when it
+    # compiles at os.cpu_count() threads; at any other count it writes that count into the package for good (one
+    # compiled while vitkit.machine.threads had lowered torch's count for a busy machine would never run wider)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or threads)
+    try:
+        with torch.no_grad():
+            ep = torch.export.export(module, example, dynamic_shapes=None if dims is None else (tuple(dims),))
+            aoti_compile_and_package(ep, package_path=str(out),
+                                     inductor_configs={"freezing": True, "aot_inductor.metadata": meta})
+    finally:
+        torch.set_num_threads(threads)
     record_trusted(out)  # made here: this machine's vitkit loads it without an opt-in
     return Path(out)
 

@@ -45,24 +45,61 @@ import re
 
 import torch
 
-from .io import CheckpointError, fuse, rename
+from .io import CheckpointError
+from .layouts import Layout, Rule, body, read, write
 
 # transformers' model_type -> vitkit's family of the shared layout
 FAMILIES = {"vit": "vit", "deit": "deit", "vit_mae": "mae", "vit_msn": "msn", "ijepa": "ijepa", "beit": "beit",
             "data2vec-vision": "beit"}
 _NAMES = {"vit": "ViT", "deit": "DeiT", "mae": "MAE", "msn": "MSN", "ijepa": "I-JEPA", "beit": "BEiT"}
-_BLOCK = {
-    "layernorm_before": "norm1", "attention.output.dense": "attn.proj", "layernorm_after": "norm2",
-    "intermediate.dense": "mlp.fc1", "output.dense": "mlp.fc2",
-}
-_EXACT = {"embeddings.cls_token": "cls_token", "embeddings.position_embeddings": "pos_embed.weight",
-          "embeddings.distillation_token": "dist_token"}
-_PREFIXES = {"embeddings.patch_embeddings.projection.": "patch_embed.proj.", "layernorm.": "norm.", "classifier.": "head.",
-             "cls_classifier.": "head.", "distillation_classifier.": "head_dist."}
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 # the task classes' prefixes before the encoder's names
 _MODEL_PREFIXES = ("vit.", "deit.", "ijepa.", "beit.", "data2vec_vision.")
 _REL_TABLE = "relative_position_bias.relative_position_bias_table"
+_L = "encoder.layer.{i}."
+_QKV_INCOMPLETE = "layer {i}: the query, key and value projections differ in having a {w}"
+
+# ---- the layout tables (`layouts`): transformers' names <-> vitkit's, read forwards by to_vitkit, backwards by
+# from_vitkit ------------------------------------------------------------------------------------------------------
+VIT_RULES = (
+    Rule("classifier.{*}", "head.{*}", top=True),
+    Rule("distillation_classifier.{*}", "head_dist.{*}", top=True),
+    Rule("embeddings.cls_token", "cls_token"),
+    Rule("embeddings.distillation_token", "dist_token"),
+    Rule("embeddings.position_embeddings", "pos_embed.weight"),
+    Rule("embeddings.patch_embeddings.projection.{*}", "patch_embed.proj.{*}"),
+    Rule("embeddings.mask_token{*}", None),
+    Rule("layernorm.{*}", "norm.{*}"),
+    Rule("pooler.{*}", None),  # ViTModel's tanh(dense(class token)): not the model's output
+    Rule(tuple(_L + f"attention.attention.{n}.weight" for n in ("query", "key", "value")), "blocks.{i}.attn.qkv.weight"),
+    Rule(tuple(_L + f"attention.attention.{n}.bias" for n in ("query", "key", "value")), "blocks.{i}.attn.qkv.bias"),
+    Rule(_L + "layernorm_before.{w}", "blocks.{i}.norm1.{w}"),
+    Rule(_L + "attention.output.dense.{w}", "blocks.{i}.attn.proj.{w}"),
+    Rule(_L + "layernorm_after.{w}", "blocks.{i}.norm2.{w}"),
+    Rule(_L + "intermediate.dense.{w}", "blocks.{i}.mlp.fc1.{w}"),
+    Rule(_L + "output.dense.{w}", "blocks.{i}.mlp.fc2.{w}"),
+)
+# DeiT with its teacher: the class token's head first (written for `head`), the ViT's names after
+DEIT_RULES = (Rule("cls_classifier.{*}", "head.{*}", top=True), *VIT_RULES)
+# MAE's pixel decoder, used in pre-training only
+MAE_RULES = (Rule("decoder.{*}", None, top=True), *VIT_RULES)
+BEIT_RULES = (
+    Rule(_L + "lambda_1", "blocks.{i}.ls1.gamma"),
+    Rule(_L + "lambda_2", "blocks.{i}.ls2.gamma"),
+    Rule(_L + f"attention.attention.{_REL_TABLE}", "blocks.{i}.attn.rel_pos.table"),
+    Rule(f"encoder.{_REL_TABLE}", "rel_pos.table"),  # one table shared by the blocks: `_beit` gives each a copy
+    Rule("{*}relative_position_index", None),  # a function of the grid, which vitkit builds the same
+    Rule("pooler.layernorm.{*}", "fc_norm.{*}"),
+    Rule("lm_head.{*}", None),  # the visual-token head of masked image modeling
+    # no bias on the keys: the query's and value's biases alone are vitkit's q_bias, v_bias (k_bias=False)
+    Rule(tuple(_L + f"attention.attention.{n}.bias" for n in ("query", "key", "value")), "blocks.{i}.attn.qkv.bias",
+         partial=("blocks.{i}.attn.q_bias", None, "blocks.{i}.attn.v_bias")),
+    *VIT_RULES,
+)
+_RULES = {"vit": VIT_RULES, "deit": DEIT_RULES, "mae": MAE_RULES, "msn": VIT_RULES, "ijepa": VIT_RULES,
+          "beit": BEIT_RULES}
+LAYOUTS = {fam: Layout(_NAMES[fam], rules, prefixes=_MODEL_PREFIXES, export_prefix="vit.",
+                       incomplete=_QKV_INCOMPLETE) for fam, rules in _RULES.items()}
 
 
 def is_hf(keys) -> bool:
@@ -193,54 +230,27 @@ def support(model_type: str) -> tuple[bool, str]:
     return False, REFUSED.get(model_type, "not a ViT family vitkit knows")
 
 
+def table(w, hf_config: dict | None = None) -> tuple[Layout, frozenset[str], dict]:
+    """The layout table these tensors are read by, its variant flags and what its reshapes need (none here)."""
+    return LAYOUTS[family(w, hf_config)], frozenset(), {}
+
+
 def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    """A transformers ViT-layout model's tensors (and config.json) -> (vitkit state dict, facts, unused keys)."""
     fam = family(w, hf_config)
-    sd, qkv, unused, decoder, shared = {}, {}, [], [], None
-    for k, v in w.items():
-        key = next((k[len(p):] for p in _MODEL_PREFIXES if k.startswith(p)), k)
-        if fam == "beit" and (m := re.match(r"encoder\.layer\.(\d+)\.lambda_([12])$", key)):
-            sd[f"blocks.{m.group(1)}.ls{m.group(2)}.gamma"] = v
-        elif fam == "beit" and (m := re.match(rf"encoder\.layer\.(\d+)\.attention\.attention\.{_REL_TABLE}$", key)):
-            sd[f"blocks.{m.group(1)}.attn.rel_pos.table"] = v
-        elif fam == "beit" and key == f"encoder.{_REL_TABLE}":
-            shared = v
-        elif fam == "beit" and key.endswith("relative_position_index"):
-            unused.append(k)  # older files keep the index, a function of the grid: vitkit builds the same
-        elif fam == "beit" and key.startswith("pooler.layernorm."):
-            sd["fc_norm." + key[len("pooler.layernorm."):]] = v
-        elif fam == "beit" and key.startswith("lm_head."):
-            decoder.append(k)
-        elif ours := rename(key, _EXACT, _PREFIXES):
-            sd[ours] = v
-        elif m := re.match(r"encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$", key):
-            i, mod, leaf = m.groups()
-            if a := re.match(r"attention\.attention\.(query|key|value)$", mod):
-                qkv[(int(i), leaf, a.group(1))] = v
-            elif mod in _BLOCK:
-                sd[f"blocks.{i}.{_BLOCK[mod]}.{leaf}"] = v
-            else:
-                raise CheckpointError(f"unexpected Hugging Face {_NAMES[fam]} key {k!r}")
-        elif key.startswith(("pooler.", "embeddings.mask_token")):
-            unused.append(k)
-        elif fam == "mae" and k.startswith("decoder."):
-            decoder.append(k)
-        else:
-            raise CheckpointError(f"unexpected Hugging Face {_NAMES[fam]} key {k!r}")
+    layout, variant, ctx = table(w, hf_config)
+    sd, unused = read(layout, w, variant, ctx)
+    # the pre-training heads (MAE's pixel decoder, BEiT's visual-token head) go last, with a note
+    decoder = [k for k in unused if k.startswith("decoder.") or body(layout, k).startswith("lm_head.")]
+    unused = [k for k in unused if k not in decoder] + decoder
     if "dist_token" in sd and "head.weight" in sd and "head_dist.weight" not in sd:
         raise CheckpointError("transformers' DeiTForImageClassification classifies the class token alone beside a "
                               "distillation token, which no vitkit head does (vitkit's distilled DeiT averages the two "
                               "tokens' heads: DeiTForImageClassificationWithTeacher)")
-    for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
-        if fam == "beit" and leaf == "bias" and (i, leaf, "key") not in qkv:  # BEiT: no bias on the keys
-            sd[f"blocks.{i}.attn.q_bias"], sd[f"blocks.{i}.attn.v_bias"] = qkv[(i, leaf, "query")], qkv[(i, leaf, "value")]
-            continue
-        sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"encoder.layer.{i}.attention.attention.{n}.{leaf}": qkv[(i, leaf, n)]
-                                                  for n in ("query", "key", "value")})
     facts: dict = {"act": "gelu", "norm_eps": 1e-12, "pos_resample": "bicubic_noaa"}  # ViTEmbeddings' interpolation
     if fam == "beit":
-        facts.update(_beit(sd, shared))
+        facts.update(_beit(sd, sd.pop("rel_pos.table", None)))
     if decoder:
-        unused += decoder
         what = ("MAE's pixel decoder ({n} tensors, decoder.*) reconstructs masked patches" if fam == "mae" else
                 "BEiT's visual-token head ({n} tensors, lm_head.*) predicts masked patches' tokens")
         facts["notes"] = [what.format(n=len(decoder)) + " in pre-training only: left unused; the model is the "
@@ -279,6 +289,8 @@ def _beit(sd: dict[str, torch.Tensor], shared: torch.Tensor | None) -> dict:
 
 
 def from_vitkit(sd: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Tensor], dict]:
+    """vitkit weights -> `ViTForImageClassification`'s (ViT's table read backwards) and its config.json, or a
+    CheckpointError naming what that class cannot hold."""
     c = config
     if c.distilled or c.mpp:
         raise CheckpointError("HF ViTForImageClassification has no distillation token or masked-patch head (HF's DeiT is "
@@ -286,20 +298,10 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> tuple[dict[str, torch.Te
     if c.classifier != "token" or c.pos_embed != "learned_1d" or c.representation_size or c.hybrid_layers is not None:
         raise CheckpointError("HF ViTForImageClassification holds a class-token ViT with a learned 1-D position "
                               "embedding and no pre-logits layer or hybrid ResNet; export to vitkit or npz instead")
-    out = {"vit.embeddings.cls_token": sd["cls_token"], "vit.embeddings.position_embeddings": sd["pos_embed.weight"]}
-    for leaf in ("weight", "bias"):
-        out[f"vit.embeddings.patch_embeddings.projection.{leaf}"] = sd[f"patch_embed.proj.{leaf}"]
-        out[f"vit.layernorm.{leaf}"] = sd[f"norm.{leaf}"]
-        if c.num_classes:
-            out[f"classifier.{leaf}"] = sd[f"head.{leaf}"]
-        for i in range(c.depth):
-            p = f"vit.encoder.layer.{i}."
-            for hf_name, ours in _BLOCK.items():
-                out[p + f"{hf_name}.{leaf}"] = sd[f"blocks.{i}.{ours}.{leaf}"]
-            if f"blocks.{i}.attn.qkv.{leaf}" not in sd:  # no qkv bias
-                continue
-            for n, t in zip(("query", "key", "value"), sd[f"blocks.{i}.attn.qkv.{leaf}"].chunk(3)):
-                out[p + f"attention.attention.{n}.{leaf}"] = t
+    if not (c.patch_bias and c.proj_bias and c.final_norm):
+        raise CheckpointError("HF ViTForImageClassification has biases on the patch embedding and every projection and a "
+                              "LayerNorm after the blocks; export to vitkit or timm instead")
+    out, _ = write(LAYOUTS["vit"], sd)  # what the table does not write, the read-back check names
     names = c.class_names or [f"LABEL_{j}" for j in range(c.num_classes)]
     hf_config = {
         "architectures": ["ViTForImageClassification"], "model_type": "vit",

@@ -14,15 +14,13 @@
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
 from .hf_vision import _vision_config
-from .io import CheckpointError, fuse
+from .io import CheckpointError
+from .layouts import Layout, Rule, read, write
 
 FAMILIES = {"dinov3_vit": "dinov3", "aimv2_vision_model": "aimv2", "aimv2": "aimv2"}
-_OTHER_TOWER = ("text_model.", "text_projection.", "logit_scale")
 
 
 def family(keys, hf_config: dict | None = None) -> str | None:
@@ -37,77 +35,90 @@ def family(keys, hf_config: dict | None = None) -> str | None:
     return None
 
 
-_DINOV3_BLOCK = {"norm1": "norm1", "norm2": "norm2", "attention.o_proj": "attn.proj", "mlp.down_proj": "mlp.fc2",
-                 "layer_scale1": "ls1", "layer_scale2": "ls2"}
-_AIMV2_BLOCK = {"rms_norm1": "norm1", "rms_norm2": "norm2", "attention.out_proj": "attn.proj",
-                "ffn.gate_proj": "mlp.fc1_g", "ffn.up_proj": "mlp.fc1_x", "ffn.down_proj": "mlp.fc2"}
+# ---- the layout tables (`layouts`): transformers' names <-> vitkit's, read forwards by to_vitkit, backwards by
+# from_vitkit ------------------------------------------------------------------------------------------------------
+_QKV_INCOMPLETE = "layer {i}: the query, key and value projections differ in having a {w}"
+_OTHER_TOWER_RULES = (
+    Rule("text_model.{*}", None, top=True), Rule("text_projection.{*}", None, top=True),
+    Rule("logit_scale{*}", None, top=True), Rule("{*}position_ids", None, top=True),
+)
+_L = "layer.{i}."
+DINOV3_RULES = (
+    *_OTHER_TOWER_RULES,
+    Rule("embeddings.mask_token", None, default=("zeros", (1, 1, "D"))),
+    Rule("embeddings.cls_token", "cls_token"),
+    Rule("embeddings.register_tokens", "reg_token"),
+    Rule("embeddings.patch_embeddings.{w}", "patch_embed.proj.{w}"),
+    Rule(_L + "norm1.{w}", "blocks.{i}.norm1.{w}"),
+    Rule(tuple(_L + f"attention.{n}_proj.weight" for n in "qkv"), "blocks.{i}.attn.qkv.weight"),
+    # no key bias (key_bias=False): the query's and value's biases are vitkit's q_bias, v_bias (k_bias=False)
+    Rule(tuple(_L + f"attention.{n}_proj.bias" for n in "qkv"), "blocks.{i}.attn.qkv.bias",
+         partial=("blocks.{i}.attn.q_bias", None, "blocks.{i}.attn.v_bias")),
+    Rule(_L + "attention.o_proj.{w}", "blocks.{i}.attn.proj.{w}"),
+    Rule(_L + "layer_scale1.lambda1", "blocks.{i}.ls1.gamma", default=("ones", ("D",))),
+    Rule(_L + "norm2.{w}", "blocks.{i}.norm2.{w}"),
+    # use_gated_mlp (flag "gated"): SiLU(gate) * up; else up is the MLP's first Linear
+    Rule(_L + "mlp.gate_proj.{w}", "blocks.{i}.mlp.fc1_g.{w}"),
+    Rule(_L + "mlp.up_proj.{w}", "blocks.{i}.mlp.fc1_x.{w}", when="gated"),
+    Rule(_L + "mlp.up_proj.{w}", "blocks.{i}.mlp.fc1.{w}", when="!gated"),
+    Rule(_L + "mlp.down_proj.{w}", "blocks.{i}.mlp.fc2.{w}"),
+    Rule(_L + "layer_scale2.lambda1", "blocks.{i}.ls2.gamma", default=("ones", ("D",))),
+    Rule("norm.{w}", "norm.{w}"),
+)
+_A = "encoder.layers.{i}."
+_IDENTITY_QUERY = "AIMv2's pooling uses its query as it is: this model's query projection is not the identity"
+AIMV2_RULES = (
+    *_OTHER_TOWER_RULES,
+    # Aimv2Model's joint embedding: vitkit's head, its bias zero
+    Rule("visual_projection.weight", "head.weight", top=True),
+    Rule(None, "head.bias", fill="zeros_rows", like="head.weight",
+         why="AIMv2's visual_projection has no bias: this model's head bias is not zero"),
+    Rule("embeddings.mask_token", None),
+    Rule("embeddings.patch_embed.{w}", "patch_embed.proj.{w}"),
+    Rule("embeddings.rms_norm.weight", "patch_embed.norm.weight"),
+    Rule("embeddings.position_embedding.weight", "pos_embed.weight", transform="embedding"),
+    Rule(_A + "rms_norm1.{w}", "blocks.{i}.norm1.{w}"),
+    Rule(tuple(_A + f"attention.{n}_proj.{{w}}" for n in "qkv"), "blocks.{i}.attn.qkv.{w}"),
+    Rule(_A + "attention.out_proj.{w}", "blocks.{i}.attn.proj.{w}"),
+    Rule(_A + "rms_norm2.{w}", "blocks.{i}.norm2.{w}"),
+    Rule(_A + "ffn.gate_proj.{w}", "blocks.{i}.mlp.fc1_g.{w}"),
+    Rule(_A + "ffn.up_proj.{w}", "blocks.{i}.mlp.fc1_x.{w}"),
+    Rule(_A + "ffn.down_proj.{w}", "blocks.{i}.mlp.fc2.{w}"),
+    Rule("rms_norm.{w}", "norm.{w}"),
+    # the attention pooling: the learned query is used as it is (an identity query projection), k and v in one Linear
+    Rule("head.cls_token", "attn_pool.latent"),
+    Rule(None, "attn_pool.q.weight", fill="eye_last", like="attn_pool.latent", why=_IDENTITY_QUERY),
+    Rule(None, "attn_pool.q.bias", fill="zeros_last", like="attn_pool.latent", why=_IDENTITY_QUERY),
+    Rule(("head.k_proj.weight", "head.v_proj.weight"), "attn_pool.kv.weight"),
+    # the k and v biases with qkv_bias (flag "qkv_bias"), else none: zero
+    Rule(("head.k_proj.bias", "head.v_proj.bias"), "attn_pool.kv.bias", when="qkv_bias"),
+    Rule(None, "attn_pool.kv.bias", fill="zeros_rows", like="attn_pool.kv.weight", when="!qkv_bias",
+         why="AIMv2's pooling has no key and value biases (qkv_bias=False): these are not zero"),
+    Rule("head.output_proj.{w}", "attn_pool.proj.{w}"),
+)
+LAYOUTS = {"dinov3": Layout("dinov3", DINOV3_RULES, prefixes=("vision_model.",), incomplete=_QKV_INCOMPLETE),
+           "aimv2": Layout("aimv2", AIMV2_RULES, prefixes=("vision_model.",), incomplete=_QKV_INCOMPLETE)}
+
+
+def table(w, hf_config: dict | None = None) -> tuple[Layout, frozenset[str], dict]:
+    """The layout table these tensors are read by, its variant flags ("gated": DINOv3's use_gated_mlp, from
+    config.json or else the keys; "qkv_bias": AIMv2's pooling has k and v biases) and what its reshapes need
+    (nothing)."""
+    gated = _vision_config(hf_config).get("use_gated_mlp", "layer.0.mlp.gate_proj.weight" in w)
+    variant = ({"gated"} if gated else set()) | ({"qkv_bias"} if any(k.endswith("head.k_proj.bias") for k in w)
+                                                 else set())
+    return LAYOUTS[family(w, hf_config)], frozenset(variant), {}
 
 
 def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    """A transformers DINOv3 or AIMv2 model's tensors (and config.json) -> (vitkit state dict, facts, unused keys)."""
     fam = family(w, hf_config)
     if fam is None:
         raise CheckpointError("not a DINOv3 or AIMv2 vision tower (transformers names)")
     c = _vision_config(hf_config)
-    gated = c.get("use_gated_mlp", "layer.0.mlp.gate_proj.weight" in w)
-    sd, qkv, unused = {}, {}, []
-    for k, v in w.items():
-        if k.startswith(_OTHER_TOWER) or k.endswith("position_ids"):
-            unused.append(k)
-            continue
-        if k == "visual_projection.weight" and fam == "aimv2":  # Aimv2Model's joint embedding: vitkit's head
-            sd["head.weight"], sd["head.bias"] = v, torch.zeros(v.shape[0], dtype=v.dtype)
-            continue
-        key = k.removeprefix("vision_model.")
-        if m := re.match(r"(?:encoder\.layers|layer)\.(\d+)\.(.+)\.(weight|bias|lambda1)$", key):
-            i, mod, leaf = m.groups()
-            if mod in ("attention.q_proj", "attention.k_proj", "attention.v_proj"):
-                qkv[(int(i), leaf, mod[-6])] = v
-            elif fam == "dinov3" and mod == "mlp.up_proj":  # the value half of the gated MLP, or the first Linear
-                sd[f"blocks.{i}.mlp.{'fc1_x' if gated else 'fc1'}.{leaf}"] = v
-            elif fam == "dinov3" and mod == "mlp.gate_proj":
-                sd[f"blocks.{i}.mlp.fc1_g.{leaf}"] = v
-            elif mod in (_DINOV3_BLOCK if fam == "dinov3" else _AIMV2_BLOCK):
-                ours = (_DINOV3_BLOCK if fam == "dinov3" else _AIMV2_BLOCK)[mod]
-                sd[f"blocks.{i}.{ours}.{'gamma' if leaf == 'lambda1' else leaf}"] = v
-            else:
-                raise CheckpointError(f"unexpected Hugging Face {fam} key {k!r}")
-        elif key in ("embeddings.mask_token",):
-            unused.append(k)
-        elif key == "embeddings.cls_token":
-            sd["cls_token"] = v
-        elif key == "embeddings.register_tokens":
-            sd["reg_token"] = v
-        elif m := re.match(r"embeddings\.(?:patch_embeddings|patch_embed)\.(weight|bias)$", key):
-            sd[f"patch_embed.proj.{m.group(1)}"] = v
-        elif key == "embeddings.rms_norm.weight":
-            sd["patch_embed.norm.weight"] = v
-        elif key == "embeddings.position_embedding.weight":
-            sd["pos_embed.weight"] = v[None]  # nn.Embedding (N, D) -> (1, N, D)
-        elif m := re.match(r"(norm|rms_norm)\.(weight|bias)$", key):
-            sd[f"norm.{m.group(2)}"] = v
-        elif key == "head.cls_token":  # AIMv2's pooling: the learned query is used as it is
-            sd["attn_pool.latent"] = v
-            sd["attn_pool.q.weight"] = torch.eye(v.shape[-1], dtype=v.dtype)
-            sd["attn_pool.q.bias"] = torch.zeros(v.shape[-1], dtype=v.dtype)
-        elif m := re.match(r"head\.(k_proj|v_proj|output_proj)\.(weight|bias)$", key):
-            ours = "proj" if m.group(1) == "output_proj" else m.group(1)
-            sd[f"attn_pool.{ours}.{m.group(2)}"] = v
-        else:
-            raise CheckpointError(f"unexpected Hugging Face {fam} key {k!r}")
-    for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
-        got = {n: qkv.get((i, leaf, n)) for n in "qkv"}
-        if leaf == "bias" and got["k"] is None and fam == "dinov3":  # DINOv3: no key bias (vitkit's k_bias=False)
-            sd[f"blocks.{i}.attn.q_bias"], sd[f"blocks.{i}.attn.v_bias"] = got["q"], got["v"]
-            continue
-        if any(t is None for t in got.values()):
-            raise CheckpointError(f"layer {i}: the query, key and value projections differ in having a {leaf}")
-        sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"layer.{i}.attention.{n}_proj.{leaf}": got[n] for n in "qkv"})
-    if "attn_pool.k_proj.weight" in sd:  # k and v -> one kv Linear; absent biases are zero
-        d = sd["attn_pool.k_proj.weight"].shape[0]
-        kw, vw = sd.pop("attn_pool.k_proj.weight"), sd.pop("attn_pool.v_proj.weight")
-        kb, vb = sd.pop("attn_pool.k_proj.bias", torch.zeros(d)), sd.pop("attn_pool.v_proj.bias", torch.zeros(d))
-        sd["attn_pool.kv.weight"] = fuse({"k_proj.weight": kw, "v_proj.weight": vw})
-        sd["attn_pool.kv.bias"] = fuse({"k_proj.bias": kb, "v_proj.bias": vb})
+    layout, variant, ctx = table(w, hf_config)
+    sd, unused = read(layout, w, variant, ctx)
+    gated = "gated" in variant
     facts: dict = {} if "head.weight" in sd else {"num_classes": 0}
     if "num_attention_heads" in c:
         facts["num_heads"] = c["num_attention_heads"]
@@ -172,34 +183,10 @@ def from_vitkit(sd: dict[str, torch.Tensor], c, fam: str) -> tuple[dict[str, tor
         fails.append("a hybrid, a distillation token, an MPP head or a pre-logits layer")
     if fails:
         raise CheckpointError(f"a Hugging Face {fam} vision tower cannot hold this model: " + "; ".join(fails))
-    d, out = c.embed_dim, {}
-    for i in range(c.depth):
-        b = f"blocks.{i}."
-        q, k, v = sd[b + "attn.qkv.weight"].chunk(3)
-        p = f"layer.{i}." if fam == "dinov3" else f"encoder.layers.{i}."
-        out[p + "attention.q_proj.weight"], out[p + "attention.k_proj.weight"], out[p + "attention.v_proj.weight"] = q, k, v
-        if b + "attn.q_bias" in sd:
-            out[p + "attention.q_proj.bias"], out[p + "attention.v_proj.bias"] = sd[b + "attn.q_bias"], sd[b + "attn.v_bias"]
-        elif b + "attn.qkv.bias" in sd:
-            qb, _, vb = sd[b + "attn.qkv.bias"].chunk(3)
-            out[p + "attention.q_proj.bias"], out[p + "attention.v_proj.bias"] = qb, vb
-            if fam == "aimv2":
-                out[p + "attention.k_proj.bias"] = sd[b + "attn.qkv.bias"].chunk(3)[1]
-        names = dict(_DINOV3_BLOCK if fam == "dinov3" else _AIMV2_BLOCK)
-        if fam == "dinov3":
-            names.update({"mlp.up_proj": "mlp.fc1_x", "mlp.gate_proj": "mlp.fc1_g"} if c.mlp_layer == "swiglu"
-                         else {"mlp.up_proj": "mlp.fc1"})
-        for theirs, ours in names.items():
-            for leaf in ("weight", "bias", "gamma"):
-                if b + f"{ours}.{leaf}" in sd:
-                    out[p + f"{theirs}.{'lambda1' if leaf == 'gamma' else leaf}"] = sd[b + f"{ours}.{leaf}"]
+    d = c.embed_dim
+    variant = {"gated"} if c.mlp_layer == "swiglu" else {"qkv_bias"} if fam == "aimv2" and c.qkv_bias else set()
+    out, _ = write(LAYOUTS[fam], sd, variant, {"D": d, "depth": c.depth})
     if fam == "dinov3":
-        out.update({"embeddings.cls_token": sd["cls_token"], "embeddings.mask_token": torch.zeros(1, 1, d),
-                    "embeddings.patch_embeddings.weight": sd["patch_embed.proj.weight"],
-                    "embeddings.patch_embeddings.bias": sd["patch_embed.proj.bias"],
-                    "norm.weight": sd["norm.weight"], "norm.bias": sd["norm.bias"]})
-        if c.reg_tokens:
-            out["embeddings.register_tokens"] = sd["reg_token"]
         gated = c.mlp_layer == "swiglu"
         cfg = {"model_type": "dinov3_vit", "architectures": ["DINOv3ViTModel"], "hidden_size": d,
                "num_hidden_layers": c.depth, "num_attention_heads": c.num_heads, "intermediate_size": c.mlp_dim,
@@ -208,27 +195,7 @@ def from_vitkit(sd: dict[str, torch.Tensor], c, fam: str) -> tuple[dict[str, tor
                "layerscale_value": float(c.init_values or 1.0), "query_bias": c.qkv_bias, "key_bias": False,
                "value_bias": c.qkv_bias, "proj_bias": True, "mlp_bias": True, "use_gated_mlp": gated,
                "hidden_act": "silu" if gated else "gelu"}
-        if c.init_values is None:
-            for i in range(c.depth):
-                out[f"layer.{i}.layer_scale1.lambda1"] = out[f"layer.{i}.layer_scale2.lambda1"] = torch.ones(d)
         return out, cfg
-    out.update({"embeddings.patch_embed.weight": sd["patch_embed.proj.weight"],
-                "embeddings.patch_embed.bias": sd["patch_embed.proj.bias"],
-                "embeddings.rms_norm.weight": sd["patch_embed.norm.weight"],
-                "embeddings.position_embedding.weight": sd["pos_embed.weight"][0], "rms_norm.weight": sd["norm.weight"]})
-    if c.classifier == "map":
-        eye = torch.eye(d, dtype=sd["attn_pool.q.weight"].dtype)
-        if not (torch.equal(sd["attn_pool.q.weight"], eye) and not sd["attn_pool.q.bias"].any()):
-            raise CheckpointError("AIMv2's pooling uses its query as it is: this model's query projection is not the "
-                                  "identity")
-        kw, vw = sd["attn_pool.kv.weight"].chunk(2)
-        kb, vb = sd["attn_pool.kv.bias"].chunk(2)
-        if not c.qkv_bias and (kb.any() or vb.any()):
-            raise CheckpointError("AIMv2's pooling has no key and value biases (qkv_bias=False): these are not zero")
-        out.update({"head.cls_token": sd["attn_pool.latent"], "head.k_proj.weight": kw, "head.v_proj.weight": vw,
-                    "head.output_proj.weight": sd["attn_pool.proj.weight"], "head.output_proj.bias": sd["attn_pool.proj.bias"]})
-        if c.qkv_bias:
-            out["head.k_proj.bias"], out["head.v_proj.bias"] = kb, vb
     cfg = {"model_type": "aimv2_vision_model", "architectures": ["Aimv2VisionModel"], "hidden_size": d,
            "num_hidden_layers": c.depth, "num_attention_heads": c.num_heads, "intermediate_size": c.mlp_dim,
            "image_size": c.img_size[0], "patch_size": c.patch_size[0], "num_channels": c.in_chans,

@@ -19,11 +19,10 @@ change the image tower's output).
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
-from .io import CheckpointError, fuse
+from .io import CheckpointError
+from .layouts import Layout, Rule, read, write
 
 FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "siglip_vision_model": "siglip", "siglip": "siglip",
             "clip_vision_model": "clip", "clip": "clip", "siglip2_vision_model": "siglip2", "siglip2": "siglip2",
@@ -33,8 +32,6 @@ FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "siglip_visio
             "clipseg": "clip"}
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
         "quick_gelu": "quick_gelu"}
-_TOWER_PREFIXES = ("vision_model.", "dinov2.", "")  # CLIPModel/SiglipModel's vision half; Dinov2ForImageClassification
-_OTHER_TOWER = ("text_model.", "text_projection.", "logit_scale", "logit_bias")
 
 
 def pos_resample(hf_config: dict | None) -> str:
@@ -69,98 +66,125 @@ def _vision_config(hf_config: dict | None) -> dict:
     return c.get("vision_config") or c  # a two-tower config.json nests the vision tower's
 
 
-_BLOCK = {"norm1": "norm1", "norm2": "norm2", "layer_norm1": "norm1", "layer_norm2": "norm2",
-          "attention.output.dense": "attn.proj", "self_attn.out_proj": "attn.proj",
-          "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2", "mlp.weights_out": "mlp.fc2"}
-_QKV = {"attention.attention.query": "q", "attention.attention.key": "k", "attention.attention.value": "v",
-        "self_attn.q_proj": "q", "self_attn.k_proj": "k", "self_attn.v_proj": "v"}
+# ---- the layout tables (`layouts`): transformers' names <-> vitkit's, read forwards by to_vitkit, backwards by
+# from_vitkit ------------------------------------------------------------------------------------------------------
+_QKV_INCOMPLETE = "layer {i}: the query, key and value projections differ in having a {w}"
+# the text tower of a two-tower checkpoint, and position ids (buffers): not the image tower's output
+OTHER_TOWER_RULES = (
+    Rule("text_model.{*}", None, top=True), Rule("text_projection.{*}", None, top=True),
+    Rule("logit_scale{*}", None, top=True), Rule("logit_bias{*}", None, top=True),
+    Rule("{*}position_ids", None, top=True),
+)
+_D = "encoder.layer.{i}."
+DINOV2_RULES = (
+    # Dinov2ForImageClassification reads [class token, mean patch token] concatenated, which no vitkit head does:
+    # kept under its own name, so strict loading refuses it and strict=False reports it skipped
+    Rule("classifier.{*}", "dinov2_classifier.{*}", top=True),
+    *OTHER_TOWER_RULES,
+    Rule("embeddings.mask_token", None, default=("zeros", (1, "D"))),
+    Rule("embeddings.cls_token", "cls_token"),
+    Rule("embeddings.register_tokens", "reg_token"),
+    Rule("embeddings.position_embeddings", "pos_embed.weight"),
+    Rule("embeddings.patch_embeddings.projection.{w}", "patch_embed.proj.{w}"),
+    Rule("layernorm.{w}", "norm.{w}"),
+    Rule(_D + "norm1.{w}", "blocks.{i}.norm1.{w}"),
+    Rule(tuple(_D + f"attention.attention.{n}.{{w}}" for n in ("query", "key", "value")), "blocks.{i}.attn.qkv.{w}"),
+    Rule(_D + "attention.output.dense.{w}", "blocks.{i}.attn.proj.{w}"),
+    Rule(_D + "layer_scale1.lambda1", "blocks.{i}.ls1.gamma", default=("ones", ("D",))),
+    Rule(_D + "norm2.{w}", "blocks.{i}.norm2.{w}"),
+    Rule(_D + "mlp.fc1.{w}", "blocks.{i}.mlp.fc1.{w}", when="!swiglu"),
+    Rule(_D + "mlp.fc2.{w}", "blocks.{i}.mlp.fc2.{w}", when="!swiglu"),
+    # SwiGLU packs the gate's rows and the value's in one Linear, gate first
+    Rule(_D + "mlp.weights_in.{w}", ("blocks.{i}.mlp.fc1_g.{w}", "blocks.{i}.mlp.fc1_x.{w}"), when="swiglu"),
+    Rule(_D + "mlp.weights_out.{w}", "blocks.{i}.mlp.fc2.{w}", when="swiglu"),
+    Rule(_D + "layer_scale2.lambda1", "blocks.{i}.ls2.gamma", default=("ones", ("D",))),
+)
+_C = "encoder.layers.{i}."
+CLIP_BLOCK_RULES = (
+    Rule(_C + "layer_norm1.{w}", "blocks.{i}.norm1.{w}"),
+    Rule(tuple(_C + f"self_attn.{n}_proj.{{w}}" for n in "qkv"), "blocks.{i}.attn.qkv.{w}"),
+    Rule(_C + "self_attn.out_proj.{w}", "blocks.{i}.attn.proj.{w}"),
+    Rule(_C + "layer_norm2.{w}", "blocks.{i}.norm2.{w}"),
+    Rule(_C + "mlp.fc1.{w}", "blocks.{i}.mlp.fc1.{w}"),
+    Rule(_C + "mlp.fc2.{w}", "blocks.{i}.mlp.fc2.{w}"),
+)
+# SiglipForImageClassification and CLIPForImageClassification (flag "classifier") classify the mean of the tower's
+# tokens, not its pooled output: SigLIP's after `post_layernorm` (vitkit's "gap"), CLIP's patch tokens before it
+# (vitkit's "gap" with no final norm). What the logits do not read is left unused: SigLIP's attention pooling, CLIP's
+# `post_layernorm`.
+SIGLIP_RULES = (
+    Rule("classifier.{*}", "head.{*}", top=True, when="classifier"),
+    *OTHER_TOWER_RULES,
+    Rule("head.{*}", None, when="classifier"),
+    Rule("embeddings.mask_token", None),
+    Rule("embeddings.patch_embedding.{w}", "patch_embed.proj.{w}"),
+    Rule("embeddings.position_embedding.weight", "pos_embed.weight", transform="embedding"),
+    *CLIP_BLOCK_RULES,
+    Rule("post_layernorm.{w}", "norm.{w}"),
+    # the MAP head: a learned query (`probe`) and an nn.MultiheadAttention whose in_proj stacks q, k, v
+    Rule("head.probe", "attn_pool.latent"),
+    Rule("head.attention.in_proj_{w}", ("attn_pool.q.{w}", "attn_pool.kv.{w}"), sizes=(1, 2)),
+    Rule("head.attention.out_proj.{w}", "attn_pool.proj.{w}"),
+    Rule("head.layernorm.{w}", "attn_pool.norm.{w}"),
+    Rule("head.mlp.fc1.{w}", "attn_pool.mlp.fc1.{w}"),
+    Rule("head.mlp.fc2.{w}", "attn_pool.mlp.fc2.{w}"),
+)
+SIGLIP2_RULES = (
+    Rule("classifier.{*}", top=True, refuse="transformers' siglip2 image classifier ({key!r}) is not one vitkit reads "
+                                             "yet: load the vision tower alone"),
+    Rule("embeddings.patch_embedding.weight", "patch_embed.proj.weight", transform="linear_patches"),
+    *SIGLIP_RULES,
+)
+CLIP_RULES = (
+    Rule("classifier.{*}", "head.{*}", top=True, when="classifier"),
+    *OTHER_TOWER_RULES,
+    # the joint embedding (CLIPVisionModelWithProjection, CLIPModel): vitkit's head, its bias zero
+    Rule("visual_projection.weight", "head.weight", top=True, when="!classifier"),
+    Rule(None, "head.bias", fill="zeros_rows", like="head.weight",
+         why="CLIP's visual_projection has no bias: this model's head bias is not zero"),
+    Rule("visual_projection.bias", "head.bias", top=True, when="!classifier", export=False),
+    Rule("post_layernorm.{*}", None, when="classifier"),
+    Rule("embeddings.mask_token", None),
+    Rule("embeddings.class_embedding", "cls_token", transform="class_vector"),
+    Rule("embeddings.patch_embedding.{w}", "patch_embed.proj.{w}"),
+    Rule("embeddings.position_embedding.weight", "pos_embed.weight", transform="embedding"),
+    Rule("pre_layrnorm.{w}", "norm_pre.{w}"),  # (sic)
+    *CLIP_BLOCK_RULES,
+    Rule("post_layernorm.{w}", "norm.{w}"),
+)
+_PREFIXES = ("vision_model.", "dinov2.")  # CLIPModel/SiglipModel's vision half; Dinov2ForImageClassification
+# (transformers 5.24 writes AltCLIPModel's vision blocks as `encoder.layer.N`, and reads them back)
+_ALIASES = (("encoder.layer.", "encoder.layers."),)
+LAYOUTS = {
+    "dinov2": Layout("dinov2", DINOV2_RULES, prefixes=_PREFIXES, incomplete=_QKV_INCOMPLETE),
+    "siglip": Layout("siglip", SIGLIP_RULES, prefixes=_PREFIXES, aliases=_ALIASES, incomplete=_QKV_INCOMPLETE),
+    "siglip2": Layout("siglip2", SIGLIP2_RULES, prefixes=_PREFIXES, aliases=_ALIASES, incomplete=_QKV_INCOMPLETE),
+    "clip": Layout("clip", CLIP_RULES, prefixes=_PREFIXES, aliases=_ALIASES, incomplete=_QKV_INCOMPLETE),
+}
+
+
+def table(w, hf_config: dict | None = None) -> tuple[Layout, frozenset[str], dict]:
+    """The layout table these tensors are read by; its variant flags: "classifier" (an image classifier on the
+    tower), "swiglu" (DINOv2's packed SwiGLU MLP); and what its reshapes need (SigLIP 2's channels)."""
+    variant = ({"classifier"} if "classifier.weight" in w else set()) | (
+        {"swiglu"} if any(".mlp.weights_in." in k for k in w) else set())
+    return (LAYOUTS[family(w, hf_config)], frozenset(variant),
+            {"in_chans": _vision_config(hf_config).get("num_channels", 3)})
 
 
 def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
+    """A transformers DINOv2, SigLIP or CLIP vision tower's tensors (and config.json) -> (vitkit state dict, facts,
+    unused keys)."""
     fam = family(w, hf_config)
     if fam is None:
         raise CheckpointError("not a DINOv2, SigLIP or CLIP vision tower (transformers names)")
-    sd, qkv, unused = {}, {}, []
-    # SiglipForImageClassification and CLIPForImageClassification classify the mean of the tower's tokens, not its
-    # pooled output: SigLIP's after `post_layernorm` (vitkit's "gap"), CLIP's patch tokens before it (vitkit's "gap"
-    # with no final norm). What the logits do not read is left unused: SigLIP's attention pooling, CLIP's
-    # `post_layernorm`.
-    classifier = fam in ("siglip", "clip") and "classifier.weight" in w
-    not_read = ("head.", "vision_model.head.") if fam == "siglip" else ("post_layernorm.", "vision_model.post_layernorm.")
-    for k, v in w.items():
-        if classifier and k.startswith(not_read):
-            unused.append(k)
-            continue
-        if fam == "dinov2" and k.startswith("classifier."):
-            # Dinov2ForImageClassification reads [class token, mean patch token] concatenated, which no vitkit head
-            # does: kept under its own name, so strict loading refuses it and strict=False reports it skipped
-            sd["dinov2_classifier." + k[len("classifier."):]] = v
-            continue
-        if k.startswith("classifier."):
-            if fam not in ("siglip", "clip"):
-                raise CheckpointError(f"transformers' {fam} image classifier ({k!r}) is not one vitkit reads yet: "
-                                      f"load the vision tower alone")
-            sd["head." + k[len("classifier."):]] = v  # the mean of the tokens, classified
-            continue
-        if k.startswith(_OTHER_TOWER) or k.endswith("position_ids"):
-            unused.append(k)
-            continue
-        if k.startswith("visual_projection."):
-            if fam != "clip" or k not in ("visual_projection.weight", "visual_projection.bias"):
-                raise CheckpointError(f"unexpected Hugging Face {fam} key {k!r}")
-            sd["head." + k[len("visual_projection."):]] = v  # the joint embedding: vitkit's head
-            continue
-        key = next((k[len(p):] for p in _TOWER_PREFIXES if k.startswith(p)), k)
-        if m := re.match(r"encoder\.layers?\.(\d+)\.(.+)\.(weight|bias|lambda1)$", key):
-            i, mod, leaf = m.groups()
-            if mod in _QKV:
-                qkv[(int(i), leaf, _QKV[mod])] = v
-            elif mod in ("layer_scale1", "layer_scale2"):
-                sd[f"blocks.{i}.ls{mod[-1]}.gamma"] = v
-            elif mod == "mlp.weights_in":  # packed SwiGLU, gate rows first
-                sd[f"blocks.{i}.mlp.fc1_g.{leaf}"], sd[f"blocks.{i}.mlp.fc1_x.{leaf}"] = v.chunk(2)
-            elif mod in _BLOCK:
-                sd[f"blocks.{i}.{_BLOCK[mod]}.{leaf}"] = v
-            else:
-                raise CheckpointError(f"unexpected Hugging Face {fam} key {k!r}")
-        elif key == "embeddings.mask_token":
-            unused.append(k)
-        elif key == "embeddings.cls_token":
-            sd["cls_token"] = v
-        elif key == "embeddings.class_embedding":
-            sd["cls_token"] = v.reshape(1, 1, -1)  # (D,) -> (1, 1, D)
-        elif key == "embeddings.register_tokens":
-            sd["reg_token"] = v
-        elif key == "embeddings.position_embeddings":
-            sd["pos_embed.weight"] = v
-        elif key == "embeddings.position_embedding.weight":
-            sd["pos_embed.weight"] = v[None]  # nn.Embedding (T, D) -> (1, T, D)
-        elif key == "embeddings.patch_embedding.weight" and v.ndim == 2:  # SigLIP 2: a Linear over (ph, pw, C) patches
-            c = _vision_config(hf_config).get("num_channels", 3)
-            p = round((v.shape[1] / c) ** 0.5)
-            sd["patch_embed.proj.weight"] = v.reshape(v.shape[0], p, p, c).permute(0, 3, 1, 2)  # -> (D, C, ph, pw)
-        elif m := re.match(r"embeddings\.patch_embeddings?(?:\.projection)?\.(weight|bias)$", key):
-            sd[f"patch_embed.proj.{m.group(1)}"] = v
-        elif m := re.match(r"(layernorm|post_layernorm|pre_layrnorm)\.(weight|bias)$", key):
-            sd[{"layernorm": "norm", "post_layernorm": "norm", "pre_layrnorm": "norm_pre"}[m.group(1)] + "." + m.group(2)] = v
-        elif key == "head.probe":
-            sd["attn_pool.latent"] = v
-        elif m := re.match(r"head\.attention\.in_proj_(weight|bias)$", key):
-            q, kv = v.split([v.shape[0] // 3, 2 * v.shape[0] // 3])  # rows: query, key, value
-            sd[f"attn_pool.q.{m.group(1)}"], sd[f"attn_pool.kv.{m.group(1)}"] = q, kv
-        elif m := re.match(r"head\.(attention\.out_proj|layernorm|mlp\.fc1|mlp\.fc2)\.(weight|bias)$", key):
-            ours = {"attention.out_proj": "proj", "layernorm": "norm", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}[m.group(1)]
-            sd[f"attn_pool.{ours}.{m.group(2)}"] = v
-        else:
-            raise CheckpointError(f"unexpected Hugging Face {fam} key {k!r}")
-    for i, leaf in sorted({(i, leaf) for i, leaf, _ in qkv}):
-        sd[f"blocks.{i}.attn.qkv.{leaf}"] = fuse({f"layers.{i}.{n}_proj.{leaf}": qkv[(i, leaf, n)] for n in "qkv"})
-    if "head.weight" in sd and "head.bias" not in sd:  # CLIP's projection has no bias: vitkit's head, bias zero
-        sd["head.bias"] = torch.zeros(sd["head.weight"].shape[0], dtype=sd["head.weight"].dtype)
+    c = _vision_config(hf_config)
+    layout, variant, ctx = table(w, hf_config)
+    sd, unused = read(layout, w, variant, ctx)
+    classifier = fam in ("siglip", "clip") and "classifier" in variant
     if fam == "dinov2" and "reg_token" in sd:  # registers go in after the position embedding: fold the class token's
         pe = sd.pop("pos_embed.weight")
         sd["cls_token"], sd["pos_embed.weight"] = sd["cls_token"] + pe[:, :1], pe[:, 1:]
-    c = _vision_config(hf_config)
     facts: dict = {"norm_eps": c.get("layer_norm_eps", 1e-5 if fam == "clip" else 1e-6),
                    "act": {"clip": "quick_gelu", "siglip": "gelu_tanh", "siglip2": "gelu_tanh"}.get(fam, "gelu"),
                    "pos_resample": pos_resample(hf_config)}
@@ -209,72 +233,18 @@ def from_vitkit(sd: dict[str, torch.Tensor], c, fam: str) -> tuple[dict[str, tor
                      f"(model.reset_classifier(0) first, or export to vitkit or timm)")
     if fam == "dinov2" and c.act != "gelu" and c.mlp_layer == "mlp":
         fails.append(f"act {c.act!r} (export keeps exact GELU only)")
+    if not fails:  # the biases and the final norm every tower has (the table writes what the model holds)
+        fails = [f"{k}=False (the {fam} tower has True)" for k in ("proj_bias", "final_norm") if not getattr(c, k)]
     if fails:
         raise CheckpointError(f"a Hugging Face {fam} vision tower cannot hold this model: " + "; ".join(fails))
-    d, out = c.embed_dim, {}
-    for i in range(c.depth):
-        b = f"blocks.{i}."
-        q, k, v = sd[b + "attn.qkv.weight"].chunk(3)
-        if b + "attn.qkv.bias" in sd:
-            qb, kb, vb = sd[b + "attn.qkv.bias"].chunk(3)
-        else:  # k_bias=False: the key's bias is zero
-            qb, vb = sd[b + "attn.q_bias"], sd[b + "attn.v_bias"]
-            kb = torch.zeros_like(qb)
-        if fam == "dinov2":
-            p = f"encoder.layer.{i}."
-            names = {"norm1": "norm1", "norm2": "norm2", "attn.proj": "attention.output.dense"}
-            for n, t, tb in (("query", q, qb), ("key", k, kb), ("value", v, vb)):
-                out[p + f"attention.attention.{n}.weight"], out[p + f"attention.attention.{n}.bias"] = t, tb
-            for j in (1, 2):
-                out[p + f"layer_scale{j}.lambda1"] = sd.get(b + f"ls{j}.gamma", torch.ones(d))
-            if c.mlp_layer == "swiglu":
-                for leaf in ("weight", "bias"):
-                    out[p + f"mlp.weights_in.{leaf}"] = torch.cat([sd[b + f"mlp.fc1_g.{leaf}"], sd[b + f"mlp.fc1_x.{leaf}"]])
-                    out[p + f"mlp.weights_out.{leaf}"] = sd[b + f"mlp.fc2.{leaf}"]
-            else:
-                names.update({"mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"})
-        else:
-            p = f"encoder.layers.{i}."
-            names = {"norm1": "layer_norm1", "norm2": "layer_norm2", "attn.proj": "self_attn.out_proj",
-                     "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
-            for n, t, tb in (("q", q, qb), ("k", k, kb), ("v", v, vb)):
-                out[p + f"self_attn.{n}_proj.weight"], out[p + f"self_attn.{n}_proj.bias"] = t, tb
-        for ours, theirs in names.items():
-            for leaf in ("weight", "bias"):
-                out[p + f"{theirs}.{leaf}"] = sd[b + f"{ours}.{leaf}"]
-    pe = sd["pos_embed.weight"]
-    if fam == "dinov2":
-        cls = sd["cls_token"]
-        if c.no_embed_class and not c.reg_tokens:
+    d, sd = c.embed_dim, dict(sd)
+    if fam == "dinov2" and c.no_embed_class:
+        if not c.reg_tokens:
             raise CheckpointError("transformers' Dinov2Model adds a position to the class token; this model "
                                   "(no_embed_class without registers, DeiT-III style) exports to timm instead")
-        if c.no_embed_class:  # transformers adds a position to the class token: give it none (zeros)
-            pe = torch.cat([torch.zeros_like(cls), pe], dim=1)
-        out.update({"embeddings.cls_token": cls, "embeddings.position_embeddings": pe,
-                    "embeddings.mask_token": torch.zeros(1, d),
-                    "embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
-                    "embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
-                    "layernorm.weight": sd["norm.weight"], "layernorm.bias": sd["norm.bias"]})
-        if c.reg_tokens:
-            out["embeddings.register_tokens"] = sd["reg_token"]
-    else:
-        e = "embeddings."
-        out[e + "patch_embedding.weight"] = sd["patch_embed.proj.weight"]
-        if fam == "siglip":
-            out[e + "patch_embedding.bias"] = sd["patch_embed.proj.bias"]
-            out[e + "position_embedding.weight"] = pe[0]
-            h = "head."
-            out[h + "probe"] = sd["attn_pool.latent"]
-            for leaf in ("weight", "bias"):
-                out[h + f"attention.in_proj_{leaf}"] = torch.cat([sd[f"attn_pool.q.{leaf}"], sd[f"attn_pool.kv.{leaf}"]])
-                for ours, theirs in (("proj", "attention.out_proj"), ("norm", "layernorm"), ("mlp.fc1", "mlp.fc1"),
-                                     ("mlp.fc2", "mlp.fc2")):
-                    out[h + f"{theirs}.{leaf}"] = sd[f"attn_pool.{ours}.{leaf}"]
-        else:
-            out[e + "class_embedding"] = sd["cls_token"].reshape(-1)
-            out[e + "position_embedding.weight"] = pe[0]
-            out["pre_layrnorm.weight"], out["pre_layrnorm.bias"] = sd["norm_pre.weight"], sd["norm_pre.bias"]
-        out["post_layernorm.weight"], out["post_layernorm.bias"] = sd["norm.weight"], sd["norm.bias"]
+        # transformers adds a position to the class token: give it none (zeros)
+        sd["pos_embed.weight"] = torch.cat([torch.zeros_like(sd["cls_token"]), sd["pos_embed.weight"]], dim=1)
+    out, _ = write(LAYOUTS[fam], sd, {"swiglu"} if c.mlp_layer == "swiglu" else (), {"D": d, "depth": c.depth})
     hf_act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}[c.act]
     size = c.img_size[0] if c.img_size[0] == c.img_size[1] else None
     if size is None or c.patch_size[0] != c.patch_size[1]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -28,20 +29,118 @@ NATIVE_FORMAT = "vitkit"
 NATIVE_VERSION = "1"
 
 
-# State-dict formats in the order they are tried: (name, detector on the key set, converter to vitkit names).
-STATE_DICT_FORMATS = (
-    ("hf-swin", swin.is_hf_swin, swin.hf_to_vitkit),
-    ("swin", swin.is_swin, swin.to_vitkit),
-    ("hf-backbones", lambda keys: hf_backbones.family(keys) is not None, hf_backbones.to_vitkit),
-    ("hf-vision", lambda keys: hf_vision.family(keys) is not None, hf_vision.to_vitkit),
-    ("hf", hf.is_hf, hf.to_vitkit),
-    ("torchvision", torchvision.is_torchvision, torchvision.to_vitkit),
-    ("timm-naflex", timm.is_timm_naflex, timm.naflex_to_vitkit),
-    ("dinov3-release", timm.is_dinov3_release, timm.dinov3_release_to_vitkit),
-    ("timm-vit", timm.is_timm_vit, timm.vit_to_vitkit),
-    ("timm-resnetv2", timm.is_timm_resnetv2, timm.resnetv2_to_vitkit),
-    ("official-npz", official.is_official, official.to_vitkit),
+# ---- the format registry: every layout vitkit reads (and the ones it writes), in the order they are recognised ----
+
+@dataclass(frozen=True)
+class Format:
+    """One checkpoint layout: how it is recognised (`detect`), read into vitkit's names (`read`), what a hub folder
+    states beside its tensors (`facts`) and, where vitkit exports it, how it is written (`write`)."""
+
+    name: str  # `Checkpoint.format` of what it reads
+    detect: Callable[[dict, dict | None], bool]  # (tensors, config.json; None for a bare file) -> this layout's
+    read: Callable[[dict, dict | None], tuple[dict, dict, list[str]]]  # -> (vitkit state dict, facts, unused keys)
+    containers: tuple[str, ...] = ("file", "folder")  # a bare state dict, a hub folder, an .npz
+    bare_name: str | None = None  # the name of a bare state dict in this layout, where not `name`
+    facts: Callable[[Path, dict], dict] | None = None  # a folder's facts (config.json, preprocessing), over the tensors'
+    bare_defaults: dict = field(default_factory=dict)  # facts a bare state dict has where its reader sets none
+    # writing: the export format (`to`) writing it, for the models it `holds` (the first entry that holds one wins)
+    target: str | None = None
+    holds: Callable[[object], bool] | None = None
+    write: Callable[[dict, object], tuple[dict, dict | None]] | None = None  # (tensors, config) -> (tensors, config.json)
+    folder_config: Callable[[object], dict] | None = None  # a timm folder's config.json
+    readback: Callable[[dict, dict | None, object], tuple[dict, dict, list[str]]] | None = None  # default: read
+    own_qv_bias: bool = False  # written from the model's own q_bias / v_bias (not fused into (q, 0, v))
+    label: str = ""  # what export's refusals call it
+    family: str | None = None  # transformers' family (`hf_family`)
+    table: Callable[[dict, dict | None], tuple] | None = None  # its `layouts` table: (Layout, flags, ctx)
+
+
+def _hf_folder_facts(path: Path, hub_config: dict) -> dict:
+    """What a transformers folder's preprocessor_config.json records (mean, std, interpolation, crop)."""
+    pre = path / hf.PREPROCESSOR_FILE
+    return hf.preprocessing_facts(_json_file(pre)) if pre.exists() else {}
+
+
+def _timm(detect_keys: Callable) -> Callable[[dict, dict | None], bool]:
+    """A timm layout's detector: its keys, and in a folder timm's config.json."""
+    return lambda raw, cfg: (cfg is None or timm.is_timm_folder(cfg)) and detect_keys(set(raw))
+
+
+def _keys(detect_keys: Callable) -> Callable[[dict, dict | None], bool]:
+    return lambda raw, cfg: detect_keys(set(raw))
+
+
+def _hf_format(module, fam: str, bare_name: str, holds: Callable) -> Format:
+    """A transformers family of `module` (hf_vision, hf_backbones): a folder `hf-{fam}`, a bare file `bare_name`."""
+    return Format(f"hf-{fam}", lambda raw, cfg: module.family(raw, cfg) == fam, module.to_vitkit, bare_name=bare_name,
+                  facts=_hf_folder_facts, target="hf", holds=holds, label=f"a Hugging Face {fam} folder",
+                  write=lambda sd, c: module.from_vitkit(sd, c, fam), family=fam, table=module.table,
+                  own_qv_bias=module is hf_backbones)
+
+
+def _timm_folder_unknown(raw: dict, cfg: dict | None):
+    raise CheckpointError(f"a timm folder ({cfg['architecture']}) that is not a ViT or BiT vitkit recognises "
+                          f"(first keys: {sorted(raw)[:6]})")
+
+
+_TIMM_FOLDER = dict(facts=lambda path, cfg: timm.folder_facts(cfg), folder_config=timm.folder_config, target="timm")
+_TIMM_BICUBIC = {"pos_resample": "bicubic"}  # timm's resample_abs_pos_embed: antialiased bicubic
+REGISTRY: tuple[Format, ...] = (
+    Format("hf-swin", _keys(swin.is_hf_swin), swin.hf_to_vitkit, facts=_hf_folder_facts),
+    Format("swin-official", _keys(lambda k: swin.is_swin(k) and any(x.startswith("layers.0.downsample.") for x in k)),
+           lambda raw, cfg: swin.to_vitkit(raw), containers=("file",)),  # microsoft/Swin-Transformer's layout
+    Format("timm-swin", _timm(swin.is_swin), lambda raw, cfg: swin.to_vitkit(raw),
+           facts=lambda path, cfg: swin.folder_facts(cfg), target="timm", holds=lambda c: c.arch == "swin",
+           write=lambda sd, c: (swin.from_vitkit(sd), None), folder_config=swin.folder_config, label="a timm Swin"),
+    _hf_format(hf_backbones, "dinov3", "hf-backbones", holds=lambda c: c.rope == "dinov3"),
+    _hf_format(hf_backbones, "aimv2", "hf-backbones", holds=lambda c: c.norm == "rmsnorm"),
+    _hf_format(hf_vision, "siglip", "hf-vision", holds=lambda c: c.classifier == "map"),
+    _hf_format(hf_vision, "clip", "hf-vision", holds=lambda c: c.pre_norm),
+    _hf_format(hf_vision, "dinov2", "hf-vision",
+               holds=lambda c: c.init_values is not None or c.reg_tokens or c.mlp_layer == "swiglu"),
+    _hf_format(hf_vision, "siglip2", "hf-vision", holds=lambda c: False),
+    Format("hf", lambda raw, cfg: hf.is_hf(raw), hf.to_vitkit, facts=_hf_folder_facts, target="hf",
+           holds=lambda c: True, write=hf.from_vitkit, label="a Hugging Face ViT folder", table=hf.table),
+    Format("torchvision", _keys(torchvision.is_torchvision), lambda raw, cfg: torchvision.to_vitkit(raw),
+           containers=("file",)),
+    Format("timm-naflex", _timm(timm.is_timm_naflex), lambda raw, cfg: timm.naflex_to_vitkit(raw), **_TIMM_FOLDER,
+           holds=lambda c: getattr(c, "naflex", False), write=lambda sd, c: (timm.naflex_from_vitkit(sd, c), None),
+           readback=lambda out, cfg, c: timm.naflex_to_vitkit(out, c.in_chans), label="a timm NaFlexVit"),
+    Format("dinov3-release", _keys(timm.is_dinov3_release), lambda raw, cfg: timm.dinov3_release_to_vitkit(raw),
+           containers=("file",)),
+    # vitkit's own names: a model.state_dict() saved by hand
+    Format("vitkit-state-dict", _keys(lambda k: timm.is_timm_vit(k) and bool({"pos_embed.weight", "pos_embed.row"} & k)),
+           lambda raw, cfg: timm.vit_to_vitkit(raw), containers=("file",)),
+    # DINOv2's own hub files (facebookresearch/dinov2), which timm converts the same way
+    Format("dinov2-release", _keys(lambda k: timm.is_timm_vit(k) and "mask_token" in k),
+           lambda raw, cfg: timm.vit_to_vitkit(raw), containers=("file",), bare_defaults=_TIMM_BICUBIC),
+    Format("timm-vit", _timm(timm.is_timm_vit), lambda raw, cfg: timm.vit_to_vitkit(raw), **_TIMM_FOLDER,
+           bare_defaults=_TIMM_BICUBIC, holds=lambda c: c.arch == "vit",
+           write=lambda sd, c: (timm.vit_from_vitkit(sd, c), None), label="a timm"),
+    Format("timm-resnetv2", _timm(timm.is_timm_resnetv2), lambda raw, cfg: timm.resnetv2_to_vitkit(raw),
+           **_TIMM_FOLDER, holds=lambda c: c.arch == "resnetv2",
+           write=lambda sd, c: (timm.resnetv2_from_vitkit(sd, c), None), label="a timm"),
+    # a timm folder of none of the layouts above: what its architecture is, or why vitkit refuses it, first
+    Format("timm", lambda raw, cfg: cfg is not None and timm.is_timm_folder(cfg), _timm_folder_unknown,
+           containers=("folder",), facts=lambda path, cfg: timm.folder_facts(cfg)),
+    Format("official-npz", _keys(official.is_official), lambda raw, cfg: official.to_vitkit(raw),
+           containers=("file", "npz"), target="npz", holds=lambda c: c.arch == "vit",
+           write=lambda sd, c: (official.from_vitkit(sd, c), None), label="the official .npz format"),
+    Format("bit-npz", _keys(bit.is_bit_npz), lambda raw, cfg: bit.to_vitkit(raw), containers=("npz",)),
 )
+
+
+def _recognise(container: str, raw: dict, hub_config: dict | None = None) -> Format | None:
+    """The first format of the registry that reads these tensors (and config.json) in this container."""
+    return next((f for f in REGISTRY if container in f.containers and f.detect(raw, hub_config)), None)
+
+
+def _writer(to: str, c) -> Format:
+    """The first format of the registry written as `to` that holds this model."""
+    fmt = next((f for f in REGISTRY if f.target == to and f.holds(c)), None)
+    if fmt is None:
+        raise CheckpointError(f"no {to!r} format holds a {c.arch} model")
+    return fmt
 
 
 @dataclass
@@ -105,12 +204,8 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
         fmt, sd, facts, unused = _convert_folder(path, unwrap_state_dict(raw), hub_config)
     elif kind == "npz":
         raw = read_npz(path)
-        if official.is_official(raw):
-            sd, facts, unused = official.to_vitkit(raw)
-            fmt = "official-npz"
-        elif bit.is_bit_npz(raw):
-            sd, facts, unused = bit.to_vitkit(raw)
-            fmt = "bit-npz"
+        if (npz := _recognise("npz", raw)) is not None:
+            fmt, (sd, facts, unused) = npz.name, npz.read(raw, None)
         else:
             raise CheckpointError(f"{path}: an .npz without 'embedding/kernel' or 'resnet/root_block/...': neither an "
                                   f"official ViT nor a BiT checkpoint (keys: {sorted(raw)[:6]} ...)")
@@ -125,23 +220,12 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
             old = parse_json(meta["vitkit_config"], f"{path} (metadata 'vitkit_config')", CheckpointError)
             facts = {k: v for k, v in (old if isinstance(old, dict) else {}).items() if k != "arch"}
         raw = unwrap_state_dict(raw)
-        keys = set(raw)
-        match = next(((fmt, convert) for fmt, detect, convert in STATE_DICT_FORMATS if detect(keys)), None)
-        if match is None:
-            raise CheckpointError(f"{path}: not a ViT or BiT checkpoint vitkit recognises (first keys: {sorted(keys)[:6]})")
-        fmt, convert = match
-        if fmt == "swin" and any(k.startswith("layers.0.downsample.") for k in keys):
-            fmt = "swin-official"  # microsoft/Swin-Transformer's layout
-        elif fmt == "swin":
-            fmt = "timm-swin"
-        if fmt == "timm-vit" and {"pos_embed.weight", "pos_embed.row"} & keys:
-            fmt = "vitkit-state-dict"  # vitkit's own names: a model.state_dict() saved by hand
-        elif fmt == "timm-vit" and "mask_token" in keys:
-            fmt = "dinov2-release"  # DINOv2's own hub files (facebookresearch/dinov2), which timm converts the same way
-        sd, f, unused = convert(raw)
-        if fmt in ("timm-vit", "dinov2-release"):  # timm's resample_abs_pos_embed: antialiased bicubic
-            f.setdefault("pos_resample", "bicubic")
-        facts = {**f, **facts}
+        bare = _recognise("file", raw)
+        if bare is None:
+            raise CheckpointError(f"{path}: not a ViT or BiT checkpoint vitkit recognises (first keys: {sorted(raw)[:6]})")
+        fmt = bare.bare_name or bare.name
+        sd, f, unused = bare.read(raw, None)
+        facts = {**bare.bare_defaults, **f, **facts}
         if architecture is not None:  # a bare timm state dict named by its timm architecture, as timm users load it
             if not fmt.startswith("timm"):
                 raise UsageError(f"architecture={architecture!r} names a timm architecture; {path} is a {fmt} file")
@@ -180,45 +264,13 @@ def unwrap_state_dict(sd: dict) -> dict:
 def _convert_folder(path: Path, raw: dict[str, torch.Tensor], hub_config: dict):
     """A Hugging Face or timm hub folder's tensors and config.json -> (format, vitkit state dict, facts, unused)."""
     hf.check_model_type(hub_config)  # a transformers model_type vitkit reads no model of: refused by name
-    if timm.is_timm_folder(hub_config) and swin.is_swin(raw):
-        fmt, (sd, facts, unused) = "timm-swin", swin.to_vitkit(raw)
-        facts = {**facts, **swin.folder_facts(hub_config)}
-    elif swin.is_hf_swin(raw):
-        fmt, (sd, facts, unused) = "hf-swin", swin.hf_to_vitkit(raw, hub_config)
-        pre = path / hf.PREPROCESSOR_FILE
-        if pre.exists():
-            facts.update(hf.preprocessing_facts(_json_file(pre)))
-    elif timm.is_timm_folder(hub_config):
-        keys = set(raw)
-        named = timm.folder_facts(hub_config)  # what the architecture is, or why vitkit refuses it, first
-        if timm.is_timm_naflex(keys):
-            fmt, (sd, facts, unused) = "timm-naflex", timm.naflex_to_vitkit(raw)
-        elif timm.is_timm_vit(keys):
-            fmt, (sd, facts, unused) = "timm-vit", timm.vit_to_vitkit(raw)
-        elif timm.is_timm_resnetv2(keys):
-            fmt, (sd, facts, unused) = "timm-resnetv2", timm.resnetv2_to_vitkit(raw)
-        else:
-            raise CheckpointError(f"{path}: a timm folder ({hub_config['architecture']}) that is not a ViT or BiT "
-                                  f"vitkit recognises (first keys: {sorted(keys)[:6]})")
-        facts = {**facts, **named}
-    elif hf_backbones.family(raw, hub_config) is not None:  # DINOv3, AIMv2
-        fam = hf_backbones.family(raw, hub_config)
-        sd, facts, unused = hf_backbones.to_vitkit(raw, hub_config)
-        pre = path / hf.PREPROCESSOR_FILE
-        if pre.exists():
-            facts.update(hf.preprocessing_facts(_json_file(pre)))
-        fmt = f"hf-{fam}"
-    elif hf_vision.family(raw, hub_config) is not None or hf.is_hf(raw):
-        fam = hf_vision.family(raw, hub_config)
-        sd, facts, unused = hf_vision.to_vitkit(raw, hub_config) if fam else hf.to_vitkit(raw, hub_config)
-        pre = path / hf.PREPROCESSOR_FILE
-        if pre.exists():
-            facts.update(hf.preprocessing_facts(_json_file(pre)))
-        fmt = f"hf-{fam}" if fam else "hf"
-    else:
+    fmt = _recognise("folder", raw, hub_config)
+    if fmt is None:
         raise CheckpointError(f"{path}: a folder with config.json but neither Hugging Face ViT, DINOv2, SigLIP or "
                               f"CLIP nor timm weights")
-    return fmt, sd, facts, unused
+    stated = fmt.facts(path, hub_config) if fmt.facts else {}  # what the folder states, or why it is refused, first
+    sd, facts, unused = fmt.read(raw, hub_config)
+    return fmt.name, sd, {**facts, **stated}, unused
 
 
 def describe_folder(raw: dict[str, torch.Tensor], hub_config: dict, what: str = "the folder"):
@@ -469,19 +521,14 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
         sd = _fused_qkv_bias(sd)  # formats with one qkv bias get (q, 0, v)
     if to == "vitkit":
         return save(model, path)
+    if c.arch != "vit" and to != "timm":
+        raise CheckpointError(f"a {c.arch} model exports to 'vitkit' or 'timm' only, not {to!r}")
+    fmt = _writer(to, c)
+    out, hub_config = fmt.write(_tensors(model) if fmt.own_qv_bias else sd, c)
+    back, facts, _ = fmt.readback(out, hub_config, c) if fmt.readback else fmt.read(out, hub_config)
     if to == "timm":
-        if c.arch == "swin":
-            out, kind, fmt = swin.from_vitkit(sd), "a timm Swin", swin
-            back, facts, _ = swin.to_vitkit(out)
-        elif getattr(c, "naflex", False):  # timm's NaFlexVit (packed mixed-size batches): `embeds.*` names
-            out, kind, fmt = timm.naflex_from_vitkit(sd, c), "a timm NaFlexVit", timm
-            back, facts, _ = timm.naflex_to_vitkit(out, c.in_chans)
-        else:
-            vit = c.arch == "vit"
-            out, kind, fmt = (timm.vit_from_vitkit(sd, c) if vit else timm.resnetv2_from_vitkit(sd, c)), "a timm", timm
-            back, facts, _ = timm.vit_to_vitkit(out) if vit else timm.resnetv2_to_vitkit(out)
         if path.suffix in TIMM_FILE_SUFFIXES:
-            _check_reads_back(c, back, facts, f"{kind} state dict",
+            _check_reads_back(c, back, facts, f"{fmt.label} state dict",
                               "\nA timm folder records these: export to a path without a suffix.")
             if path.suffix == ".safetensors":
                 atomic_write(path, lambda p: safetensors.torch.save_file(out, str(p), metadata={"format": "pt"}))
@@ -489,35 +536,20 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
                 atomic_write(path, lambda p: torch.save(out, p))
             return path
         hub_config = fmt.folder_config(c)
-        _check_reads_back(c, back, {**facts, **fmt.folder_facts(hub_config)}, f"{kind} folder")
+        _check_reads_back(c, back, {**facts, **fmt.facts(path, hub_config)}, f"{fmt.label} folder")
         path.mkdir(parents=True, exist_ok=True)
         atomic_write(path / "model.safetensors", lambda p: safetensors.torch.save_file(out, str(p), metadata={"format": "pt"}))
         atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))
         return path
-    if c.arch != "vit":
-        raise CheckpointError(f"a {c.arch} model exports to 'vitkit' or 'timm' only, not {to!r}")
     if to == "hf":
-        fam = hf_family(c)
-        if fam is None:
-            out, hf_config = hf.from_vitkit(sd, c)
-            back, facts, _ = hf.to_vitkit(out, hf_config)
-        elif fam in ("dinov3", "aimv2"):
-            out, hf_config = hf_backbones.from_vitkit(_tensors(model), c, fam)
-            back, facts, _ = hf_backbones.to_vitkit(out, hf_config)
-        else:
-            out, hf_config = hf_vision.from_vitkit(sd, c, fam)
-            back, facts, _ = hf_vision.to_vitkit(out, hf_config)
         pre = hf.preprocessor_config(c)
-        _check_reads_back(c, back, {**facts, **hf.preprocessing_facts(pre)},
-                          f"a Hugging Face {fam or 'ViT'} folder")
+        _check_reads_back(c, back, {**facts, **hf.preprocessing_facts(pre)}, fmt.label)
         path.mkdir(parents=True, exist_ok=True)
         atomic_write(path / "model.safetensors", lambda p: safetensors.torch.save_file(out, str(p), metadata={"format": "pt"}))
-        atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hf_config, indent=2)))
+        atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))
         atomic_write(path / hf.PREPROCESSOR_FILE, lambda p: p.write_text(json.dumps(pre, indent=2)))
         return path
-    out = official.from_vitkit(sd, c)
-    back, facts, _ = official.to_vitkit(out)
-    _check_reads_back(c, back, facts, "the official .npz format")
+    _check_reads_back(c, back, facts, fmt.label)
     arrays = {k: v.numpy() for k, v in out.items()}
     def write_npz(p: Path) -> None:
         with open(p, "wb") as f:
@@ -528,20 +560,10 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
 
 
 def hf_family(c) -> str | None:
-    """The transformers model class a ViT exports to: None (ViTForImageClassification, the paper's ViT), 'dinov3'
-    (DINOv3's rotary embedding), 'aimv2' (RMSNorm), 'siglip' (attention pooling), 'clip' (a pre-norm), 'dinov2'
-    (LayerScale, registers or SwiGLU)."""
-    if c.rope == "dinov3":
-        return "dinov3"
-    if c.norm == "rmsnorm":
-        return "aimv2"
-    if c.classifier == "map":
-        return "siglip"
-    if c.pre_norm:
-        return "clip"
-    if c.init_values is not None or c.reg_tokens or c.mlp_layer == "swiglu":
-        return "dinov2"
-    return None
+    """The transformers model class a ViT exports to (the registry's first "hf" format holding it): None
+    (ViTForImageClassification, the paper's ViT), 'dinov3' (DINOv3's rotary embedding), 'aimv2' (RMSNorm), 'siglip'
+    (attention pooling), 'clip' (a pre-norm), 'dinov2' (LayerScale, registers or SwiGLU)."""
+    return _writer("hf", c).family
 
 
 def _fused_qkv_bias(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

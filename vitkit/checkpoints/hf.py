@@ -46,7 +46,7 @@ import re
 import torch
 
 from .io import CheckpointError
-from .layouts import Layout, Rule, body, read, write
+from .layouts import QKV_INCOMPLETE, Layout, Rule, body, read, write
 
 # transformers' model_type -> vitkit's family of the shared layout
 FAMILIES = {"vit": "vit", "deit": "deit", "vit_mae": "mae", "vit_msn": "msn", "ijepa": "ijepa", "beit": "beit",
@@ -57,7 +57,6 @@ _ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh
 _MODEL_PREFIXES = ("vit.", "deit.", "ijepa.", "beit.", "data2vec_vision.")
 _REL_TABLE = "relative_position_bias.relative_position_bias_table"
 _L = "encoder.layer.{i}."
-_QKV_INCOMPLETE = "layer {i}: the query, key and value projections differ in having a {w}"
 
 # ---- the layout tables (`layouts`): transformers' names <-> vitkit's, read forwards by to_vitkit, backwards by
 # from_vitkit ------------------------------------------------------------------------------------------------------
@@ -99,7 +98,7 @@ BEIT_RULES = (
 _RULES = {"vit": VIT_RULES, "deit": DEIT_RULES, "mae": MAE_RULES, "msn": VIT_RULES, "ijepa": VIT_RULES,
           "beit": BEIT_RULES}
 LAYOUTS = {fam: Layout(_NAMES[fam], rules, prefixes=_MODEL_PREFIXES, export_prefix="vit.",
-                       incomplete=_QKV_INCOMPLETE) for fam, rules in _RULES.items()}
+                       incomplete=QKV_INCOMPLETE) for fam, rules in _RULES.items()}
 
 
 def is_hf(keys) -> bool:

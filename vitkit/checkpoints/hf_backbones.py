@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .hf_vision import _vision_config
+from .hf_vision import OTHER_TOWER_RULES, _vision_config
 from .io import CheckpointError
-from .layouts import Layout, Rule, read, write
+from .layouts import QKV_INCOMPLETE, Layout, Rule, read, write
 
 FAMILIES = {"dinov3_vit": "dinov3", "aimv2_vision_model": "aimv2", "aimv2": "aimv2"}
 
@@ -37,14 +37,9 @@ def family(keys, hf_config: dict | None = None) -> str | None:
 
 # ---- the layout tables (`layouts`): transformers' names <-> vitkit's, read forwards by to_vitkit, backwards by
 # from_vitkit ------------------------------------------------------------------------------------------------------
-_QKV_INCOMPLETE = "layer {i}: the query, key and value projections differ in having a {w}"
-_OTHER_TOWER_RULES = (
-    Rule("text_model.{*}", None, top=True), Rule("text_projection.{*}", None, top=True),
-    Rule("logit_scale{*}", None, top=True), Rule("{*}position_ids", None, top=True),
-)
 _L = "layer.{i}."
 DINOV3_RULES = (
-    *_OTHER_TOWER_RULES,
+    *OTHER_TOWER_RULES,
     Rule("embeddings.mask_token", None, default=("zeros", (1, 1, "D"))),
     Rule("embeddings.cls_token", "cls_token"),
     Rule("embeddings.register_tokens", "reg_token"),
@@ -68,7 +63,7 @@ DINOV3_RULES = (
 _A = "encoder.layers.{i}."
 _IDENTITY_QUERY = "AIMv2's pooling uses its query as it is: this model's query projection is not the identity"
 AIMV2_RULES = (
-    *_OTHER_TOWER_RULES,
+    *OTHER_TOWER_RULES,
     # Aimv2Model's joint embedding: vitkit's head, its bias zero
     Rule("visual_projection.weight", "head.weight", top=True),
     Rule(None, "head.bias", fill="zeros_rows", like="head.weight",
@@ -96,8 +91,8 @@ AIMV2_RULES = (
          why="AIMv2's pooling has no key and value biases (qkv_bias=False): these are not zero"),
     Rule("head.output_proj.{w}", "attn_pool.proj.{w}"),
 )
-LAYOUTS = {"dinov3": Layout("dinov3", DINOV3_RULES, prefixes=("vision_model.",), incomplete=_QKV_INCOMPLETE),
-           "aimv2": Layout("aimv2", AIMV2_RULES, prefixes=("vision_model.",), incomplete=_QKV_INCOMPLETE)}
+LAYOUTS = {"dinov3": Layout("dinov3", DINOV3_RULES, prefixes=("vision_model.",), incomplete=QKV_INCOMPLETE),
+           "aimv2": Layout("aimv2", AIMV2_RULES, prefixes=("vision_model.",), incomplete=QKV_INCOMPLETE)}
 
 
 def table(w, hf_config: dict | None = None) -> tuple[Layout, frozenset[str], dict]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .io import CheckpointError
-from .layouts import Layout, Rule, read, write
+from .layouts import QKV_INCOMPLETE, Layout, Rule, read, write
 
 FAMILIES = {"dinov2": "dinov2", "dinov2_with_registers": "dinov2", "siglip_vision_model": "siglip", "siglip": "siglip",
             "clip_vision_model": "clip", "clip": "clip", "siglip2_vision_model": "siglip2", "siglip2": "siglip2",
@@ -68,7 +68,6 @@ def _vision_config(hf_config: dict | None) -> dict:
 
 # ---- the layout tables (`layouts`): transformers' names <-> vitkit's, read forwards by to_vitkit, backwards by
 # from_vitkit ------------------------------------------------------------------------------------------------------
-_QKV_INCOMPLETE = "layer {i}: the query, key and value projections differ in having a {w}"
 # the text tower of a two-tower checkpoint, and position ids (buffers): not the image tower's output
 OTHER_TOWER_RULES = (
     Rule("text_model.{*}", None, top=True), Rule("text_projection.{*}", None, top=True),
@@ -156,10 +155,10 @@ _PREFIXES = ("vision_model.", "dinov2.")  # CLIPModel/SiglipModel's vision half;
 # (transformers 5.24 writes AltCLIPModel's vision blocks as `encoder.layer.N`, and reads them back)
 _ALIASES = (("encoder.layer.", "encoder.layers."),)
 LAYOUTS = {
-    "dinov2": Layout("dinov2", DINOV2_RULES, prefixes=_PREFIXES, incomplete=_QKV_INCOMPLETE),
-    "siglip": Layout("siglip", SIGLIP_RULES, prefixes=_PREFIXES, aliases=_ALIASES, incomplete=_QKV_INCOMPLETE),
-    "siglip2": Layout("siglip2", SIGLIP2_RULES, prefixes=_PREFIXES, aliases=_ALIASES, incomplete=_QKV_INCOMPLETE),
-    "clip": Layout("clip", CLIP_RULES, prefixes=_PREFIXES, aliases=_ALIASES, incomplete=_QKV_INCOMPLETE),
+    "dinov2": Layout("dinov2", DINOV2_RULES, prefixes=_PREFIXES, incomplete=QKV_INCOMPLETE),
+    "siglip": Layout("siglip", SIGLIP_RULES, prefixes=_PREFIXES, aliases=_ALIASES, incomplete=QKV_INCOMPLETE),
+    "siglip2": Layout("siglip2", SIGLIP2_RULES, prefixes=_PREFIXES, aliases=_ALIASES, incomplete=QKV_INCOMPLETE),
+    "clip": Layout("clip", CLIP_RULES, prefixes=_PREFIXES, aliases=_ALIASES, incomplete=QKV_INCOMPLETE),
 }
 
 

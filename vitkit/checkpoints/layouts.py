@@ -55,6 +55,10 @@ class Rule:
     export: bool = True  # False: a name read but never written
 
 
+# a fused query/key/value group with a part missing (a `Layout`'s `incomplete` message)
+QKV_INCOMPLETE = "layer {i}: the query, key and value projections differ in having a {w}"
+
+
 @dataclass(frozen=True)
 class Layout:
     """A (source, family)'s table. `name` and `source` name it in errors ("unexpected Hugging Face ViT key ...")."""

@@ -214,7 +214,8 @@ def test_hf_exports_refuse_what_the_tower_cannot_hold(tmp_path):
 
 
 def test_timm_architectures_vitkit_does_not_implement_are_refused(tmp_path):
-    """An Eva argument vitkit does not implement (MRoPE's temporal sections, post-norm blocks) is refused by name."""
+    """An Eva argument vitkit does not implement (MRoPE's temporal sections, LayerScale on the attention branch alone)
+    is refused by name."""
     d = tmp_path / "eva"
     d.mkdir()
     src = F / "timm_eva02"
@@ -224,9 +225,9 @@ def test_timm_architectures_vitkit_does_not_implement_are_refused(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(vitkit.CheckpointError, match="rope_type='mrope'"):
         vitkit.load(d)
-    cfg["model_args"].update(rope_type="cat", use_post_norm=True)
+    cfg["model_args"].update(rope_type="cat", attn_only_layer_scale=True)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(vitkit.CheckpointError, match="use_post_norm"):
+    with pytest.raises(vitkit.CheckpointError, match="attn_only_layer_scale"):
         vitkit.load(d)
 
 

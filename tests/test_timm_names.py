@@ -268,3 +268,15 @@ def test_a_post_norm_model_exports_to_timm(tmp_path):
         assert np.abs(vitkit.load(out)(x).numpy() - np.load(d / "logits.npy")).max() <= 1e-4
     with pytest.raises(CheckpointError, match="grouped-query attention"):
         vitkit.export(vitkit.load(BLOCK_OPTIONS / "timm_gqa"), tmp_path / "gqa", to="timm")
+
+
+def test_post_norm_with_what_timm_does_not_build_is_refused(tmp_path):
+    """timm's Eva builds post-norm blocks without qk-norm (its constructor asserts it): such a folder is refused."""
+    d = tmp_path / "pn"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes((BLOCK_OPTIONS / "timm_post_norm" / "model.safetensors").read_bytes())
+    cfg = json.loads((BLOCK_OPTIONS / "timm_post_norm" / "config.json").read_text())
+    cfg["model_args"]["qk_norm"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="post-norm blocks with qk-norm"):
+        vitkit.load(d)

@@ -445,10 +445,11 @@ def _eva_folder_config(c, cfg: dict) -> dict:
             "use_rot_pos_emb": c.rope is not None, "rope_temperature": c.rope_temperature,
             "ref_feat_shape": list(c.rope_ref_grid) if c.rope_ref_grid else None,
             "dynamic_img_size": c.dynamic_img_size, "use_abs_pos_emb": c.pos_embed == "learned_1d",
-            "attn_type": "rope" if c.qkv_bias and c.k_bias else "eva", "use_post_transformer_norm": c.final_norm and not c.fc_norm,
-            "use_post_norm": c.res_post_norm}
-    if c.res_post_norm and (c.qk_norm or c.init_values is not None):
-        raise CheckpointError("timm's Eva post-norm block (use_post_norm) has no qk-norm and no LayerScale")
+            "attn_type": "rope" if c.qkv_bias and c.k_bias else "eva", "use_post_transformer_norm": c.final_norm and not c.fc_norm}
+    if c.res_post_norm:  # EvaBlockPostNorm (written only where set: the same config.json as before otherwise)
+        if c.qk_norm or c.init_values is not None:
+            raise CheckpointError("timm's Eva post-norm block (use_post_norm) has no qk-norm and no LayerScale")
+        args["use_post_norm"] = True
     if c.rope:
         args.update(rope_type={v: k for k, v in _ROPE_TYPES.items()}[c.rope], rope_grid_indexing=c.rope_indexing,
                     rope_grid_offset=c.rope_offset, rope_rotate_half=c.rope_half)
@@ -681,6 +682,10 @@ def _block_facts(arch: str, args: dict, eva: bool) -> dict:
     weights with init_values) and grouped-query attention (Eva's `num_kv_heads`, per block: Sapiens2 groups the
     middle blocks alone, vitkit's `kv_full_blocks` keeps that many full at each end)."""
     facts: dict = {}
+    if eva and args.get("use_post_norm") and (args.get("qk_norm") or args.get("attn_only_layer_scale")
+                                              or any(h is not None for h in _listed(args.get("num_kv_heads")))):
+        raise CheckpointError(f"timm's {arch} asks for post-norm blocks with qk-norm, grouped key/value heads or "
+                              f"attention-only LayerScale, which timm's Eva does not build")
     if (eva and args.get("use_post_norm")) or args.get("block_fn") == "ResPostBlock":
         facts.update(res_post_norm=True, init_values=None)
     kv = args.get("num_kv_heads") if eva else None
@@ -698,6 +703,10 @@ def _block_facts(arch: str, args: dict, eva: bool) -> dict:
                                       f"blocks at each end and groups the middle ones (kv_full_blocks)")
             facts.update(num_kv_heads=groups[0], kv_full_blocks=ends)
     return facts
+
+
+def _listed(v) -> list:
+    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
 def _eva_rope_facts(arch: str, args: dict) -> dict:

@@ -112,7 +112,8 @@ def _run_python(code: str, env_extra: dict, home: Path) -> dict:
 
 CHOICE_CODE = """
 import json, torch, vitkit
-from vitkit.machine import cpu, gemm, precision
+from vitkit.machine import cpu, gemm, precision, threads
+threads.BUSY_LIMIT = float("inf")  # cached whatever else the machine runs (as conftest does in-process)
 m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=4, mlp_dim=128, num_classes=10)
 c = precision.resolve("auto", m, "cpu", batch=32, training=True)
 paths = {p: gemm.choose(64, 128, 512) for p in ["linear"]} | {"wgrad": gemm.choose(64, 128, 512, kind="wgrad")}

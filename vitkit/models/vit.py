@@ -14,7 +14,9 @@ Images of different sizes and aspect ratios run as one packed batch (NaViT, SigL
 own tokens and pooled alone.
 
 The ViTs that followed (DeiT-III, DINOv2, SigLIP, EVA-02, CLIP) are the same encoder with a few options, each a
-config field that is off by default (so the paper's models are unchanged) and each a small module in `layers/`:
+config field that is off by default (so the paper's models are unchanged; `vit_config.GROUPS` sorts them into
+position, tokens, pooling, norms and attention/MLP variants), each a small module in `layers/`, built by the
+factories of `vit_layers.py` and handed to this model and its blocks:
 LayerScale on both residual branches (`init_values`), register tokens after the class token (`reg_tokens`), a
 position embedding over the patches alone (`no_embed_class`), a LayerNorm before the blocks (`pre_norm`, CLIP) and a
 patch embedding without bias (`patch_bias`, CLIP), qk-norm, a LayerNorm inside attention (`attn_norm`) and inside
@@ -22,12 +24,13 @@ the MLP (`mlp_norm`), the SwiGLU MLP (`mlp_layer`), 2-D rotary embeddings (`rope
 ROPE-ViT's learned per-block frequencies, DINOv3's normalised coordinates), CLIP's quick GELU (`act`), and pooling by
 attention (`classifier='map'`, SigLIP; the Perception Encoder's with its own heads) or by the mean with a norm after
 it (`fc_norm`). The 2025 backbones add RMSNorm, a norm on the patch tokens and no projection biases (`norm`,
-`patch_norm`, `proj_bias`: AIMv2) and no final norm (`final_norm`: PE's aligned towers).
+`patch_norm`, `proj_bias`: AIMv2) and no final norm (`final_norm`: PE's aligned towers); residual post-norm blocks
+(`res_post_norm`: EVA-02-CLIP-E) and grouped-query attention (`num_kv_heads`: Sapiens2).
 
 Every forward (features, logits, the class-token-only last block, intermediates, packed, masked patch prediction)
 runs the blocks through one loop, `VisionTransformer._encode`. Beside this file: the config (`vit_config.py`), the
-block (`layers/block.py`, built from the layers `make_block` hands it), packed batches (`packed.py`) and masked patch
-prediction (`mpp.py`).
+layers it asks for (`vit_layers.py`: the block, `layers/block.py`, gets the layers `make_block` builds), packed
+batches (`packed.py`) and masked patch prediction (`mpp.py`).
 """
 from __future__ import annotations
 
@@ -38,30 +41,26 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .layers import (
-    Attention,
-    AttentionPool,
-    DropPath,
-    LayerScale,
-    Linear,
-    Mlp,
-    PatchEmbed,
-    RelativePositionBias,
-    RotaryEmbedding2d,
-    SwiGLU,
-    make_norm,
-)
+from .layers import Attention, Linear, RelativePositionBias
 from .layers.attention import check_impl
-from .layers.block import Block, ResPostBlock
+from .layers.block import Block
 from .layers.mlp import lecun_normal_
 from .layers.packing import PackedBatch, as_packed
 from .layers.patch_embed import to_2tuple
 from .layers.tracing import is_fx_tracing
 from .mpp import MaskedPatchPrediction, mpp_layers
 from .packed import PackedForward
-from .resnet import ResNetBackbone
 from .timm_api import VIT_POOL_NAMES, TimmModelApi, check_class_names, check_num_classes, vit_classifier
-from .vit_config import POS_EMBEDS, ViTConfig
+from .vit_config import ViTConfig
+from .vit_layers import (
+    make_attn_pool,
+    make_block,
+    make_patch_embed,
+    make_pos_embed,
+    make_prefix_tokens,
+    make_rope,
+    norm_or_identity,
+)
 from ..errors import UsageError
 
 
@@ -97,34 +96,6 @@ torch.fx.wrap("_pos_embed_at")
 torch.fx.wrap("_rope_at")
 
 
-def norm_layer(c: ViTConfig):
-    """The config's norm (LayerNorm, or RMSNorm for AIMv2) as a function of the width."""
-    return lambda dim: make_norm(c.norm, dim, c.norm_eps)
-
-
-def make_block(c: ViTConfig, drop_path: float, index: int = 0) -> Block:
-    """Encoder block `index` of the config `c`, its layers built here and handed to `Block` (in this order: the
-    random initialisation of a seeded model does not change)."""
-    rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens) if c.pos_embed == "relative" else None
-    if rel is not None:
-        rel.method = c.pos_resample
-    d = c.embed_dim
-    norm1 = norm_layer(c)(d)
-    attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,
-                     rel_pos=rel, qk_norm=c.qk_norm, inner_norm=c.attn_norm, norm_eps=c.norm_eps,
-                     rope_prefix=c.num_prefix_tokens, k_bias=c.k_bias, proj_bias=c.proj_bias, rope_half=c.rope_half,
-                     norm_layer=norm_layer(c), num_kv_heads=c.kv_heads(index))
-    ls1 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
-    norm2 = norm_layer(c)(d)
-    if c.mlp_layer == "swiglu":
-        mlp = SwiGLU(d, c.mlp_dim, norm=c.mlp_norm, drop=c.drop_rate, bias=c.proj_bias, norm_layer=norm_layer(c))
-    else:
-        mlp = Mlp(d, c.mlp_dim, act=c.act, drop=c.drop_rate, bias=c.proj_bias)
-    ls2 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
-    block = ResPostBlock if c.res_post_norm else Block
-    return block(norm1, attn, ls1, DropPath(drop_path), norm2, mlp, ls2, DropPath(drop_path))
-
-
 class PreLogits(nn.Module):
     """The pre-training head's hidden layer: Linear(D, R) + tanh (Sec. 3.1, App. B.1.1)."""
 
@@ -147,36 +118,17 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
     def __init__(self, config: ViTConfig) -> None:
         super().__init__()
         c = self.config = config
-        backbone = None
-        if c.hybrid_layers is not None:
-            backbone = ResNetBackbone(
-                c.hybrid_layers, width_factor=c.hybrid_width, in_chans=c.in_chans,
-                ws_eps=c.hybrid_ws_eps, ws_eps_mode=c.hybrid_ws_eps_mode, gn_eps=c.hybrid_gn_eps,
-            )
-        norm = norm_layer(c)
-        self.patch_embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, backbone, bias=c.patch_bias,
-                                      norm=norm(c.embed_dim) if c.patch_norm else None)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, c.embed_dim)) if c.class_token else None
-        self.dist_token = nn.Parameter(torch.randn(1, 1, c.embed_dim) * 0.02) if c.distilled else None
-        self.reg_token = nn.Parameter(torch.randn(1, c.reg_tokens, c.embed_dim) * 1e-6) if c.reg_tokens else None
-        # the prefix tokens the position embedding covers: all of them (the paper) or none (no_embed_class)
-        covered = 0 if c.no_embed_class else c.num_prefix_tokens
-        self.pos_embed = POS_EMBEDS[c.pos_embed](c.grid_size, c.embed_dim, covered)
-        self.pos_embed.method, self.pos_embed.square = c.pos_resample, c.pos_resample_square
-        self.rope = (RotaryEmbedding2d(c.embed_dim // c.num_heads, c.grid_size, c.rope_ref_grid, c.rope_temperature,
-                                       kind=c.rope, indexing=c.rope_indexing, offset=c.rope_offset, half=c.rope_half,
-                                       depth=c.depth, num_heads=c.num_heads)
-                     if c.rope else None)
+        # the layers each option changes are built by `vit_layers`, once; in this order (a seeded model's init)
+        self.patch_embed = make_patch_embed(c)  # Eq. 1 (on a ResNet's feature map for a hybrid)
+        self.cls_token, self.dist_token, self.reg_token = make_prefix_tokens(c)  # the [class] token (DeiT's, registers)
+        self.pos_embed = make_pos_embed(c)  # E_pos
+        self.rope = make_rope(c)  # None without rotary embeddings
         self.pos_drop = nn.Dropout(c.drop_rate)
-        self.norm_pre = norm(c.embed_dim) if c.pre_norm else nn.Identity()
-        dpr = [c.drop_path_rate * i / max(c.depth - 1, 1) for i in range(c.depth)]  # stochastic depth, linear over depth
-        self.blocks = nn.ModuleList(make_block(c, dpr[i], i) for i in range(c.depth))
-        self.norm = norm(c.embed_dim) if c.final_norm and not c.fc_norm else nn.Identity()
-        self.fc_norm = norm(c.embed_dim) if c.fc_norm else nn.Identity()
-        self.attn_pool = (AttentionPool(c.embed_dim, c.pool_heads or c.num_heads,
-                                        c.mlp_dim if c.pool_mlp_dim is None else c.pool_mlp_dim,
-                                        act=c.act, norm_eps=c.norm_eps, norm_layer=norm)
-                          if c.classifier == "map" else None)
+        self.norm_pre = norm_or_identity(c, c.pre_norm)  # CLIP's ln_pre
+        self.blocks = nn.ModuleList(make_block(c, i) for i in range(c.depth))  # Eq. 2-3
+        self.norm = norm_or_identity(c, c.final_norm and not c.fc_norm)  # Eq. 4
+        self.fc_norm = norm_or_identity(c, c.fc_norm)  # after the mean instead (fc_norm)
+        self.attn_pool = make_attn_pool(c)  # classifier 'map'
         self.pre_logits = PreLogits(c.embed_dim, c.representation_size) if c.representation_size else nn.Identity()
         self.head_drop = nn.Dropout(c.drop_rate)
         self.num_features = c.representation_size or c.embed_dim
@@ -198,7 +150,6 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         #   hook or pre-hook on the last block or any module inside it, or torch.fx tracing (feature extraction).
         self.lowp_stream = False
         self.last_block_cls_only = True
-        self.patch_embed.dynamic = c.dynamic_img_size
         # Activation checkpointing (`set_grad_checkpointing`): each block's activations are recomputed in the
         # backward instead of kept, trading ~a third more compute for memory that no longer grows with depth.
         self.grad_checkpointing = False

@@ -1,8 +1,22 @@
 """`ViTConfig`: every field that defines a Vision Transformer (`vit.py`), checked when it is made and serialised into
-every vitkit checkpoint."""
+every vitkit checkpoint.
+
+The fields come in groups, declared once in `GROUPS`: the paper's model first (what Sec. 3.1 and Table 1 set), then
+what the later ViTs add, a group each (position and rotary embeddings; extra tokens; pooling and head; norms;
+attention and MLP variants) and last the facts the weights carry (preprocessing, class names, format). A family adds
+its fields inside its group; the extensions default off, so the paper's model reads as the first group alone.
+
+The class stays one flat dataclass, the groups a table beside it (checked when this module is imported: every field
+in exactly one group, in the class's order), rather than nested dataclasses, because hundreds of lines read
+`config.<field>`, `dataclasses.replace(config, rope=...)` sets fields by name, and every checkpoint earlier vitkit
+versions wrote holds the flat dict: all of them keep working unchanged. `ViTConfig.groups()` and `describe()` show
+the grouping, `to_dict(nested=True)` writes it (big_vision's `config.model.posemb` shape) and `from_dict` reads a
+flat or a nested dict. Checkpoints are written flat, the fields newer than the previous vitkit only when set
+(`to_dict`), so that it reads every checkpoint that does not use them.
+"""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from .layers import LearnedPosEmbed1d, LearnedPosEmbed2d, NoPosEmbed, SinCosPosEmbed2d
 from .layers.mlp import ACTIVATIONS
@@ -28,12 +42,32 @@ POS_EMBEDS = {
     "relative": NoPosEmbed,  # the relative bias lives in every attention layer instead
 }
 
+# The groups of `ViTConfig`'s fields, in the class's order: name -> (heading, fields). Checked at import
+# (`_check_groups`); a new field goes into its family's group.
+GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "paper": ("the paper's model (Sec. 3.1, Table 1)",
+              ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_dim",
+               "classifier", "representation_size", "drop_rate", "attn_drop_rate", "drop_path_rate", "qkv_bias", "act",
+               "norm_eps", "hybrid_layers", "hybrid_width", "hybrid_ws_eps", "hybrid_ws_eps_mode", "hybrid_gn_eps")),
+    "position": ("position and rotary embeddings",
+                 ("pos_embed", "no_embed_class", "pos_resample", "pos_resample_square", "dynamic_img_size", "rope",
+                  "rope_ref_grid", "rope_temperature", "rope_indexing", "rope_offset", "rope_half")),
+    "tokens": ("extra tokens", ("class_token", "distilled", "reg_tokens")),
+    "pooling": ("pooling and head", ("fc_norm", "pool_heads", "pool_mlp_dim", "pool_prefix", "mpp")),
+    "norms": ("norms", ("norm", "pre_norm", "patch_norm", "final_norm", "qk_norm", "attn_norm", "mlp_norm",
+                        "res_post_norm")),
+    "variants": ("attention and MLP variants", ("k_bias", "proj_bias", "patch_bias", "mlp_layer", "init_values",
+                                                "num_kv_heads", "kv_full_blocks")),
+    "facts": ("what the weights carry", ("mean", "std", "interpolation", "crop_pct", "class_names", "naflex", "arch")),
+}
+
 
 @dataclass
 class ViTConfig:
-    """Everything that defines a ViT. Serialised into every vitkit checkpoint.
+    """Everything that defines a ViT, in groups (`GROUPS`; `describe()` prints a config that way). Serialised into
+    every vitkit checkpoint.
 
-    Args:
+    The paper's model (arXiv 2010.11929, Sec. 3.1, Table 1):
         img_size: input resolution, an int or (height, width); must be divisible by patch_size.
         patch_size: P; for hybrids the total stride (backbone stride x the embedding kernel).
         in_chans: input channels (1 for grayscale).
@@ -42,40 +76,28 @@ class ViTConfig:
         classifier: "token" (the class token), "gap" (global average pooling of the patch tokens) or "map"
             (multihead attention pooling: a learned query attends over the patch tokens, then a residual MLP;
             SigLIP's head).
-        class_token: prepend a class token; None means "only when classifier == 'token'".
-        fc_norm: with "gap", normalise after pooling (timm's 'avg') instead of every token before it.
-        pos_embed: "learned_1d" | "learned_2d" | "sincos_2d" | "none" | "relative".
         representation_size: width of the pre-logits Linear + tanh (pre-training head); None: no layer.
         drop_rate, attn_drop_rate, drop_path_rate: dropout, attention dropout, stochastic depth
             (the latter linear over depth from 0 to the given rate).
-        qkv_bias: bias on the query/key/value projections. k_bias: False: none on the keys (EVA-02).
+        qkv_bias: bias on the query/key/value projections.
         act: "gelu" (exact), "gelu_tanh" (the official JAX code's and SigLIP's approximation) or "quick_gelu"
             (OpenAI CLIP's x * sigmoid(1.702 x)).
         norm_eps: LayerNorm epsilon (1e-6 official and timm, 1e-12 HF).
         hybrid_layers: blocks per ResNet stage for a hybrid (e.g. (3, 4, 9)); () the ResNet stem alone
             (AugReg's R+Ti/16); None: a plain ViT.
         hybrid_width: the ResNet width factor; hybrid_ws_eps/_mode, hybrid_gn_eps: its numerics.
-        mean, std, interpolation, crop_pct: the preprocessing the weights expect.
-        class_names: names of the head's classes, if known.
-        dynamic_img_size: accept any H x W divisible by the patch size, the position embedding resampled to each
-            input's grid on the fly (bilinear, as `vitkit.load(..., img_size=...)` does; cached per grid).
-        distilled: DeiT's distillation token: a second prefix token with its own head, trained against a teacher's
-            predictions; at inference the two heads' logits are averaged.
-        mpp: the masked-patch-prediction head of Sec. 4.6 (a learnable mask embedding and a Linear to the 8^C
-            colour codes of a patch's 3-bit mean colour), for self-supervised pre-training.
-        init_values: LayerScale (CaiT, DeiT-III, DINOv2): a learned per-channel scale on both residual branches,
-            initialised to this value; None: none.
-        reg_tokens: register tokens (Darcet et al. 2023, "Vision Transformers Need Registers"): learned tokens after
-            the class token that the model may use as scratch space; no head reads them.
+
+    Position and rotary embeddings:
+        pos_embed: "learned_1d" (the paper's) | "learned_2d" | "sincos_2d" | "none" | "relative" (App. D.4).
         no_embed_class: the position embedding covers the patches only (DeiT-III, DINOv2 with registers, big_vision);
             False: it covers the prefix tokens too, as in the paper.
-        pre_norm: a LayerNorm on the tokens before the first block (CLIP's `ln_pre`).
-        patch_bias: a bias on the patch embedding (CLIP has none).
-        qk_norm: a LayerNorm on every head's queries and keys.
-        attn_norm: a LayerNorm on the attention heads' output before the projection (EVA-02 CLIP's sub-LN).
-        mlp_layer: "mlp" (the paper's) or "swiglu" (fc2(SiLU(W_g x) * W_x x): EVA-02, DINOv2-g); with "swiglu",
-            mlp_dim is the width of the gated hidden layer.
-        mlp_norm: a LayerNorm on the SwiGLU's hidden units (EVA-02's `scale_mlp`).
+        pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
+            learned position grid to each image's: "bilinear" (the official method), "bicubic" (timm's NaFlexVit),
+            "bilinear_aa" (SigLIP 2), "bicubic_noaa" (transformers' DINOv2),
+            "bilinear_noaa" (transformers' BEiT: its relative position table). pos_resample_square: resample to the
+            square of the image's longer side and read the top-left part (timm's `pos_embed_ar_preserving`).
+        dynamic_img_size: accept any H x W divisible by the patch size, the position embedding resampled to each
+            input's grid on the fly (bilinear, as `vitkit.load(..., img_size=...)` does; cached per grid).
         rope: 2-D rotary embeddings of the patch tokens' queries and keys (`layers/rope.py`): "eva" (axial: EVA-02,
             ROPE-ViT-Axial, the Perception Encoder), "mixed" (ROPE-ViT's learned frequencies, per block and head) or
             "dinov3" (DINOv3's coordinates normalised to [-1, 1]); None: none. rope_ref_grid ("eva"): the grid whose
@@ -83,30 +105,58 @@ class ViTConfig:
             rope_temperature: the base of the frequencies (DINOv3's periods). rope_indexing: "ij" (the first half
             of the angles from the row) or "xy" (from the column: ROPE-ViT, PE). rope_offset: added to the patch
             indices (PE: 1). rope_half: the rotate-half channel layout (DINOv3) instead of adjacent pairs.
-        norm: "layernorm" or "rmsnorm" (AIMv2), every norm of the model. patch_norm: a norm on the patch tokens
-            before the position embedding (AIMv2). proj_bias: biases on the attention's output projection and the
-            MLP (AIMv2: none). final_norm: the norm after the blocks (the Perception Encoder's language- and
-            spatial-aligned towers have none).
+
+    Extra tokens:
+        class_token: prepend a class token; None means "only when classifier == 'token'".
+        distilled: DeiT's distillation token: a second prefix token with its own head, trained against a teacher's
+            predictions; at inference the two heads' logits are averaged.
+        reg_tokens: register tokens (Darcet et al. 2023, "Vision Transformers Need Registers"): learned tokens after
+            the class token that the model may use as scratch space; no head reads them.
+
+    Pooling and head:
+        fc_norm: with "gap", normalise after pooling (timm's 'avg') instead of every token before it.
         pool_heads, pool_mlp_dim: the attention pooling's heads and MLP width ("map"), when not the blocks' (the
-            Perception Encoder's: 8 heads; pool_mlp_dim 0: no MLP, AIMv2's). pool_prefix: the attention pooling reads the prefix tokens too (timm's
-            Eva, the Perception Encoder), not the patches alone.
-        pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
-            learned position grid to each image's: "bilinear" (the official method), "bicubic" (timm's NaFlexVit),
-            "bilinear_aa" (SigLIP 2), "bicubic_noaa" (transformers' DINOv2),
-            "bilinear_noaa" (transformers' BEiT: its relative position table). pos_resample_square: resample to the
-            square of the image's longer side and read the top-left part (timm's `pos_embed_ar_preserving`).
-        naflex: the weights came from (or go to) a NaFlex model, timm's `NaFlexVit` or SigLIP 2's tower: a timm
-            export writes a NaFlexVit (`embeds.*` names, a Linear patch embedding over (ph, pw, C) patches).
+            Perception Encoder's: 8 heads; pool_mlp_dim 0: no MLP, AIMv2's). pool_prefix: the attention pooling
+            reads the prefix tokens too (timm's Eva, the Perception Encoder), not the patches alone.
+        mpp: the masked-patch-prediction head of Sec. 4.6 (a learnable mask embedding and a Linear to the 8^C
+            colour codes of a patch's 3-bit mean colour), for self-supervised pre-training.
+
+    Norms:
+        norm: "layernorm" or "rmsnorm" (AIMv2), every norm of the model.
+        pre_norm: a norm on the tokens before the first block (CLIP's `ln_pre`).
+        patch_norm: a norm on the patch tokens before the position embedding (AIMv2).
+        final_norm: the norm after the blocks (the Perception Encoder's language- and spatial-aligned towers have
+            none).
+        qk_norm: a norm on every head's queries and keys.
+        attn_norm: a norm on the attention heads' output before the projection (EVA-02 CLIP's sub-LN).
+        mlp_norm: a norm on the SwiGLU's hidden units (EVA-02's `scale_mlp`).
         res_post_norm: residual post-norm: each branch reads the un-normed tokens and its output is normed before
-            the residual add, x + ls(norm1(attn(x))), x + ls(norm2(mlp(x))) (timm's Eva `use_post_norm`: EVA-02-CLIP-E
-            "enormous"; Swin V2's res-post-norm); the norms keep their names (norm1, norm2).
+            the residual add, x + ls(norm1(attn(x))), x + ls(norm2(mlp(x))) (timm's Eva `use_post_norm`:
+            EVA-02-CLIP-E "enormous"; Swin V2's res-post-norm); the norms keep their names (norm1, norm2).
+
+    Attention and MLP variants:
+        k_bias: False: no bias on the keys (EVA-02), the query and value biases then parameters of their own.
+        proj_bias: biases on the attention's output projection and the MLP (AIMv2: none).
+        patch_bias: a bias on the patch embedding (CLIP has none).
+        mlp_layer: "mlp" (the paper's) or "swiglu" (fc2(SiLU(W_g x) * W_x x): EVA-02, DINOv2-g); with "swiglu",
+            mlp_dim is the width of the gated hidden layer.
+        init_values: LayerScale (CaiT, DeiT-III, DINOv2): a learned per-channel scale on both residual branches,
+            initialised to this value; None: none.
         num_kv_heads: grouped-query attention (Sapiens2): this many key/value heads, each shared by
             num_heads // num_kv_heads query heads (head h reads key/value head h // that); None: one per query
             head. The fused qkv's rows are q (D), k and v (num_kv_heads x head width each).
         kv_full_blocks: with num_kv_heads, the first and the last this many blocks keep one key/value head per query
             head (Sapiens2: 8); 0: every block is grouped.
+
+    What the weights carry:
+        mean, std, interpolation, crop_pct: the preprocessing the weights expect.
+        class_names: names of the head's classes, if known.
+        naflex: the weights came from (or go to) a NaFlex model, timm's `NaFlexVit` or SigLIP 2's tower: a timm
+            export writes a NaFlexVit (`embeds.*` names, a Linear patch embedding over (ph, pw, C) patches).
+        arch: "vit" (the registry's and a checkpoint's architecture key).
     """
 
+    # ---- the paper's model ----
     img_size: tuple[int, int] = (224, 224)
     patch_size: tuple[int, int] = (16, 16)
     in_chans: int = 3
@@ -116,15 +166,11 @@ class ViTConfig:
     num_heads: int = 12
     mlp_dim: int = 3072
     classifier: str = "token"
-    class_token: bool | None = None
-    fc_norm: bool = False
-    pos_embed: str = "learned_1d"
     representation_size: int | None = None
     drop_rate: float = 0.0
     attn_drop_rate: float = 0.0
     drop_path_rate: float = 0.0
     qkv_bias: bool = True
-    k_bias: bool = True
     act: str = "gelu"
     norm_eps: float = 1e-6
     hybrid_layers: tuple[int, ...] | None = None
@@ -132,42 +178,52 @@ class ViTConfig:
     hybrid_ws_eps: float = 1e-5
     hybrid_ws_eps_mode: str = "std"
     hybrid_gn_eps: float = 1e-6
-    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
-    std: tuple[float, ...] = (0.5, 0.5, 0.5)
-    interpolation: str = "bilinear"
-    crop_pct: float = 0.875
-    class_names: list[str] | None = field(default=None, repr=False)
-    dynamic_img_size: bool = False
-    distilled: bool = False
-    mpp: bool = False
-    init_values: float | None = None
-    reg_tokens: int = 0
+    # ---- position and rotary embeddings ----
+    pos_embed: str = "learned_1d"
     no_embed_class: bool = False
-    pre_norm: bool = False
-    patch_bias: bool = True
-    qk_norm: bool = False
-    attn_norm: bool = False
-    mlp_layer: str = "mlp"
-    mlp_norm: bool = False
+    pos_resample: str = "bilinear"
+    pos_resample_square: bool = False
+    dynamic_img_size: bool = False
     rope: str | None = None
     rope_ref_grid: tuple[int, int] | None = None
     rope_temperature: float = 10000.0
     rope_indexing: str = "ij"
     rope_offset: float = 0.0
     rope_half: bool = False
-    norm: str = "layernorm"
-    patch_norm: bool = False
-    proj_bias: bool = True
-    final_norm: bool = True
+    # ---- extra tokens ----
+    class_token: bool | None = None
+    distilled: bool = False
+    reg_tokens: int = 0
+    # ---- pooling and head ----
+    fc_norm: bool = False
     pool_heads: int | None = None
     pool_mlp_dim: int | None = None
     pool_prefix: bool = False
-    pos_resample: str = "bilinear"
-    pos_resample_square: bool = False
-    naflex: bool = False
+    mpp: bool = False
+    # ---- norms ----
+    norm: str = "layernorm"
+    pre_norm: bool = False
+    patch_norm: bool = False
+    final_norm: bool = True
+    qk_norm: bool = False
+    attn_norm: bool = False
+    mlp_norm: bool = False
     res_post_norm: bool = False
+    # ---- attention and MLP variants ----
+    k_bias: bool = True
+    proj_bias: bool = True
+    patch_bias: bool = True
+    mlp_layer: str = "mlp"
+    init_values: float | None = None
     num_kv_heads: int | None = None
     kv_full_blocks: int = 0
+    # ---- what the weights carry ----
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    interpolation: str = "bilinear"
+    crop_pct: float = 0.875
+    class_names: list[str] | None = field(default=None, repr=False)
+    naflex: bool = False
     arch: str = "vit"
 
     def __post_init__(self) -> None:
@@ -273,14 +329,59 @@ class ViTConfig:
             return None
         return self.num_kv_heads
 
-    def to_dict(self) -> dict:
+    @classmethod
+    def groups(cls) -> dict[str, tuple[str, ...]]:
+        """{group: its fields}, in the class's order (`GROUPS`): "paper" first, then the extensions, "facts" last."""
+        return {g: names for g, (_, names) in GROUPS.items()}
+
+    def to_dict(self, nested: bool = False) -> dict:
         """The flat dict every vitkit checkpoint carries. The fields added after the flat format's 59 are written
-        only when set, so that the previous vitkit reads every checkpoint that does not use them."""
+        only when set, so that the previous vitkit reads every checkpoint that does not use them.
+        nested: {group: {field: value}} (`GROUPS`), every field; `from_dict` reads it back."""
         d = asdict(self)
+        if nested:
+            return {g: {k: d[k] for k in names} for g, names in self.groups().items()}
         for name, default in _LATER_FIELDS.items():
             if d[name] == default:
                 del d[name]
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ViTConfig:
+        """A config from `to_dict()`'s flat dict, its nested one ({group: {field: value}}) or a mix of the two;
+        an unknown field or group, or a field given twice, is a UsageError naming it."""
+        if not isinstance(d, dict):
+            raise UsageError(f"a ViTConfig is read from a mapping, not a {type(d).__name__}")
+        groups, flat = cls.groups(), {}
+        for key, value in d.items():
+            if key in groups and isinstance(value, dict):
+                stray = sorted(set(value) - set(groups[key]))
+                if stray:
+                    raise UsageError(f"ViTConfig group {key!r} has no field(s) {stray} (its fields: {groups[key]})")
+                items = value.items()
+            else:
+                items = [(key, value)]
+            for name, v in items:
+                if name in flat:
+                    raise UsageError(f"ViTConfig field {name!r} is given twice")
+                flat[name] = v
+        unknown = sorted(set(flat) - {f.name for f in fields(cls)})
+        if unknown:
+            raise UsageError(f"unknown ViTConfig field(s) {unknown}")
+        return cls(**flat)
+
+    def describe(self, every: bool = False) -> str:
+        """The config as text, a heading per group: the paper's fields always, the other groups' fields where they
+        differ from the default (every=True: all of them)."""
+        default, lines = ViTConfig(), []
+        for g, (title, names) in GROUPS.items():
+            shown = [n for n in names if every or g == "paper" or getattr(self, n) != getattr(default, n)]
+            if shown:
+                lines.append(f"{title}:")
+                for n in shown:
+                    v = getattr(self, n)
+                    lines.append(f"  {n}: {f'{len(v)} names' if n == 'class_names' and v else repr(v)}")
+        return "\n".join(lines)
 
     def options(self) -> list[str]:
         """The later-ViT options this config turns on, in words (for a run's one-line model description)."""
@@ -299,3 +400,15 @@ class ViTConfig:
               "residual post-norm" if self.res_post_norm else "",
               f"grouped-query attention ({self.num_kv_heads} key/value heads)" if self.num_kv_heads else ""]
         return [o for o in on if o]
+
+
+def _check_groups() -> None:
+    """`GROUPS` lists every field of `ViTConfig` once, in the class's order, and no group is named as a field."""
+    declared = [n for _, names in GROUPS.values() for n in names]
+    actual = [f.name for f in fields(ViTConfig)]
+    if declared != actual or set(GROUPS) & set(actual):
+        raise TypeError(f"vit_config.GROUPS does not list ViTConfig's fields in order: "
+                        f"{sorted(set(declared) ^ set(actual)) or sorted(set(GROUPS) & set(actual)) or 'the order'}")
+
+
+_check_groups()

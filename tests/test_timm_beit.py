@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vitkit
-from vitkit.checkpoints import timm_beit
+from vitkit.checkpoints import layouts, timm_beit
 from vitkit.checkpoints.io import CheckpointError, read_safetensors
 from vitkit.errors import UsageError
 
@@ -110,15 +110,14 @@ def test_vitkits_timm_export_is_timms_file(case, tmp_path):
     assert CASES[case]["timm_reads_vitkit_export"] <= TOL
 
 
-def test_the_key_table_reads_both_ways():
-    for theirs, ours in timm_beit.KEYS:
-        for key in (theirs, ours):
-            filled = key.format(i=3, leaf="bias", fc="fc1_g")
-            other = timm_beit.rename(filled, to="vitkit" if key == theirs else "timm")
-            assert timm_beit.rename(other, to="timm" if key == theirs else "vitkit") == filled
-    assert timm_beit.rename("blocks.11.attn.relative_position_bias_table") == "blocks.11.attn.rel_pos.table"
-    assert timm_beit.rename("blocks.0.ls1.gamma", to="timm") == "blocks.0.gamma_1"
-    assert timm_beit.rename("blocks.0.attn.k_bias") is None
+@pytest.mark.parametrize("case", REGISTERED_LAYOUT + ["swiglu_no_qkv_bias", "token_pool"])
+def test_the_key_table_reads_both_ways(case):
+    """`timm_beit.LAYOUT` read forwards gives vitkit's names, read backwards timm's file again, tensor for tensor."""
+    w, _ = read_safetensors(FIX / case / "model.safetensors")
+    sd, unused = layouts.read(timm_beit.LAYOUT, w)
+    assert not unused and "blocks.0.attn.rel_pos.table" in sd and not any("relative_position" in k for k in sd)
+    back, left = layouts.write(timm_beit.LAYOUT, sd)
+    assert not left and sorted(back) == sorted(w) and all(torch.equal(back[k], w[k]) for k in w)
 
 
 def test_what_vitkit_does_not_hold_is_refused(tmp_path):
@@ -130,7 +129,7 @@ def test_what_vitkit_does_not_hold_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="absolute position embedding beside its relative position bias"):
         vitkit.load(d)
     w, _ = read_safetensors(FIX / "base_3x3" / "model.safetensors")
-    with pytest.raises(CheckpointError, match="'blocks.0.attn.k_norm.weight' is not one of timm's Beit"):
+    with pytest.raises(CheckpointError, match="unexpected timm BEiT key 'blocks.0.attn.k_norm.weight'"):
         timm_beit.to_vitkit({**w, "blocks.0.attn.k_norm.weight": torch.ones(16)})
     with pytest.raises(UsageError, match="a norm inside a GELU MLP"):
         vitkit.create_model("beit_base_patch16_224", scale_mlp=True)

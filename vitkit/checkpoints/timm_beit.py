@@ -3,10 +3,10 @@ learned relative position bias in every block (App. D.4's bias, with BEiT's thre
 and columns), LayerScale, query and value biases without a key bias, and the mean of the patch tokens with a norm after
 it (timm's `global_pool='avg'`, `use_fc_norm`).
 
-The names map by one table, `KEYS` (timm's pattern -> vitkit's), read left to right to load and right to left to
-export. timm's shared table (`use_shared_rel_pos_bias`: `rel_pos_bias.*`, added to every block's bias) is summed into
-each block's own table: the same bias, and every resampling vitkit applies to a table is linear in it, so the sum
-stays the same function at other grids too. The index buffers older files keep (`relative_position_index`) are a
+The names map by one table, `RULES` (timm's pattern -> vitkit's, a `layouts.Layout`), read forwards to load and
+backwards to export. timm's shared table (`use_shared_rel_pos_bias`: `rel_pos_bias.*`, added to every block's bias)
+is summed into each block's own table: the same bias, and every resampling vitkit applies to a table is linear in it,
+so the sum stays the same function at other grids too. The index buffers older files keep (`relative_position_index`) are a
 function of the grid, rebuilt by the model.
 
 At another resolution than its own, timm resamples the relative table along a geometric progression
@@ -19,47 +19,36 @@ import re
 
 import torch
 
+from . import layouts
 from .io import CheckpointError, expect_shape
+from .layouts import Layout, Rule
 
-# timm's name -> vitkit's. "{i}": a block's index; "{leaf}": weight or bias; "{fc}": a layer of the MLP (timm's Mlp:
-# fc1, fc2; its SwiGLU, `swiglu_mlp`: fc1_g, fc1_x, the hidden norm of `scale_mlp`, fc2, the names vitkit's has).
-KEYS: tuple[tuple[str, str], ...] = (
-    ("cls_token", "cls_token"),
-    ("pos_embed", "pos_embed.weight"),  # use_abs_pos_emb: (1, 1 + N, D), the class token's position first
-    ("patch_embed.proj.{leaf}", "patch_embed.proj.{leaf}"),
-    ("blocks.{i}.norm1.{leaf}", "blocks.{i}.norm1.{leaf}"),
-    ("blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.qkv.weight"),  # rows: q, k, v, each head-major
-    ("blocks.{i}.attn.q_bias", "blocks.{i}.attn.q_bias"),
-    ("blocks.{i}.attn.v_bias", "blocks.{i}.attn.v_bias"),
-    ("blocks.{i}.attn.relative_position_bias_table", "blocks.{i}.attn.rel_pos.table"),  # ((2gh-1)(2gw-1) + 3, H)
-    ("blocks.{i}.attn.proj.{leaf}", "blocks.{i}.attn.proj.{leaf}"),
-    ("blocks.{i}.gamma_1", "blocks.{i}.ls1.gamma"),
-    ("blocks.{i}.norm2.{leaf}", "blocks.{i}.norm2.{leaf}"),
-    ("blocks.{i}.mlp.{fc}.{leaf}", "blocks.{i}.mlp.{fc}.{leaf}"),
-    ("blocks.{i}.gamma_2", "blocks.{i}.ls2.gamma"),
-    ("norm.{leaf}", "norm.{leaf}"),  # after the blocks (token pooling, or use_fc_norm=False)
-    ("fc_norm.{leaf}", "fc_norm.{leaf}"),  # after the average (use_fc_norm)
-    ("head.{leaf}", "head.{leaf}"),
+# timm's name -> vitkit's (`layouts.Rule`: "{i}" a block's index, "{w}" weight or bias), read forwards to load and
+# backwards to export. An MLP's layers: timm's Mlp (fc1, fc2) or its SwiGLU (`swiglu_mlp`: fc1_g, fc1_x, the hidden
+# norm of `scale_mlp`, fc2), the names vitkit's have.
+_B = "blocks.{i}."
+RULES: tuple[Rule, ...] = (
+    Rule("cls_token", "cls_token"),
+    Rule("pos_embed", "pos_embed.weight"),  # use_abs_pos_emb: (1, 1 + N, D), the class token's position first
+    Rule("patch_embed.proj.{w}", "patch_embed.proj.{w}"),
+    Rule(_B + "norm1.{w}", _B + "norm1.{w}"),
+    Rule(_B + "attn.qkv.weight", _B + "attn.qkv.weight"),  # rows: q, k, v, each head-major
+    Rule(_B + "attn.q_bias", _B + "attn.q_bias"),  # no key bias (vitkit's k_bias=False)
+    Rule(_B + "attn.v_bias", _B + "attn.v_bias"),
+    Rule(_B + "attn.relative_position_bias_table", _B + "attn.rel_pos.table"),  # ((2gh-1)(2gw-1) + 3, H)
+    Rule(_B + "attn.relative_position_index", None, export=False),  # older files: a function of the grid, rebuilt
+    Rule("rel_pos_bias.relative_position_index", None, export=False),
+    Rule(_B + "attn.proj.{w}", _B + "attn.proj.{w}"),
+    Rule(_B + "gamma_1", _B + "ls1.gamma"),
+    Rule(_B + "norm2.{w}", _B + "norm2.{w}"),
+    *(Rule(_B + f"mlp.{fc}.{{w}}", _B + f"mlp.{fc}.{{w}}") for fc in ("fc1", "fc1_g", "fc1_x", "norm", "fc2")),
+    Rule(_B + "gamma_2", _B + "ls2.gamma"),
+    Rule("norm.{w}", "norm.{w}"),  # after the blocks (token pooling, or use_fc_norm=False)
+    Rule("fc_norm.{w}", "fc_norm.{w}"),  # after the average (use_fc_norm)
+    Rule("head.{w}", "head.{w}"),
 )
-SHARED_TABLE = "rel_pos_bias.relative_position_bias_table"
-_SLOTS = {"i": r"\d+", "leaf": r"weight|bias", "fc": r"fc1_g|fc1_x|fc1|fc2|norm"}
-
-
-def _compile(pattern: str) -> re.Pattern:
-    parts = re.split(r"\{(\w+)\}", pattern)  # literal, slot, literal, ...
-    return re.compile("".join(re.escape(p) if n % 2 == 0 else f"(?P<{p}>{_SLOTS[p]})" for n, p in enumerate(parts)))
-
-
-_TO_VITKIT = [(_compile(theirs), ours) for theirs, ours in KEYS]
-_TO_TIMM = [(_compile(ours), theirs) for theirs, ours in KEYS]
-
-
-def rename(key: str, to: str = "vitkit") -> str | None:
-    """A timm BEiT name as vitkit's (`to="vitkit"`), or a vitkit name as timm's (`to="timm"`); None: not in `KEYS`."""
-    for pattern, out in _TO_VITKIT if to == "vitkit" else _TO_TIMM:
-        if m := pattern.fullmatch(key):
-            return out.format(**m.groupdict())
-    return None
+LAYOUT = Layout("BEiT", RULES, source="timm")
+SHARED_TABLE = "rel_pos_bias.relative_position_bias_table"  # added to every block's bias: summed into each (below)
 
 
 def is_timm_beit(keys) -> bool:
@@ -69,15 +58,7 @@ def is_timm_beit(keys) -> bool:
 
 def to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
     """A timm Beit state dict -> (vitkit state dict, config facts, unused keys)."""
-    sd, unused = {}, []
-    for k, v in w.items():
-        if k.endswith("relative_position_index"):
-            unused.append(k)
-        elif k != SHARED_TABLE:
-            ours = rename(k)
-            if ours is None:
-                raise CheckpointError(f"timm BEiT key {k!r} is not one of timm's Beit (vitkit.checkpoints.timm_beit.KEYS)")
-            sd[ours] = v
+    sd, unused = layouts.read(LAYOUT, {k: v for k, v in w.items() if k != SHARED_TABLE})
     if "blocks.0.mlp.norm.weight" in sd and "blocks.0.mlp.fc1.weight" in sd:
         raise CheckpointError("timm's BEiT with scale_mlp and a GELU MLP (a norm inside it): vitkit has that norm "
                               "inside SwiGLU only")
@@ -103,19 +84,17 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     fused qkv bias an export hands over, (q, 0, v), is split into timm's query and value biases."""
     if config.qkv_bias and config.k_bias:
         raise CheckpointError("timm's Beit has query and value biases only; this model has a key bias (k_bias=True)")
-    out = {}
-    for k, v in sd.items():
-        if m := re.fullmatch(r"(blocks\.\d+\.attn\.)qkv\.bias", k):
-            q, key_bias, value = v.chunk(3)
-            if key_bias.any():
-                raise CheckpointError(f"{k}: a nonzero key bias, which timm's Beit has no place for")
-            out[m.group(1) + "q_bias"], out[m.group(1) + "v_bias"] = q, value
-            continue
-        theirs = rename(k, to="timm")
-        if theirs is None:
-            raise CheckpointError(f"{k!r} has no place in timm's Beit (a ViT with a relative position bias, a class "
-                                  f"token and no other prefix tokens, LayerNorm, no inner norms)")
-        out[theirs] = v
+    own = dict(sd)
+    for k in [k for k in own if re.fullmatch(r"blocks\.\d+\.attn\.qkv\.bias", k)]:
+        q, key_bias, value = own.pop(k).chunk(3)
+        if key_bias.any():
+            raise CheckpointError(f"{k}: a nonzero key bias, which timm's Beit has no place for")
+        own[k[: -len("qkv.bias")] + "q_bias"], own[k[: -len("qkv.bias")] + "v_bias"] = q, value
+    out, left = layouts.write(LAYOUT, own)
+    if left:
+        raise CheckpointError(f"{', '.join(left[:4])} {'has' if len(left) == 1 else 'have'} no place in timm's Beit (a "
+                              f"ViT with a relative position bias, a class token and no other prefix tokens, "
+                              f"LayerNorm, no inner norms)")
     return out
 
 

@@ -173,7 +173,8 @@ class Governor:
     """torch's thread count for the work of one thread (a command's batches, a server's worker, a training loop):
     `step()` before each batch sets it to the cores other processes leave (`threads_for`), reading the counters at
     most every `interval_s`; `threads` (or any count the user set, `user_threads`) fixes it instead. `close()`
-    puts back the count it found. Call `step` in the thread that runs the model: OpenMP's count is per thread."""
+    puts back the count it found. Call `step` in the thread that runs the model (libgomp keeps one count for the
+    process, other OpenMP runtimes one per thread)."""
 
     def __init__(self, threads: int | None = None, interval_s: float = INTERVAL_S) -> None:
         import torch

@@ -295,7 +295,7 @@ class MicroBatcher:
     def _locked(self, fn, *args):
         with self.lock:
             if self.governor is not None:
-                self.governor.step()  # in the model's thread: OpenMP's thread count is per thread
+                self.governor.step()  # in the model's thread (some OpenMP runtimes keep a count per thread)
             return fn(*args)
 
     async def _run(self) -> None:

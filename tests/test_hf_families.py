@@ -195,6 +195,34 @@ def test_beit_bare_files(name):
     assert _max_diff(model, X, np.load(F / name / "out.npy")) <= TOL
 
 
+def test_beit_resamples_as_transformers_not_as_timm():
+    """The rule is a fact of the checkpoint's source: transformers' BEiT and data2vec-vision resample the table by
+    plain bilinear interpolation (`interpolate_pos_encoding=True`: its second interpolation, of the (T, T) bias to
+    (T, T), changes nothing), timm's BEiT by a geometric progression of the offsets, which here is off."""
+    for name in ("BeitModel", "BeitModel_shared_cls", "Data2VecVisionModel"):
+        assert vitkit.load(F / name).config.pos_resample == "bilinear_noaa"
+        assert _max_diff(vitkit.load(F / name, img_size=WIDE), XW, np.load(F / name / "out_wide.npy")) <= TOL
+    geometric = vitkit.load(F / "BeitModel", img_size=WIDE, resample="geometric")
+    assert _max_diff(geometric, XW, np.load(F / "BeitModel" / "out_wide.npy")) > 100 * TOL
+
+
+def test_beit_with_a_relative_table_at_a_non_square_size_is_refused(tmp_path):
+    """transformers reads a non-square BEiT's table as a (2w - 1) x (2h - 1) grid and resamples it to (2h - 1) x
+    (2w - 1) at every size, its own included (0.05 from vitkit's reading at the native size, on logits of ~1, when
+    this was written): refused, never a silent difference; a square one given as a list loads."""
+    src = F / "BeitModel"
+    d = tmp_path / "wide"
+    shutil.copytree(src, d)
+    cfg = json.loads((src / "config.json").read_text())
+    for size, refused in (([16, 24], True), ([16, 16], False)):  # 4x6 patches; 4x4 (patch 4)
+        (d / "config.json").write_text(json.dumps({**cfg, "image_size": size}))
+        if refused:
+            with pytest.raises(CheckpointError, match="non-square grid .* transformers reads its table"):
+                vitkit.load(d)
+        else:
+            assert vitkit.load(d).config.pos_embed == "relative"
+
+
 def test_beit_with_absolute_and_relative_positions_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

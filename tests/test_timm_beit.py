@@ -2,7 +2,9 @@
 tests/fixtures/timm_beit, made by `make_registry_sweep.py beit`) load into vitkit and give timm's logits (<= 1e-4, fp32)
 at two widths (BEiT-B's and BEiT v2-L's arguments, small), each at a square and a non-square grid, and with timm's
 options (class-token pooling, a shared relative table alone and beside the blocks' own, SwiGLU without qkv biases, an
-absolute position embedding); timm's names build those models; vitkit exports them back as timm writes them."""
+absolute position embedding); timm's names build those models; vitkit exports them back as timm writes them. At other
+grids (`index.json`'s `resized`: timm's `set_input_size`) vitkit resizes the relative tables as timm does
+(`pos_resample="geometric"`), loaded at that size or taking any."""
 from __future__ import annotations
 
 import json
@@ -154,3 +156,93 @@ def test_timms_beit_names_build_with_timms_count():
         assert (c.num_classes, c.mean, c.crop_pct, c.init_values) == (1000, (0.485, 0.456, 0.406), 0.95, 1e-5)
         c = vitkit.create_model("beitv2_large_patch16_224.in1k_ft_in22k").config  # timm's cfg of that tag
         assert (c.num_classes, c.crop_pct) == (21841, 0.9)
+
+
+# ---- at another grid: timm's resize_rel_pos_bias_table (issue 53) ------------------------------------------------
+
+RESIZED = sorted((case, grid) for case, row in CASES.items() for grid in row.get("resized", {}))
+P = 4  # the fixtures' patch
+
+
+def _at(model, case: str, grid: str) -> float:
+    """max |vitkit - timm| on the folder's input at `grid`, timm's logits after its own `set_input_size`."""
+    with torch.no_grad():
+        ours = model(torch.from_numpy(np.load(FIX / case / f"input_{grid}.npy"))).numpy()
+    return float(np.abs(ours - np.load(FIX / case / f"logits_{grid}.npy")).max())
+
+
+def _img(grid: str) -> tuple[int, int]:
+    h, w = map(int, grid.split("x"))
+    return h * P, w * P
+
+
+def test_the_resized_fixtures_cover_a_square_and_a_non_square_file():
+    assert ("base_3x3", "4x5") in RESIZED and ("base_3x3", "6x6") in RESIZED and ("v2_large_4x3", "6x6") in RESIZED
+    # timm's two paths agree where both run; its pretrained_cfg path cannot tell a non-square file's grid
+    for case, grid in RESIZED:
+        via_cfg = CASES[case]["resized"][grid]["pretrained_cfg_vs_set_input_size"]
+        square = CASES[case]["input"][0] == CASES[case]["input"][1]
+        assert via_cfg == 0.0 if square else via_cfg.startswith("ValueError: Cannot infer non-square")
+
+
+@pytest.mark.parametrize("case,grid", RESIZED)
+def test_a_timm_beit_at_another_grid_gives_timms_logits(case, grid):
+    """A 3x3 file at 4x5, 6x6 and 2x2, a 4x3 one at 6x6 and 3x5, a 3x2 one with a shared table at 4x5: timm resizes the
+    tables by its geometric progression (`set_input_size`, or `create_model(..., img_size=)` for a square file), and
+    so does vitkit's model, loaded at that size or taking any (`dynamic_img_size`); the file records the rule."""
+    model = vitkit.load(FIX / case, img_size=_img(grid))
+    assert model.config.pos_resample == "geometric"
+    assert _at(model, case, grid) <= TOL
+    assert _at(vitkit.load(FIX / case, dynamic_img_size=True), case, grid) <= TOL
+    # the rule matters: a linear resampling of the same table is not timm's function
+    for other in ("bilinear", "bilinear_noaa"):
+        assert _at(vitkit.load(FIX / case, img_size=_img(grid), resample=other), case, grid) > 100 * TOL
+
+
+def test_a_bare_timm_beit_file_at_another_grid_resamples_as_timm():
+    """The bare state dict (timm's names say it is timm's) and the one named by its architecture, as a timm user
+    passes `create_model(arch, pretrained=True, img_size=...)`: the same rule."""
+    assert _at(vitkit.load(FIX / "base_3x3" / "model.safetensors", img_size=_img("4x5")), "base_3x3", "4x5") <= TOL
+    row = CASES["base_3x3"]
+    named = vitkit.load(FIX / "base_3x3" / "model.safetensors", architecture=row["architecture"],
+                        num_heads=row["model_args"]["num_heads"], img_size=_img("6x6"))
+    assert named.config.pos_resample == "geometric" and _at(named, "base_3x3", "6x6") <= TOL
+    assert vitkit.create_model(row["architecture"], **row["model_args"]).config.pos_resample == "geometric"
+
+
+def test_set_img_size_and_exports_keep_the_rule(tmp_path):
+    """`set_img_size` on a loaded model is timm's `set_input_size`; vitkit's own file keeps the rule it records (a
+    file vitkit wrote before the rule was timm's says "bilinear", and stays so); timm's export is read back as timm's."""
+    model = vitkit.load(FIX / "v2_large_4x3")
+    model.set_img_size(_img("3x5"))
+    assert _at(model, "v2_large_4x3", "3x5") <= TOL
+    ours = vitkit.export(vitkit.load(FIX / "base_3x3"), tmp_path / "geo.safetensors")
+    assert _at(vitkit.load(ours, img_size=_img("4x5")), "base_3x3", "4x5") <= TOL
+    old = vitkit.load(FIX / "base_3x3")
+    old.config.pos_resample = "bilinear"
+    back = vitkit.load(vitkit.export(old, tmp_path / "old.safetensors"), img_size=_img("4x5"))
+    assert back.config.pos_resample == "bilinear" and _at(back, "base_3x3", "4x5") > 100 * TOL
+    folder = vitkit.export(vitkit.load(FIX / "v2_large_4x3"), tmp_path / "timm", to="timm")
+    assert _at(vitkit.load(folder, img_size=_img("6x6")), "v2_large_4x3", "6x6") <= TOL
+
+
+def test_geometric_is_a_relative_tables_rule():
+    from vitkit.models.layers.pos_embed import geometric_offsets, resample_offset_table, resample_pos_embed_grid
+
+    table = torch.randn(5, 7, 2)
+    assert resample_offset_table(table, (5, 7), "geometric") is table  # its own size: the table itself
+    # one axis changed: both remapped, as timm's (the kept one along r = 1.01: its outer offsets read in between)
+    same_rows = resample_offset_table(table, (5, 9), "geometric")
+    assert same_rows.shape == (5, 9, 2) and not torch.allclose(same_rows[:, 4], table[:, 3])
+    assert torch.equal(same_rows[2, 4], table[2, 3])  # the centre (0, 0) stays
+    # 3 steps 1, r, r^2 out to the new outermost offset 4: r = (sqrt(13) - 1) / 2; the ratio is at most 1.5 (a 5-row
+    # table at 11 rows: its steps reach 2.5, the offsets beyond hold the outermost value)
+    r = (13**0.5 - 1) / 2
+    assert geometric_offsets(7, 9) == pytest.approx([-4, -1 - r, -1, 0, 1, 1 + r, 4], abs=1e-5)
+    assert geometric_offsets(5, 11) == pytest.approx([-2.5, -1, 0, 1, 2.5], abs=1e-5)
+    with pytest.raises(UsageError, match="'geometric' .* is for a table of relative offsets"):
+        resample_pos_embed_grid(torch.zeros(3, 3, 4), (4, 4), "geometric")
+    with pytest.raises(UsageError, match="pos_resample='geometric' resamples a relative position table"):
+        vitkit.create_model("vit_ti16", pos_resample="geometric")
+    with pytest.raises(UsageError, match="'geometric'"):
+        vitkit.load(FIX / "absolute", img_size=16, resample="geometric")

@@ -350,7 +350,8 @@ def load(
             `model.load_report` (and printed).
         resample: position-embedding resampling when img_size changes: "bilinear" (the official method, scipy zoom
             order 1), "bicubic" (timm's: antialiased), "bicubic_noaa" (transformers' ViT, DeiT, DINOv2, SigLIP, CLIP)
-            or "bilinear_aa" ("bilinear_noaa": transformers' BEiT's relative table); default: the checkpoint's own, recorded at load in `config.pos_resample` (a file
+            or "bilinear_aa" ("bilinear_noaa": transformers' BEiT's relative table; "geometric": timm's BEiT's, a relative
+            table only); default: the checkpoint's own, recorded at load in `config.pos_resample` (a file
             vitkit wrote keeps the method of the checkpoint it came from).
         device: where to put the model.
         **overrides: config fields by keyword, as for `create_model`. img_size different from the checkpoint's

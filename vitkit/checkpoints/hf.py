@@ -26,8 +26,10 @@ What each family adds (`FAMILIES`, by config.json's model_type; a bare file by i
   position bias per block (`...attention.relative_position_bias.relative_position_bias_table`) or one shared by all
   (`encoder.relative_position_bias...`, copied into every block: the same function), with BEiT's three entries for
   the class token's rows and columns, which vitkit's `pos_embed="relative"` has too; transformers resamples the table
-  at another size by plain bilinear interpolation (`pos_resample="bilinear_noaa"`). An absolute position embedding
-  (`use_absolute_position_embeddings`) alone loads (resampled by plain bicubic); beside a relative bias it is refused.
+  at another size by plain bilinear interpolation (`pos_resample="bilinear_noaa"`; timm's BEiT: "geometric"); a
+  relative table at a non-square image_size is refused (transformers reads it with its height and width swapped).
+  An absolute position embedding (`use_absolute_position_embeddings`) alone loads (resampled by plain bicubic);
+  beside a relative bias it is refused.
   With `use_mean_pooling` the output is the LayerNorm of the mean patch token (`pooler.layernorm`: vitkit's "gap"
   with `fc_norm`), and no norm follows the blocks; else the normed class token. A model saved without its pooler
   (`Data2VecVisionModel`'s default) has no norm after the blocks: its output is the class token as the last block
@@ -248,7 +250,7 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
                               "tokens' heads: DeiTForImageClassificationWithTeacher)")
     facts: dict = {"act": "gelu", "norm_eps": 1e-12, "pos_resample": "bicubic_noaa"}  # ViTEmbeddings' interpolation
     if fam == "beit":
-        facts.update(_beit(sd, sd.pop("rel_pos.table", None)))
+        facts.update(_beit(sd, sd.pop("rel_pos.table", None), hf_config))
     if decoder:
         what = ("MAE's pixel decoder ({n} tensors, decoder.*) reconstructs masked patches" if fam == "mae" else
                 "BEiT's visual-token head ({n} tensors, lm_head.*) predicts masked patches' tokens")
@@ -271,8 +273,10 @@ def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tupl
     return sd, facts, unused
 
 
-def _beit(sd: dict[str, torch.Tensor], shared: torch.Tensor | None) -> dict:
-    """BEiT's positions: the shared relative table copied into every block; the resampling rule of what it has."""
+def _beit(sd: dict[str, torch.Tensor], shared: torch.Tensor | None, hf_config: dict | None = None) -> dict:
+    """BEiT's positions: the shared relative table copied into every block; the resampling rule of what it has
+    (transformers' `BeitRelativePositionBias`: plain bilinear, also with `interpolate_pos_encoding=True`, whose second
+    interpolation of the (T, T) bias to (T, T) is the identity)."""
     depth = len({k.split(".")[1] for k in sd if k.startswith("blocks.")})
     if shared is not None:
         if "blocks.0.attn.rel_pos.table" in sd:
@@ -284,6 +288,14 @@ def _beit(sd: dict[str, torch.Tensor], shared: torch.Tensor | None) -> dict:
     if relative and "pos_embed.weight" in sd:
         raise CheckpointError("BEiT with an absolute position embedding beside its relative position bias "
                               "(use_absolute_position_embeddings with a relative bias): vitkit's models have one kind")
+    c = hf_config or {}
+    size, patch = c.get("image_size"), c.get("patch_size")
+    if relative and isinstance(size, (list, tuple)) and isinstance(patch, int) and size[0] // patch != size[1] // patch:
+        raise CheckpointError(f"BEiT with a relative position bias at a non-square grid (image_size {list(size)}, "
+                              f"patch {patch}): transformers reads its table as a (2 * width - 1) x (2 * height - 1) "
+                              f"grid and resamples that to (2 * height - 1) x (2 * width - 1) at every size, its own "
+                              f"included (BeitRelativePositionBias), which vitkit does not reproduce; a square "
+                              f"image_size loads")
     return {"pos_resample": "bilinear_noaa"} if relative else {}
 
 

@@ -9,9 +9,12 @@ is summed into each block's own table: the same bias, and every resampling vitki
 so the sum stays the same function at other grids too. The index buffers older files keep (`relative_position_index`) are a
 function of the grid, rebuilt by the model.
 
-At another resolution than its own, timm resamples the relative table along a geometric progression
-(`resize_rel_pos_bias_table`); vitkit resamples it bilinearly (`pos_resample`): a file at its own grid, square or
-not, gives timm's outputs; at a resampled grid the two differ.
+At another resolution than its own, timm resamples the relative table along a geometric progression of the offsets
+(`resize_rel_pos_bias_table`, in `set_input_size` and when a file is loaded at another img_size): recorded as
+`pos_resample="geometric"`, which vitkit's relative bias computes the same way
+(`layers.pos_embed.resample_offset_table`), at a fixed size (`vitkit.load(folder, img_size=...)`) or at any
+(`dynamic_img_size`), always from the file's own table. For a non-square file timm's loader (`checkpoint_filter_fn`)
+assumes a square table and fails; its `set_input_size` knows the grid, as vitkit does.
 """
 from __future__ import annotations
 
@@ -75,7 +78,7 @@ def to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict
                               "(use_abs_pos_emb with use_rel_pos_bias): vitkit's models have one kind")
     facts: dict = {"act": "gelu", "norm_eps": 1e-6}  # timm's Beit: exact GELU, timm's LayerNorm (eps 1e-6)
     if relative:
-        facts["pos_resample"] = "bilinear"  # vitkit's; timm's geometric progression is not one (the docstring)
+        facts["pos_resample"] = "geometric"  # timm's resize_rel_pos_bias_table (the docstring)
     return sd, facts, unused
 
 
@@ -123,7 +126,7 @@ def arg_facts(arch: str, args: dict) -> dict:
     facts = {"pos_embed": "relative" if relative else "learned_1d" if absolute else "none", "k_bias": False,
              "class_token": True, "fc_norm": bool(fc_norm), "final_norm": True, "rope": None, "rope_ref_grid": None}
     if relative:
-        facts["pos_resample"] = "bilinear"
+        facts["pos_resample"] = "geometric"
     return facts
 
 

@@ -94,8 +94,10 @@ class ViTConfig:
         pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
             learned position grid to each image's: "bilinear" (the official method), "bicubic" (timm's NaFlexVit),
             "bilinear_aa" (SigLIP 2), "bicubic_noaa" (transformers' DINOv2),
-            "bilinear_noaa" (transformers' BEiT: its relative position table). pos_resample_square: resample to the
-            square of the image's longer side and read the top-left part (timm's `pos_embed_ar_preserving`).
+            "bilinear_noaa" (transformers' BEiT: its relative position table), "geometric" (timm's BEiT: its relative
+            table's offsets spaced by a geometric progression; pos_embed="relative" only). pos_resample_square:
+            resample to the square of the image's longer side and read the top-left part (timm's
+            `pos_embed_ar_preserving`).
         dynamic_img_size: accept any H x W divisible by the patch size, the position embedding resampled to each
             input's grid on the fly (bilinear, as `vitkit.load(..., img_size=...)` does; cached per grid).
         rope: 2-D rotary embeddings of the patch tokens' queries and keys (`layers/rope.py`): "eva" (axial: EVA-02,
@@ -255,6 +257,9 @@ class ViTConfig:
             raise UsageError("mlp_norm (a LayerNorm inside the MLP) is implemented for mlp_layer='swiglu' only")
         if self.pos_resample not in RESAMPLE_METHODS:
             raise UsageError(f"pos_resample must be one of {RESAMPLE_METHODS}, got {self.pos_resample!r}")
+        if self.pos_resample == "geometric" and self.pos_embed != "relative":
+            raise UsageError("pos_resample='geometric' resamples a relative position table (timm's BEiT); "
+                             f"pos_embed={self.pos_embed!r} has none")
         if self.rope not in ROPES:
             raise UsageError(f"rope must be one of {ROPES}, got {self.rope!r}")
         if self.rope and (self.embed_dim // self.num_heads) % 4:

@@ -21,7 +21,7 @@ from .rope import apply_rope
 from .tracing import is_fx_tracing
 from ...errors import UsageError
 from .pos_embed import _GridCache, _same_grid
-from .pos_embed import resample_pos_embed_grid
+from .pos_embed import resample_offset_table
 
 
 # oneDNN's native bf16 (AVX-512 BF16, AMX) makes the explicit path's bf16 matmuls fast; AMX tiles make the fused
@@ -35,6 +35,10 @@ class RelativePositionBias(nn.Module):
 
     Tokens in front of the patch grid (the class token) get three extra learned entries:
     prefix-to-patch, patch-to-prefix and prefix-to-prefix, as in BEiT.
+
+    At another grid the table of offsets is resampled by `method` (the model's `pos_resample`, a fact of where the
+    checkpoint comes from: "geometric" for timm's BEiT, "bilinear_noaa" for transformers' BEiT and data2vec-vision;
+    `pos_embed.resample_offset_table`); the three entries are kept.
     """
 
     def __init__(self, grid_size: tuple[int, int], num_heads: int, num_prefix_tokens: int = 1) -> None:
@@ -68,7 +72,7 @@ class RelativePositionBias(nn.Module):
         nh, nw = grid
         base = (2 * gh - 1) * (2 * gw - 1)
         t = self.table
-        cells = resample_pos_embed_grid(t[:base].reshape(2 * gh - 1, 2 * gw - 1, -1), (2 * nh - 1, 2 * nw - 1), method)
+        cells = resample_offset_table(t[:base].reshape(2 * gh - 1, 2 * gw - 1, -1), (2 * nh - 1, 2 * nw - 1), method)
         return torch.cat([cells.flatten(0, 1), t[base:]])
 
     def resample(self, new_grid: tuple[int, int], method: str = "bilinear") -> None:

@@ -18,7 +18,10 @@ from torch import nn
 from ...errors import UsageError
 from .packing import resample_for_coords
 
-RESAMPLE_METHODS = ("bilinear", "bicubic", "bicubic_noaa", "bilinear_aa", "bicubic_corners", "bilinear_noaa")
+# how a grid of position embeddings is resampled (`resample_pos_embed_grid`); a table of relative offsets
+# (`attention.RelativePositionBias`) takes these and one more, "geometric" (`resample_offset_table`)
+GRID_METHODS = ("bilinear", "bicubic", "bicubic_noaa", "bilinear_aa", "bicubic_corners", "bilinear_noaa")
+RESAMPLE_METHODS = (*GRID_METHODS, "geometric")
 
 
 def resample_pos_embed_grid(
@@ -34,9 +37,13 @@ def resample_pos_embed_grid(
             "bilinear_aa" is PyTorch's antialiased bilinear, corners not aligned (SigLIP 2's NaFlex towers);
             "bicubic_corners" is plain bicubic with corners aligned (torchvision's `interpolate_embeddings`);
             "bilinear_noaa" is PyTorch's plain bilinear, corners not aligned (transformers' BEiT, of its relative
-            position table).
+            position table). ("geometric" is a relative table's alone: `resample_offset_table`.)
     """
-    if method not in RESAMPLE_METHODS:
+    if method == "geometric":
+        raise UsageError("resampling method 'geometric' (timm's BEiT: the offsets spaced by a geometric "
+                         "progression) is for a table of relative offsets; a grid of position embeddings takes one of "
+                         f"{GRID_METHODS}")
+    if method not in GRID_METHODS:
         raise UsageError(f"resampling method must be one of {RESAMPLE_METHODS}, got {method!r}")
     gh, gw, d = grid.shape
     if not torch.compiler.is_compiling() and (gh, gw) == tuple(new_size):
@@ -53,6 +60,72 @@ def resample_pos_embed_grid(
     else:
         x = F.interpolate(x, size=new_size, mode="bicubic", align_corners=False, antialias=method == "bicubic")
     return x[0].permute(1, 2, 0).to(grid.dtype)  # (1, D, nh, nw) -> (nh, nw, D)
+
+
+def geometric_offsets(src: int, dst: int) -> list[float]:
+    """Where BEiT's resampling puts the `src` offsets of one axis of a relative table (src = 2g - 1: the offsets
+    -(g - 1) .. g - 1) when the table is resampled to `dst` offsets (timm's `resize_rel_pos_bias_table`, after the
+    unilm fine-tuning code): the centre stays at 0 and the steps outwards grow by a ratio r, 1, r, r^2, ...; r in
+    [1.01, 1.5] is bisected (to 1e-6) so that the g - 1 steps reach no further than dst // 2, the new outermost offset.
+    r is the bisection's last midpoint, so the reach may fall a hair either side of it. Increasing, length src."""
+    n, reach = src // 2, dst // 2
+    lo, hi = 1.01, 1.5
+    ratio = (lo + hi) / 2.0
+    while hi - lo > 1e-6:
+        ratio = (lo + hi) / 2.0
+        covered = (1.0 - ratio**n) / (1.0 - ratio)  # 1 + r + ... + r^(n-1): n steps
+        if covered > reach:
+            hi = ratio
+        else:
+            lo = ratio
+    out, pos = [], 0.0
+    for i in range(n):
+        pos += ratio**i
+        out.append(pos)
+    return [-p for p in reversed(out)] + [0.0] + out
+
+
+def _linear_weights(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """(len(dst), len(src)) weights that read values given at the increasing positions `src` at the positions `dst`:
+    linear between the two neighbours, the end value beyond either end (float64)."""
+    m = src.numel()
+    w = torch.zeros(dst.numel(), m, dtype=torch.float64)
+    if m == 1:
+        return w + 1.0
+    t = dst.clamp(src[0], src[-1])
+    left = (torch.searchsorted(src, t, right=True) - 1).clamp(0, m - 2)  # src[left] <= t <= src[left + 1]
+    frac = (t - src[left]) / (src[left + 1] - src[left])
+    rows = torch.arange(dst.numel())
+    w[rows, left] = 1.0 - frac
+    w[rows, left + 1] += frac
+    return w
+
+
+def resample_offset_table(cells: torch.Tensor, new_size: tuple[int, int], method: str = "bilinear") -> torch.Tensor:
+    """Resample a table of relative offsets (2gh - 1, 2gw - 1, H), the offset (0, 0) at its centre, to
+    (2nh - 1, 2nw - 1, H).
+
+    Args:
+        method: one of `GRID_METHODS`, the table taken as a grid (`resample_pos_embed_grid`: transformers' BEiT's is
+            "bilinear_noaa"), or "geometric", timm's BEiT's (`resize_rel_pos_bias_table` without scipy): each axis's
+            old offsets moved apart along a geometric progression (`geometric_offsets`) and the new integer offsets
+            read between them linearly, the outermost value beyond them. Once the shape changes, both axes are
+            remapped, also one whose length stays (its progression is then r = 1.01: not the identity), as timm does.
+    """
+    if method != "geometric":
+        return resample_pos_embed_grid(cells, new_size, method)
+    sh, sw, _ = cells.shape
+    if not torch.compiler.is_compiling() and (sh, sw) == tuple(new_size):
+        return cells
+
+    def axis(src: int, dst: int) -> torch.Tensor:  # (dst, src): the weights of one axis
+        where = torch.tensor(geometric_offsets(src, dst), dtype=torch.float32).double()  # timm's grid, in float32
+        half = dst // 2
+        return _linear_weights(where, torch.arange(-half, half + 1, dtype=torch.float64))
+
+    wy = axis(sh, new_size[0]).to(cells.device, torch.float32)
+    wx = axis(sw, new_size[1]).to(cells.device, torch.float32)
+    return torch.einsum("ys,sth,xt->yxh", wy, cells.float(), wx).to(cells.dtype)
 
 
 def sincos_2d(grid_size: tuple[int, int], dim: int, temperature: float = 10000.0) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,8 @@ from ..errors import UsageError
 from ..safety import parse_json, read_bytes, untrusted
 from .catalog import resolve
 import safetensors.torch
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("vitkit", "timm", "hf", "npz")
 NATIVE_FORMAT = "vitkit"
@@ -371,8 +374,8 @@ def load(
     report["notes"] = ckpt.notes
     report["format"] = ckpt.format
     if not strict and any(report[k] for k in ("missing", "unexpected", "mismatched")):
-        print(f"vitkit: loaded {path} with strict=False; skipped: " +
-              "; ".join(f"{k}: {', '.join(report[k])}" for k in ("missing", "unexpected", "mismatched") if report[k]))
+        log.warning(f"loaded {path} with strict=False; skipped: " +
+                    "; ".join(f"{k}: {', '.join(report[k])}" for k in ("missing", "unexpected", "mismatched") if report[k]))
     if window_size is not None and model.config.arch != "swin":
         raise UsageError(f"window_size is a Swin option; this checkpoint is a {model.config.arch} model")
     if window_size is not None and window_size != model.config.window_size:
@@ -436,7 +439,7 @@ def resolve_data_config(source=None, pretrained_cfg: dict | None = None, model: 
         if args.get(k) is not None:
             out[k] = tuple(args[k]) if k in ("mean", "std") else args[k]
     if verbose:
-        print("vitkit: data config: " + ", ".join(f"{k}={v}" for k, v in out.items()))
+        log.info("data config: " + ", ".join(f"{k}={v}" for k, v in out.items()))
     return out
 
 

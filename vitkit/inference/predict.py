@@ -21,6 +21,7 @@ import hashlib
 import http.client
 import io
 import json
+import logging
 import math
 import os
 import signal
@@ -50,6 +51,8 @@ from ..cache import WriteError, check_output, open_output, write_failure
 from ..download import sha256_of
 from ..safety import open_regular, parse_json, read_bytes
 from .backends import ExportedModel, PackageModel, inference_engine, load_for_inference
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("table", "json", "jsonl", "csv")
 RESUMABLE = ("jsonl", "csv")
@@ -890,7 +893,7 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
         raise UsageError("--resume continues the file named by --out: add --out FILE")
     if resume and fmt not in ("jsonl", "csv"):
         raise UsageError(f"--resume continues a jsonl or csv file, not {fmt}: write to --out FILE.jsonl or FILE.csv")
-    inputs = gather_inputs(images, warn=lambda m: print(f"vitkit: warning: {m}", file=sys.stderr, flush=True))
+    inputs = gather_inputs(images, warn=log.warning)
     if not len(inputs):
         raise UsageError(f"no images in {', '.join(images)}")
     model, backend = load_for_inference(checkpoint, backend, trust_package)

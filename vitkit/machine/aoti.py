@@ -45,7 +45,6 @@ import os
 import re
 import shutil
 import stat
-import sys
 import tempfile
 import time
 import weakref
@@ -402,9 +401,10 @@ def open_package(path: str | Path, trust: bool = False) -> Package:
                                       f"changed since): loading it runs its native code "
                                       f"({', '.join(Path(n).name for n, _ in libraries)}) with your permissions; "
                                       f"{TRUST_HINT}")
-            # said on stderr whatever logging is set up: the opt-in's one chance to be read before the code runs
-            print(f"vitkit: warning: loading {package.describe()}: its native code runs in this process with your "
-                  f"permissions, as you asked (--trust-package)", file=sys.stderr, flush=True)
+            # a warning: shown on stderr where the program set no logging up, the opt-in's chance to be read before the
+            # code runs
+            log.warning(f"loading {package.describe()}: its native code runs in this process with your permissions, "
+                        f"as you asked (--trust-package)")
         package.file = _rebuild(copy, path)
         copy.unlink()  # only the rebuilt archive is kept, and only it is handed to torch
     except BaseException:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,8 @@ from . import aoti, cpu, engine_probe
 from . import threads as thread_policy
 from . import precision as probe  # called through the module: tests patch probe.bf16_support
 from .fast_linear import pack_linears
+
+log = logging.getLogger(__name__)
 
 # how an engine gets the model as a file: (model, weights digest or None, what, batch) -> the file, where `what` is
 # "onnx" (the ONNX export ONNX Runtime and OpenVINO run) or "aoti-fp32" / "aoti-bf16" (a compiled package, laid out
@@ -464,8 +467,8 @@ def resolve(model: nn.Module, backend: str, precision: str, batch: int, *, threa
 
 
 def say(line: str) -> None:
-    """A progress line on stderr, as the commands print their choices."""
-    print(f"vitkit: {line}", file=sys.stderr, flush=True)
+    """A progress line: a message of this module's logger, which the commands show on stderr."""
+    log.info(line)
 
 
 def resolve_and_announce(model: nn.Module, backend: str, precision: str, batch: int, *,
@@ -474,7 +477,7 @@ def resolve_and_announce(model: nn.Module, backend: str, precision: str, batch: 
     choice = resolve(model, backend, precision, batch, threads=threads, log=say, export=export)
     say(f"backend {choice.reason}")
     if backend == "auto":
-        print(choice.format_table(), file=sys.stderr, flush=True)
+        log.info("every engine measured:\n" + choice.format_table())
     return choice
 
 

@@ -25,8 +25,8 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +41,8 @@ from ..errors import UsageError
 from . import cpu, engine_probe, fast_linear
 from .device import sync
 from .fast_linear import pack_linears
+
+log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -179,7 +181,7 @@ def for_inference(model: nn.Module, device: torch.device | str, precision: str =
     choice = resolve(precision, model, device, batch=batch, training=False)
     pack_linears(model, enable=choice.precision in ("fp32", "bf16"))  # fp32: the fastest GEMM; bf16: weights cast
     # and packed once. No effect off the CPU
-    print(f"vitkit: precision {choice.reason}", file=sys.stderr, flush=True)
+    log.info(f"precision {choice.reason}")
     return choice
 
 

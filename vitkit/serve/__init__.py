@@ -9,9 +9,11 @@ from .engine import MicroBatcher, OnnxPredictor, TorchPredictor, load_predictor
 from ..errors import UsageError
 from pathlib import Path
 import ipaddress
+import logging
 import os
 import socket
-import sys
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Limits", "create_app", "uvicorn_config", "MicroBatcher", "OnnxPredictor", "TorchPredictor", "load_predictor", "serve"]
 
@@ -43,12 +45,11 @@ def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, backend: s
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? pick one with --port)") from e
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     if not api_key and not ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
-        print(f"vitkit: warning: serving on {shown}, reachable from other machines, without an API key: anyone who "
-              f"can reach this port can use the model. Set --api-key (or VITKIT_API_KEY), or bind 127.0.0.1.",
-              file=sys.stderr, flush=True)
+        log.warning(f"serving on {shown}, reachable from other machines, without an API key: anyone who can reach "
+                    f"this port can use the model. Set --api-key (or VITKIT_API_KEY), or bind 127.0.0.1.")
     limits.max_connections = _file_limit_for(limits.max_connections)  # /model shows what is served
     sock.listen(_backlog(limits.max_connections))  # connections queue from here: "serving" means it
-    print(f"vitkit: serving {checkpoint} ({backend}) on http://{shown}:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
+    log.info(f"serving {checkpoint} ({backend}) on http://{shown}:{sock.getsockname()[1]}/")
     uvicorn.Server(uvicorn_config(app, limits)).run(sockets=[sock])
 
 
@@ -76,8 +77,8 @@ def _file_limit_for(connections: int) -> int:
             pass
     if soft != resource.RLIM_INFINITY and soft < want:
         fits = next((c for c in range(connections, 16, -1) if fds_needed(c) + spare <= soft), 16)
-        print(f"vitkit: warning: the open-file limit (ulimit -n) is {soft:,} and cannot be raised (hard limit {hard:,}): "
-              f"serving at most {fits:,} connections at once, not {connections:,}; raise the hard limit (ulimit -Hn, "
-              f"systemd LimitNOFILE) for more", file=sys.stderr, flush=True)
+        log.warning(f"the open-file limit (ulimit -n) is {soft:,} and cannot be raised (hard limit {hard:,}): serving "
+                    f"at most {fits:,} connections at once, not {connections:,}; raise the hard limit (ulimit -Hn, "
+                    f"systemd LimitNOFILE) for more")
         return fits
     return connections

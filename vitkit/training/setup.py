@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +30,8 @@ from .config import TrainConfig
 from .distill import load_teacher
 from .distributed import Dist, resolve_strategy, wrap_model
 from .optim import build_optimizer, schedule_steps
+
+log = logging.getLogger(__name__)
 
 
 class TrainingError(VitkitError, RuntimeError):
@@ -146,7 +148,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     if cfg.model.checkpoint:
         cfg.model.loaded = checkpoint_model_name(cfg.model.checkpoint, mc)
     if dist.main:  # before any wrapping: counting FLOPs runs a forward, which under FSDP2 every rank would have to join
-        print(f"vitkit: {_describe_model(cfg, model)}", file=sys.stderr, flush=True)
+        log.info(_describe_model(cfg, model))
     if len(spec.train) < d.batch_size * r.accumulate:
         raise UsageError(f"{len(spec.train)} training images are fewer than one batch of {d.batch_size * r.accumulate}")
     if cfg.model.linear_probe:
@@ -233,12 +235,11 @@ def _add_lora(cfg: TrainConfig, model: nn.Module, dist: Dist) -> None:
     trained = lora.mark_only_lora_trainable(model, keep=LORA_TRAINED)
     total = sum(p.numel() for p in model.parameters())
     if dist.main:
-        print(f"vitkit: LoRA rank {m.lora} (alpha {m.lora_alpha or m.lora:g}) on {', '.join(m.lora_targets)}: "
-              f"{len(adapted)} Linears adapted; {trained / 1e6:.3g}M of {total / 1e6:.3g}M parameters train "
-              f"({100 * trained / total:.2f}%: the adapters and the head)", file=sys.stderr, flush=True)
+        log.info(f"LoRA rank {m.lora} (alpha {m.lora_alpha or m.lora:g}) on {', '.join(m.lora_targets)}: "
+                 f"{len(adapted)} Linears adapted; {trained / 1e6:.3g}M of {total / 1e6:.3g}M parameters train "
+                 f"({100 * trained / total:.2f}%: the adapters and the head)")
     if not m.checkpoint and dist.main:
-        print("vitkit: model.lora without model.checkpoint adapts randomly initialised weights", file=sys.stderr,
-              flush=True)
+        log.warning("model.lora without model.checkpoint adapts randomly initialised weights")
 
 
 def _choose_precision(cfg: TrainConfig, model: nn.Module, dist: Dist, resumed: str | None) -> str:
@@ -257,7 +258,7 @@ def _choose_precision(cfg: TrainConfig, model: nn.Module, dist: Dist, resumed: s
         choice = dist.broadcast(choice)
     r.precision_choice = choice.reason
     if dist.main:
-        print(f"vitkit: precision {choice.reason}", file=sys.stderr, flush=True)
+        log.info(f"precision {choice.reason}")
     return choice.precision
 
 
@@ -273,7 +274,7 @@ def _choose_compile(cfg: TrainConfig, model: nn.Module, dist: Dist, precision: s
     choice = dist.broadcast(choice)
     r.compile_choice = choice.reason
     if dist.main:
-        print(f"vitkit: compile {choice.reason}", file=sys.stderr, flush=True)
+        log.info(f"compile {choice.reason}")
     return choice.on
 
 

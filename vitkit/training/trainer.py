@@ -21,6 +21,7 @@ step, and only rank 0 writes logs and weights.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -40,6 +41,8 @@ from .distributed import Dist
 from .logs import MetricsLog, Progress
 from .loop import due, evaluate_and_keep_best, evaluate_on, save_weights, train_step, write_checkpoint
 from .setup import TrainingError, prepare_run, run_model_name
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TrainingError", "train"]
 
@@ -136,9 +139,9 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
             run.scaler.load_state_dict(meta["scaler"])
         step, best, elapsed = meta["step"], meta["best"], meta["elapsed"]
         if meta.get("world_size", 1) != dist.world and dist.main:
-            print(f"vitkit: resuming {out} at step {step}, saved by {meta.get('world_size')} process(es), in {dist.world}: "
-                  f"the weights and optimizer are resharded; the rest of the run is not bitwise the one never stopped",
-                  flush=True)
+            log.warning(f"resuming {out} at step {step}, saved by {meta.get('world_size')} process(es), in {dist.world}: "
+                        f"the weights and optimizer are resharded; the rest of the run is not bitwise the one never "
+                        f"stopped")
 
     stop = _StopRequest(dist.main)
     old_handlers = stop.install()

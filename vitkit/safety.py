@@ -420,7 +420,7 @@ def untrusted(what: str, error: type[VitkitError] = CheckpointError) -> Iterator
                     f"refused") from None
     except RecursionError:
         raise error(f"{what}: nested too deeply to read: refused") from None
-    except Exception as e:  # noqa: BLE001 - the libraries raise many types on bad bytes; each is a refusal
+    except Exception as e:
         detail = " ".join(str(e).split())[:500]
         raise error(f"{what}: cannot be read ({type(e).__name__}: {detail})") from e
 

@@ -159,7 +159,7 @@ def translate_create_kwargs(arch: str | None, base: dict, kw: dict) -> dict:
     is the registry entry's settings. vitkit's own field names pass through unchanged (`_check_fields` judges them)."""
     kw = dict(kw)
     out: dict = {}
-    for name, why in _NO_OPS.items():
+    for name in _NO_OPS:
         kw.pop(name, None)
     for name, (default, why) in _FIXED.items():
         if name in kw:

@@ -145,7 +145,7 @@ def read_torch(path: Path) -> dict[str, torch.Tensor]:
                 check_alloc(total, what)
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - torch raises many types here; all mean "not a safe state dict"
+        except Exception as e:
             raise CheckpointError(
                 f"cannot read {path} as a PyTorch state dict with weights_only=True (truncated, or it holds objects "
                 f"other than tensors, which vitkit refuses to unpickle): {type(e).__name__}: {e}"

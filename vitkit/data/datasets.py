@@ -537,7 +537,7 @@ def eval_index_batches(n: int, batch_size: int, rank: int = 0, world: int = 1, l
     lo, hi = rank * n // world, (rank + 1) * n // world
     batches = [(torch.arange(i, min(i + batch_size, hi)), True) for i in range(lo, hi, batch_size)]
     if lockstep:
-        most = -(-(-(-n // world)) // batch_size)  # ceil(ceil(n / world) / batch_size)
+        most = -((-((n + world - 1) // world)) // batch_size)  # ceil(ceil(n / world) / batch_size)
         batches += [(torch.zeros(1, dtype=torch.long), False)] * (most - len(batches))
     return batches
 

@@ -78,8 +78,8 @@ class PackAugment(PackTransform):
             _, h, w = img.shape
             s = math.sqrt(self.scale[0] + (self.scale[1] - self.scale[0]) * area)  # the same factor on both sides
             ch, cw = max(1, round(h * s)), max(1, round(w * s))
-            t, l = int(top * (h - ch + 1)), int(left * (w - cw + 1))
-            img = img[:, t:t + ch, l:l + cw]
+            y0, x0 = int(top * (h - ch + 1)), int(left * (w - cw + 1))
+            img = img[:, y0:y0 + ch, x0:x0 + cw]
             if self.hflip and flip < 0.5:
                 img = img.flip(-1)
             out.append(self.image(img))  # the crop back to the budget (sized=False: always resized)

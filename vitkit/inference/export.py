@@ -163,7 +163,7 @@ def _export_packed(model: nn.Module, out: Path, format: str, opset: int, toleran
             meta.key, meta.value = "vitkit_config", json.dumps({**model.config.to_dict(), "packed_inputs": True})
             _save_onnx(onnx, proto, out)
             sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
-    except Exception as e:  # noqa: BLE001 - the exporters raise many types; all mean "this model did not export"
+    except Exception as e:
         out.unlink(missing_ok=True)
         raise ExportError(f"exporting {type(model).__name__} with packed inputs failed: {type(e).__name__}: {e}") from e
     _check_packed(PackedInputs(_reference(model, m.model, False)),
@@ -202,7 +202,7 @@ def _export_packed_aoti(model: nn.Module, out: Path, tolerance: float, precision
     except (UsageError, VitkitError):
         out.unlink(missing_ok=True)
         raise
-    except Exception as e:  # noqa: BLE001 - the exporter and compiler raise many types; all mean "did not export"
+    except Exception as e:
         out.unlink(missing_ok=True)
         raise ExportError(f"compiling {type(model).__name__} with packed inputs failed: {type(e).__name__}: {e}") from e
     _check_packed(PackedInputs(_reference(model, m.model, False)), lambda p, c, v: run(p, c, v).numpy(), report)
@@ -312,7 +312,7 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
                         return program(torch.from_numpy(x)).numpy()
     except (UsageError, ExportError):
         raise
-    except Exception as e:  # noqa: BLE001 - the exporters raise many types; all mean "this model did not export"
+    except Exception as e:
         out.unlink(missing_ok=True)
         if format == "openvino":
             out.with_suffix(".bin").unlink(missing_ok=True)

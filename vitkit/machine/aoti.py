@@ -446,7 +446,7 @@ def load_package(path: str | Path, trust: bool = False) -> tuple[Callable[..., t
 
     try:
         runner = aoti_load_package(str(package.file))
-    except Exception as e:  # noqa: BLE001 - the loader raises RuntimeError and others on a bad package
+    except Exception as e:
         raise CheckpointError(f"{path}: AOTInductor could not load it: {str(e).splitlines()[0][:200]}") from e
 
     loader = runner.loader  # its boxed call: what runner(*x) does, without re-reading the call's spec every time

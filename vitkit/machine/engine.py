@@ -137,9 +137,9 @@ def installed(backend: str) -> str | None:
         return torch.__version__ if aoti.compiler() else None
     try:
         if backend == "onnx":
-            import onnx  # noqa: F401
+            import onnx
             import onnxruntime  # optional: the [deploy] extra
-            import onnxscript  # noqa: F401
+            import onnxscript
 
             return onnxruntime.__version__
         if backend == "openvino":

@@ -239,7 +239,7 @@ def gemm_rates(dtype: str = "fp32", device: str | torch.device = "cpu", n: int |
                 continue
             try:
                 packed = pack(path, wt, n)
-                fn = (lambda p=packed, path=path: run(path, a, p, wt, None, n))
+                fn = (lambda p=packed, path=path: run(path, a, p, wt, None, n))  # noqa: E731 - binds this path
                 fn()
             except (RuntimeError, AttributeError):
                 continue

@@ -15,11 +15,11 @@ from .resnet import ResNetV2, ResNetV2Config
 from .swin import SwinConfig, SwinTransformer
 from .vit import VisionTransformer
 from .vit_config import ViTConfig
+from ..errors import UsageError
+from ..safety import check_alloc
 
 # arch -> (config class, model class)
 ARCHS = {"vit": (ViTConfig, VisionTransformer), "resnetv2": (ResNetV2Config, ResNetV2), "swin": (SwinConfig, SwinTransformer)}
-from ..errors import UsageError
-from ..safety import check_alloc
 
 # Table 1: width D, depth L, MLP size, heads.
 VIT_SIZES: dict[str, dict[str, int]] = {

@@ -356,7 +356,7 @@ def create_app(predictor: Predictor, limits: Limits | None = None, name: str = "
                 form = await request.form(max_files=1, max_fields=8)
             except (HTTPError, ClientDisconnect):  # over a limit while read, or gone
                 raise
-            except Exception as e:  # noqa: BLE001 - a malformed multipart body
+            except Exception as e:
                 raise HTTPError(400, f"malformed multipart body: {e}") from e
             f = form.get("file")
             if f is None or isinstance(f, str):

@@ -337,7 +337,7 @@ class MicroBatcher:
                 length = max(max(n), self.predictor.max_patches)  # rows are padded to the budget
                 self.stats.tokens += len(n) * length
                 self.stats.padding += len(n) * length - sum(n)
-            for (x, f), row in zip(live, logits):
+            for (_, f), row in zip(live, logits):
                 if not f.done():
                     f.set_result(row)
 

@@ -173,7 +173,7 @@ def _evaluate_mpp(run: Run, module: nn.Module, data) -> EvalResult:
     top1 = top5 = loss = n = 0.0
     plan = eval_index_batches(len(data), run.cfg.data.eval_batch_size, run.dist.rank, run.dist.world,
                               lockstep=run.strategy == "fsdp")
-    for i, ((x, y, _), (_, counts)) in enumerate(zip(load_batches(data, [b for b, _ in plan], 0, run.device), plan)):
+    for i, ((x, _y, _), (_, counts)) in enumerate(zip(load_batches(data, [b for b, _ in plan], 0, run.device), plan)):
         g.manual_seed(10_007 + i)
         xa = transform(x)
         logits, target = module(xa, mpp_pixels=_pixels(xa, mc), mpp_generator=g)

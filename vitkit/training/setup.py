@@ -307,7 +307,7 @@ def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
     params = sum(p.numel() for p in model.parameters())
     try:
         gflops = f"{count_flops(model, tuple(c.img_size), c.in_chans) / 1e9:.3g} GFLOPs"
-    except Exception:  # counting is informative only; a model it cannot trace still trains
+    except Exception:  # noqa: BLE001 - counting is informative only; a model it cannot trace still trains
         gflops = "GFLOPs not counted"
     arch = f", D {c.embed_dim}, depth {c.depth}, {c.num_heads} heads, patch {tuple(c.patch_size)}" if hasattr(c, "depth") else ""
     src = f" from {cfg.model.checkpoint}" if cfg.model.checkpoint else ""

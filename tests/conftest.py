@@ -30,6 +30,32 @@ thread_policy.BUSY_LIMIT = math.inf
 vitkit_log.show()
 
 
+def pytest_configure(config):
+    # pytest-xdist registers the mark when it is loaded; a run with -p no:xdist would warn of an unknown mark
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one worker under --dist loadgroup")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """`--dist loadgroup`: each test marked `xdist_group(name)` gets the suffix `@name` on its node id, by which the
+    controller sends a group to one worker. pytest-xdist 3.8 writes the suffix into `item._nodeid`, which pytest 9.2
+    no longer reads (its node id is `item._id`, a NodeId): the groups were silently ignored, so a module-scoped
+    fixture (a compiled package, a reference training run) was built on both workers. Done here where xdist's own
+    renaming did not take."""
+    if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if not names or item.nodeid.rfind("@") > item.nodeid.rfind("]"):
+            continue  # no group, or xdist's suffix is in place
+        if not hasattr(item, "_id"):  # an older pytest, which would have read xdist's suffix
+            continue
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -77,7 +77,10 @@ def test_device_names_are_checked(capsys):
 def test_train_step_benchmark_runs_every_strategy_alone(tmp_path):
     """benchmarks/train_step.py (what `gpu.sh strategies` runs on a GPU) at world size 1 on the CPU: the plain loop,
     DDP and FSDP2 with activation checkpointing each give a row, and a step's measured peak holds at least the
-    gradients (ViT-Ti: 5.7M fp32 parameters, 22 MB), so the memory measurement sees real allocations."""
+    gradients (ViT-Ti: 5.7M fp32 parameters, 22 MB), so the memory measurement sees real allocations. One GEMM path
+    (VITKIT_GEMM), as the trainer's own subprocess tests: the four processes (this script and its three memory
+    children) would otherwise each measure every layer shape again whenever a neighbour keeps the CPU busy."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -86,7 +89,8 @@ def test_train_step_benchmark_runs_every_strategy_alone(tmp_path):
     out = tmp_path / "steps.json"
     res = subprocess.run([sys.executable, str(repo / "benchmarks" / "train_step.py"), "--models", "vit_ti16", "--img-size", "32",
                           "--batch", "2", "--steps", "1", "--warmup", "1", "--rounds", "1", "--checkpointing", "on",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+                          "--json", str(out)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VITKIT_GEMM": "onednn-packed"})
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["checkpointing"]) for r in rows] == [("plain", True), ("ddp", True), ("fsdp", True)]

@@ -54,10 +54,11 @@ def test_ddp_and_fsdp_match_one_process_at_the_global_batch(tmp_path):
     summed-in-another-order near-zero gradient into differences of up to its learning rate (7e-5 measured)."""
     sgd = ("optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=0")
     _train(tmp_path / "one", "--max-steps", "6", *sgd)
-    _train(tmp_path / "ddp", "--max-steps", "6", *sgd, nproc=2)
-    _train(tmp_path / "fsdp", "--max-steps", "6", "run.strategy=fsdp", *sgd, nproc=2)
+    # the ranks straight under torchrun; `vitkit train --nproc 2` (a process more, launching it) runs in the tests below
+    _train(tmp_path / "ddp", "--max-steps", "6", *sgd, nproc=2, torchrun=True)
+    _train(tmp_path / "fsdp", "--max-steps", "6", "run.strategy=fsdp", *sgd, nproc=2, torchrun=True)
     _train(tmp_path / "accum", "--max-steps", "6", "data.batch_size=32", "run.accumulate=2", "run.activation_checkpointing=true",
-           *sgd, nproc=2)
+           *sgd, nproc=2, torchrun=True)
     # torchrun at one process: DDP and FSDP2 run alone in a group of one (what their overhead is measured on)
     _train(tmp_path / "ddp1", "--max-steps", "6", "run.strategy=ddp", *sgd, torchrun=True)
     _train(tmp_path / "fsdp1", "--max-steps", "6", "run.strategy=fsdp", *sgd, torchrun=True)

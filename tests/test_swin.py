@@ -126,7 +126,7 @@ def test_training_onnx_and_explain_on_a_swin(tmp_path):
     from vitkit.inference.export import export_model
 
     code = main(["train", "fashion-mnist", "--smoke", "model.name=swin_t", f"run.out_dir={tmp_path / 'run'}",
-                 "run.precision=fp32"])
+                 "run.precision=fp32", "schedule.epochs=1"])  # 8 steps of the smoke's 16: a trained Swin to export
     assert code == 0
     m = vitkit.load(tmp_path / "run" / "best.safetensors")
     assert m.config.arch == "swin" and m.config.img_size == (32, 32)

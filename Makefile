@@ -40,9 +40,11 @@ demo: $(STAMP) data
 
 # pytest-xdist: a worker per core (at most 4), each with its share of the cores (tests/conftest.py). A worker that
 # crashes is reported with its test's name and replaced; faulthandler prints the stack of a crash or a hang.
-# lint-imports: the package's layers and no import cycles, as pyproject.toml declares them (docs/architecture.md)
+# lint-imports: the package's layers and no import cycles, as pyproject.toml declares them (docs/architecture.md);
+# ruff: the rule set pyproject.toml's [tool.ruff.lint] declares, over the whole tree
 test: $(STAMP) data browser
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests -n auto --maxprocesses 4 --dist loadgroup --durations=15
 
 # A fuzzing campaign (fuzz/README.md): every door under atheris for FUZZ_SECONDS each, then schemathesis against

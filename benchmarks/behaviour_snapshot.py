@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import tiny_kwargs  # noqa: E402
+from conftest import tiny_kwargs
 
-import vitkit  # noqa: E402
+import vitkit
 
 PRESETS = ["fashion-mnist", "fashion-mnist-mpp", "fashion-mnist-naflex"]
 
@@ -36,7 +36,7 @@ def model_outputs(name: str, **extra) -> dict[str, torch.Tensor]:
     model = vitkit.create_model(name, drop_path_rate=0.1, **kw) if _has_drop_path(name) \
         else vitkit.create_model(name, **kw)
     with torch.no_grad():  # the zero-initialised head would hide everything behind it
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if not p.any():
                 p.normal_(std=0.02)
     c = model.config

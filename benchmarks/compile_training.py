@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vitkit  # noqa: E402
-from vitkit.machine import precision as precision_mod  # noqa: E402
-from vitkit.machine.cpu import bf16_native, cpu_model, isa_caps  # noqa: E402
-from vitkit.training import compile as compile_mod  # noqa: E402
-from vitkit.training.presets import run_config  # noqa: E402
+import vitkit
+from vitkit.machine import precision as precision_mod
+from vitkit.machine.cpu import bf16_native, cpu_model, isa_caps
+from vitkit.training import compile as compile_mod
+from vitkit.training.presets import run_config
 
 PRESET_STEPS = 10 * (60000 // 256)  # the fashion-mnist preset: 10 epochs of 60,000 images at batch 256
 

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vitkit  # noqa: E402
-from vitkit.inference.export import export_model  # noqa: E402
-from vitkit.machine import aoti, engine, engine_probe  # noqa: E402
-from vitkit.machine.cpu import bf16_native, cpu_model, isa_caps  # noqa: E402
+import vitkit
+from vitkit.inference.export import export_model
+from vitkit.machine import aoti, engine, engine_probe
+from vitkit.machine.cpu import bf16_native, cpu_model, isa_caps
 
 
 def seeded_model(name: str) -> torch.nn.Module:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vitkit  # noqa: E402
+import vitkit
 from vitkit.machine.cpu import cpu_model
 from vitkit.machine.gemm import gemm_rates
 from vitkit.bench import make_step

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.peers import SIZES, runner  # noqa: E402
-import vitkit  # noqa: E402
+from benchmarks.peers import SIZES, runner
+import vitkit
 
 
 def profile(fn, calls: int = 5) -> tuple[float, float, float]:

@@ -36,13 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import vitkit  # noqa: E402
-from vitkit.data.image import EvalTransform  # noqa: E402
-from vitkit.data.naflex import PackTransform  # noqa: E402
-from vitkit.evaluation import evaluate  # noqa: E402
-from vitkit.models.layers.packing import pack, resize_to_patches  # noqa: E402
-from vitkit.training.presets import get_preset  # noqa: E402
-from vitkit.training.trainer import train  # noqa: E402
+import vitkit
+from vitkit.data.image import EvalTransform
+from vitkit.data.naflex import PackTransform
+from vitkit.evaluation import evaluate
+from vitkit.models.layers.packing import pack, resize_to_patches
+from vitkit.training.presets import get_preset
+from vitkit.training.trainer import train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vitkit  # noqa: E402
+import vitkit
 from vitkit.machine.cpu import cpu_model
 from vitkit.inference.export import export_model
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vitkit  # noqa: E402
+import vitkit
 from vitkit.machine.cpu import cpu_model
 from vitkit.bench import make_step
 from vitkit.machine.engine import aoti_runner, engine

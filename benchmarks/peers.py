@@ -55,7 +55,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vitkit  # noqa: E402
+import vitkit
 from vitkit.bench import DTYPES, make_step
 from vitkit.machine.cpu import cpu_model
 from vitkit.machine.gemm import gemm_rates

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vitkit import create_model, list_models  # noqa: E402
+from vitkit import create_model, list_models
 from vitkit.bench import bench_model
 from vitkit.machine.gemm import matmul_peak
 

@@ -23,10 +23,10 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch  # noqa: E402
+import torch
 
-import vitkit  # noqa: E402
-from vitkit.machine.cpu import cpu_model  # noqa: E402
+import vitkit
+from vitkit.machine.cpu import cpu_model
 
 
 def first_answer(ckpt: Path, backend: str, port: int, env: dict, png: bytes) -> tuple[float, float]:

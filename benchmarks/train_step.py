@@ -39,13 +39,13 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from vitkit.bench import DTYPES, PeakMemory
-from vitkit.machine.cpu import cpu_model
-from vitkit.machine.gemm import gemm_rates
-from vitkit.training.distributed import Dist, wrap_model
+from vitkit.bench import DTYPES, PeakMemory  # noqa: E402
+from vitkit.machine.cpu import cpu_model  # noqa: E402
+from vitkit.machine.gemm import gemm_rates  # noqa: E402
+from vitkit.training.distributed import Dist, wrap_model  # noqa: E402
 from vitkit import create_model  # noqa: E402
-from vitkit.machine.fast_linear import pack_linears
-from vitkit.models.stats import count_flops
+from vitkit.machine.fast_linear import pack_linears  # noqa: E402
+from vitkit.models.stats import count_flops  # noqa: E402
 from vitkit.training.config import OptimConfig  # noqa: E402
 from vitkit.training.optim import build_optimizer  # noqa: E402
 
@@ -196,7 +196,7 @@ def main() -> None:
     finally:
         dist.close()
     rows = []
-    for (m, v, c), rs in results.items():
+    for rs in results.values():
         ips = statistics.median(r["img_per_s"] for r in rs)
         mems = [r["step_peak_mb"] for r in rs if r["step_peak_mb"] is not None]
         acts = [r["activations_mb"] for r in rs if r["activations_mb"] is not None]

@@ -292,7 +292,7 @@ def check(target: str, data: bytes) -> None:
             pass
         except PropertyViolation:
             raise
-        except Exception as e:  # noqa: BLE001 - the property: nothing else may escape
+        except Exception as e:
             raise PropertyViolation(f"{target}: {type(e).__name__}: {str(e)[:500]}") from e
         finally:
             os.chdir(cwd)

@@ -130,7 +130,7 @@ def test_predict_and_eval_run_on_an_engine_and_agree_with_eager(home, tmp_path, 
             assert [t["index"] for t in a["top"]] == [t["index"] for t in b["top"]]
             assert np.allclose([t["probability"] for t in a["top"]], [t["probability"] for t in b["top"]], atol=1e-4)
     folder = tmp_path / "data"
-    for i, c in enumerate(CLASSES[:10]):
+    for c in CLASSES[:10]:
         (folder / c).mkdir(parents=True)
         Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(folder / c / "a.png")
     reports = {}

@@ -6,6 +6,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import vitkit
@@ -234,7 +235,7 @@ def test_version(capsys):
 
 
 @pytest.fixture(scope="module")
-def export_ckpt(tmp_path_factory) -> tuple[Path, "torch.nn.Module"]:
+def export_ckpt(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """A tiny ViT whose every weight reaches the logits (no zero-initialised head)."""
     import torch
 

@@ -164,7 +164,7 @@ def test_truncated_and_foreign_files_name_the_file(tmp_path):
 def test_fuzz_seeds_and_regressions_keep_the_property(target):
     """Every seed and every input a campaign once found (tests/fuzz_regressions/TARGET/) ends in a result or a
     vitkit error, without a stray file (fuzz/targets.py `check`)."""
-    for name, data in seeds(target).items():
+    for data in seeds(target).values():
         check(target, data)
     for _, f in regressions(target):
         check(target, f.read_bytes())

@@ -221,9 +221,9 @@ def test_an_export_runs_on_its_runtime_with_the_default_backend(fmt, tmp_path, c
         assert np.abs(served(x) - TorchPredictor(m)(x)).max() < 1e-4
     Image.open(io.BytesIO(_png(seed=7))).save(tmp_path / "a.png")
     Image.open(io.BytesIO(_png(seed=8))).save(tmp_path / "b.png")
-    want = predict_images([str(tmp_path)], str(ckpt), out=str(tmp_path / "want.jsonl"), progress=False, num_workers=0,
-                          precision="fp32")
-    got = predict_images([str(tmp_path)], str(path), out=str(tmp_path / "got.jsonl"), progress=False, num_workers=0)
+    predict_images([str(tmp_path)], str(ckpt), out=str(tmp_path / "want.jsonl"), progress=False, num_workers=0,
+                   precision="fp32")
+    predict_images([str(tmp_path)], str(path), out=str(tmp_path / "got.jsonl"), progress=False, num_workers=0)
     read = lambda f: [json.loads(line) for line in (tmp_path / f).read_text().splitlines()]  # noqa: E731
     a, b = read("want.jsonl"), read("got.jsonl")
     assert len(a) == len(b) == 2

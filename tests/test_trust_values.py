@@ -1,7 +1,6 @@
 """Issue 52, values from outside: environment knobs parsed in one place (`vitkit.env`), config and checkpoint values
 that would give non-finite outputs or be truncated refused by name, and Ctrl-C in `vitkit train` losing no work."""
 import json
-import math
 import os
 import re
 import signal

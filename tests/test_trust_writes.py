@@ -7,8 +7,6 @@ failure that image's record or one line.
 Every test here fails on the code before the fix (issue 52's cases); none mocks what it tests: the nodes are real
 FIFOs and devices, the full disk is the kernel's file-size limit, the memory the address-space limit."""
 import contextlib
-import csv
-import io
 import json
 import os
 import resource

@@ -18,7 +18,8 @@ CLASSES = [f"class {i}" for i in range(10)]
 
 def _model():
     torch.manual_seed(0)
-    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=2, embed_dim=48, num_heads=3, mlp_dim=96,
+    # one block: each engine is compiled or exported twice here (fp32, bf16), and a second block checks nothing more
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, depth=1, embed_dim=48, num_heads=3, mlp_dim=96,
                             num_classes=10, class_names=CLASSES)
     torch.nn.init.normal_(m.head.weight, std=0.3)  # logits that depend on every layer
     return m.eval()

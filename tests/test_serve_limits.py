@@ -297,8 +297,11 @@ def test_slow_bodies_trailing_bodies_and_big_headers_are_bounded():
         s = socket.create_connection(("127.0.0.1", port), timeout=8)
         s.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 1000\r\n\r\n01234")
         t0 = time.monotonic()
-        assert s.recv(4096).startswith(b"HTTP/1.1 504 ")
-        assert s.recv(4096) == b"" and time.monotonic() - t0 < 8
+        data = s.recv(4096)
+        assert data.startswith(b"HTTP/1.1 504 ")
+        while chunk := s.recv(4096):  # the answer's body may come in a segment of its own (a loaded machine): then EOF
+            data += chunk
+        assert data.count(b"HTTP/1.1 ") == 1 and time.monotonic() - t0 < 8, data  # that one answer, then closed
         s.close()
         # an answered request whose body keeps coming, a byte at a time: closed by the header timeout
         s = socket.create_connection(("127.0.0.1", port), timeout=5)

@@ -153,6 +153,18 @@ def test_the_engine_refuses_by_name():
     assert layouts.write(TOY, sd, ctx={"D": 4, "depth": 1})[1] == ["blocks.0.extra"]  # left for the caller to refuse
 
 
+def test_two_keys_on_one_tensor_are_refused_naming_both():
+    """A tensor stored under two names (with and without the task prefix) is refused, never last-wins; so is a fused
+    group's part given twice."""
+    w = _toy(False)
+    with pytest.raises(CheckpointError, match=r"'model\.cls' and 'cls' both read into 'cls_token'"):
+        layouts.read(TOY, {**w, "cls": torch.full((4,), 7.0)})
+    with pytest.raises(CheckpointError, match=r"'model\.l\.0\.k\.weight' and 'l\.0\.k\.weight' both read as"):
+        layouts.read(TOY, {**w, "l.0.k.weight": torch.zeros(4, 4)})
+    with pytest.raises(CheckpointError, match=r"'model\.l\.0\.q\.bias' and 'l\.0\.q\.bias' both read as"):
+        layouts.read(TOY, {**w, "l.0.q.bias": torch.zeros(4)})  # a partial group's part
+
+
 # ---- the registry: a new layout is one entry ----------------------------------------------------------------------
 
 RENAMED_VIT = Layout("renamed ViT", (

@@ -158,6 +158,14 @@ def read(layout: Layout, w: dict[str, torch.Tensor], flags=frozenset(), ctx: dic
     sd: dict[str, torch.Tensor] = {}
     unused: list[str] = []
     groups: dict[tuple[int, tuple], dict[int, tuple[str, torch.Tensor]]] = {}
+    source: dict[str, str] = {}  # each vitkit tensor's peer key: two keys landing on one tensor are refused
+
+    def put(name: str, t: torch.Tensor, k: str) -> None:
+        if name in source:
+            raise CheckpointError(f"{layout.source} {layout.name} keys {source[name]!r} and {k!r} both read into "
+                                  f"{name!r}: the file holds the tensor twice (under two names)")
+        source[name], sd[name] = k, t
+
     for k, v in w.items():
         hit = _match_peer(layout, rules, k)
         if hit is None:
@@ -168,19 +176,24 @@ def read(layout: Layout, w: dict[str, torch.Tensor], flags=frozenset(), ctx: dic
         if rule.ours is None:
             unused.append(k)
         elif isinstance(rule.peer, tuple):  # one part of a fused group: fused once all are read
-            groups.setdefault((rules.index(rule), tuple(sorted(caps.items()))), {})[j] = (k, v)
+            slots = groups.setdefault((rules.index(rule), tuple(sorted(caps.items()))), {})
+            if j in slots:
+                raise CheckpointError(f"{layout.source} {layout.name} keys {slots[j][0]!r} and {k!r} both read as "
+                                      f"{_fill_in(rule.peer[j], caps)!r}: the file holds the tensor twice")
+            slots[j] = (k, v)
         elif isinstance(rule.ours, tuple):
             for name, piece in zip(rule.ours, _split(k, v, len(rule.ours), rule.sizes)):
-                sd[_fill_in(name, caps)] = piece
+                put(_fill_in(name, caps), piece, k)
         else:
-            sd[_fill_in(rule.ours, caps)] = TRANSFORMS[rule.transform][0](v, ctx) if rule.transform else v
+            put(_fill_in(rule.ours, caps), TRANSFORMS[rule.transform][0](v, ctx) if rule.transform else v, k)
     for (index, caps), parts in groups.items():
         rule, caps = rules[index], dict(caps)
         if len(parts) == len(rule.peer):
-            sd[_fill_in(rule.ours, caps)] = fuse({parts[j][0]: parts[j][1] for j in range(len(rule.peer))})
+            put(_fill_in(rule.ours, caps), fuse({parts[j][0]: parts[j][1] for j in range(len(rule.peer))}),
+                parts[0][0])
         elif rule.partial and {j for j, name in enumerate(rule.partial) if name is not None} == set(parts):
-            for j, (_, v) in sorted(parts.items()):
-                sd[_fill_in(rule.partial[j], caps)] = v
+            for j, (k, v) in sorted(parts.items()):
+                put(_fill_in(rule.partial[j], caps), v, k)
         else:
             present = [parts[j][0] for j in sorted(parts)]
             missing = [_fill_in(p, caps) for j, p in enumerate(rule.peer) if j not in parts]

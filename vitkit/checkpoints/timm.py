@@ -161,11 +161,14 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
     for blk in sorted({b for b, _ in split}):  # q/k/v apart -> one fused qkv; the key's bias is zero
         q = f"{blk}attn."
         if (blk, "attn.q_proj.weight") in split:
-            sd[q + "qkv.weight"] = _fuse_qkv({f"{q}{n}_proj.weight": split[(blk, f"attn.{n}_proj.weight")] for n in "qkv"})
+            width = split[(blk, "attn.q_proj.weight")].shape[-1]  # the embedding width: the query's rows too
+            sd[q + "qkv.weight"] = _fuse_qkv({f"{q}{n}_proj.weight": split[(blk, f"attn.{n}_proj.weight")] for n in "qkv"},
+                                             width)
             qb, vb = split.get((blk, "attn.q_proj.bias")), split.get((blk, "attn.v_proj.bias"))
             kb = split.get((blk, "attn.k_proj.bias"))
             if kb is not None:  # AttentionRope unfused: a key bias too, so one fused qkv bias (k_bias=True)
-                sd[q + "qkv.bias"] = _fuse_qkv({f"{q}q_proj.bias": qb, f"{q}k_proj.bias": kb, f"{q}v_proj.bias": vb})
+                sd[q + "qkv.bias"] = _fuse_qkv({f"{q}q_proj.bias": qb, f"{q}k_proj.bias": kb, f"{q}v_proj.bias": vb},
+                                               width)
                 continue
         else:
             qb, vb = split.get((blk, "attn.q_bias")), split.get((blk, "attn.v_bias"))
@@ -185,15 +188,18 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
     return sd, facts, unused
 
 
-def _fuse_qkv(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+def _fuse_qkv(parts: dict[str, torch.Tensor], width: int) -> torch.Tensor:
     """timm's separate query, key and value projections (keys in that order) -> vitkit's fused rows q, k, v. With
     grouped-query attention (Sapiens2) the key and value have fewer rows than the query (num_kv_heads x head width);
-    the key and value must have one shape, and the query their input width."""
+    the key and value must have one shape, and the query `width` (the embedding width) rows: the fused total alone
+    (checked against the block's D + 2 x num_kv_heads x head width) would let rows move between the three."""
     (qn, q), *kv = parts.items()
     k_and_v = fuse(dict(kv))
-    if q.shape[1:] != k_and_v.shape[1:] or q.shape[0] < kv[0][1].shape[0]:
-        raise CheckpointError(f"{qn} of shape {tuple(q.shape)} beside {kv[0][0]} of shape {tuple(kv[0][1].shape)}: "
-                              f"not a query and its key (the same input width, no more key than query rows)")
+    if q.shape[1:] != k_and_v.shape[1:] or q.shape[0] != width or q.shape[0] < kv[0][1].shape[0]:
+        raise CheckpointError(f"{qn} of shape {tuple(q.shape)} beside {kv[0][0]} of shape {tuple(kv[0][1].shape)} and "
+                              f"{kv[1][0]} of shape {tuple(kv[1][1].shape)}: not a query of the embedding width "
+                              f"({width} rows) and its key and value (num_kv_heads x head width rows each, the same "
+                              f"input width)")
     return torch.cat([q, k_and_v])  # (D + 2 kv, ...)
 
 

@@ -1,0 +1,39 @@
+"""Red-team findings on vitkit's timm doors: a grouped-query folder whose q/k/v split is shifted, a config.json depth
+that sizes per-block lists, a post-norm LayerScale export to timm, create_model(name, checkpoint_path=)'s
+architecture check."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import vitkit
+from vitkit.errors import VitkitError
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GQA = FIXTURES / "block_options" / "timm_gqa"
+
+
+def _folder(dst: Path, tensors: dict, config: dict) -> Path:
+    dst.mkdir(parents=True)
+    save_file({k: v.contiguous().clone() for k, v in tensors.items()}, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _gqa():
+    return load_file(str(GQA / "model.safetensors")), json.loads((GQA / "config.json").read_text())
+
+
+def test_gqa_split_shift_refused(tmp_path):
+    """q+k+v rows add up to the fused qkv, but 16 query rows moved into the key: refused naming the three keys."""
+    t, c = _gqa()
+    b = "blocks.1.attn."
+    for leaf in ("weight", "bias"):
+        q, k, v = (t[f"{b}{n}_proj.{leaf}"] for n in "qkv")
+        t[f"{b}q_proj.{leaf}"], t[f"{b}k_proj.{leaf}"], t[f"{b}v_proj.{leaf}"] = torch.cat([q, k]), v[:8], v[8:]
+    with pytest.raises(VitkitError, match=r"blocks\.1\.attn\.q_proj\.weight of shape \(48, 32\).*k_proj.*v_proj"):
+        vitkit.load(_folder(tmp_path / "shift", t, c))

@@ -37,3 +37,12 @@ def test_gqa_split_shift_refused(tmp_path):
         t[f"{b}q_proj.{leaf}"], t[f"{b}k_proj.{leaf}"], t[f"{b}v_proj.{leaf}"] = torch.cat([q, k]), v[:8], v[8:]
     with pytest.raises(VitkitError, match=r"blocks\.1\.attn\.q_proj\.weight of shape \(48, 32\).*k_proj.*v_proj"):
         vitkit.load(_folder(tmp_path / "shift", t, c))
+
+
+@pytest.mark.parametrize("depth", [10**9, -1, 2.5, True])
+def test_gqa_depth_bounded_before_lists(tmp_path, depth):
+    """A config.json depth sizes [num_kv_heads] * depth: refused by its bounds first (10**9 took ~16 GB)."""
+    t, c = _gqa()
+    c["model_args"].update(num_kv_heads=2, depth=depth)
+    with pytest.raises(VitkitError, match=r"depth=.*must be an integer in \[0, 1024\]"):
+        vitkit.load(_folder(tmp_path / "deep", t, c))

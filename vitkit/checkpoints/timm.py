@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..models.resnet import backbone_stride
+from ..safety import SIZE_BOUNDS
 from . import timm_beit
 from .io import CheckpointError, expect_shape, fuse
 import difflib
@@ -697,6 +698,9 @@ def _block_facts(arch: str, args: dict, eva: bool) -> dict:
     kv = args.get("num_kv_heads") if eva else None
     if kv is not None:
         heads, depth = args.get("num_heads", 12), args.get("depth", 12)
+        lo, hi = SIZE_BOUNDS["depth"]  # before any per-block list is sized by it
+        if isinstance(depth, bool) or not isinstance(depth, int) or not lo <= depth <= hi:
+            raise CheckpointError(f"timm's {arch} has depth={str(depth)[:40]}: must be an integer in [{lo}, {hi}]")
         kv = [heads if h is None else h for h in (kv if isinstance(kv, (list, tuple)) else [kv] * depth)]
         groups = sorted(set(kv) - {heads})
         if len(kv) != depth or len(groups) > 1:

@@ -46,3 +46,12 @@ def test_gqa_depth_bounded_before_lists(tmp_path, depth):
     c["model_args"].update(num_kv_heads=2, depth=depth)
     with pytest.raises(VitkitError, match=r"depth=.*must be an integer in \[0, 1024\]"):
         vitkit.load(_folder(tmp_path / "deep", t, c))
+
+
+def test_res_post_norm_layerscale_export_refused(tmp_path):
+    """timm's ResPostBlock has no LayerScale: exporting one with init_values by name is refused, as the Eva path is."""
+    m = vitkit.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4,
+                            mlp_dim=64, num_classes=3, res_post_norm=True, init_values=0.5)
+    with pytest.raises(VitkitError, match=r"no LayerScale.*init_values=0\.5"):
+        vitkit.export(m, tmp_path / "rpn_ls", to="timm")
+    assert not (tmp_path / "rpn_ls" / "model.safetensors").exists()

@@ -334,6 +334,9 @@ def folder_config(c) -> dict:
     if c.res_post_norm and (c.distilled or c.hybrid_layers is not None or c.norm_eps != 1e-6):
         raise CheckpointError("timm registers res-post-norm ViTs (ResPostBlock) as vit_base_patch16_rpn_224 alone: "
                               "no distillation token, hybrid or LayerNorm eps other than 1e-6")
+    if c.res_post_norm and c.init_values is not None:  # ResPostBlock reads init_values as its norms' initial weight
+        raise CheckpointError("timm's res-post-norm block (ResPostBlock, vit_base_patch16_rpn_224) has no LayerScale: "
+                              f"this model has init_values={c.init_values} with res_post_norm (export to vitkit)")
     if c.norm_eps == 1e-5:
         args["pre_norm"] = c.pre_norm  # the CLIP architecture's own default is True
     first_conv = "patch_embed.proj"

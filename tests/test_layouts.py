@@ -165,6 +165,23 @@ def test_two_keys_on_one_tensor_are_refused_naming_both():
         layouts.read(TOY, {**w, "l.0.q.bias": torch.zeros(4)})  # a partial group's part
 
 
+def test_a_linear_patch_embedding_is_read_by_the_configs_patch_size_and_channels():
+    """SigLIP 2's Linear patch embedding is cut by config.json's patch_size, and refused naming the numbers where
+    patch * patch * channels is not its inputs (never a guessed patch side for the channels said)."""
+    read = layouts.TRANSFORMS["linear_patches"][0]
+    t = torch.randn(8, 16 * 16 * 3)
+    assert read(t, {"in_chans": 3, "patch_size": 16}).shape == (8, 3, 16, 16)
+    with pytest.raises(CheckpointError, match=r"768 inputs.*16 \* 16 \* 12 = 3072"):
+        read(t, {"in_chans": 12, "patch_size": 16})
+    with pytest.raises(CheckpointError, match="768 inputs"):
+        read(t, {"in_chans": 5})  # no patch size said: no guessed side unless it divides exactly
+    d = FIXTURES_HERE / "naflex" / "hf_siglip2"
+    raw, cfg = read_hf_dir(d)
+    (cfg.get("vision_config") or cfg)["num_channels"] = 12
+    with pytest.raises(CheckpointError, match="num_channels"):
+        api._recognise("folder", raw, cfg).read(raw, cfg)
+
+
 # ---- the registry: a new layout is one entry ----------------------------------------------------------------------
 
 RENAMED_VIT = Layout("renamed ViT", (

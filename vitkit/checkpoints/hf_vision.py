@@ -168,7 +168,8 @@ def table(w, hf_config: dict | None = None) -> tuple[Layout, frozenset[str], dic
     variant = ({"classifier"} if "classifier.weight" in w else set()) | (
         {"swiglu"} if any(".mlp.weights_in." in k for k in w) else set())
     return (LAYOUTS[family(w, hf_config)], frozenset(variant),
-            {"in_chans": _vision_config(hf_config).get("num_channels", 3)})
+            {"in_chans": _vision_config(hf_config).get("num_channels", 3),
+             "patch_size": _vision_config(hf_config).get("patch_size")})
 
 
 def to_vitkit(w: dict[str, torch.Tensor], hf_config: dict | None = None) -> tuple[dict[str, torch.Tensor], dict, list[str]]:

@@ -80,15 +80,20 @@ TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
     # CLIP's class embedding, a vector (D,) <-> vitkit's class token (1, 1, D)
     "class_vector": (lambda t, ctx: t.reshape(1, 1, -1), lambda t, ctx: t.reshape(-1)),
     # SigLIP 2's patch embedding, a Linear over (ph, pw, C)-ordered patches (D, ph * pw * C) <-> a conv (D, C, ph, pw)
-    "linear_patches": (lambda t, ctx: _linear_to_conv(t, ctx.get("in_chans", 3)),
+    "linear_patches": (lambda t, ctx: _linear_to_conv(t, ctx.get("in_chans", 3), ctx.get("patch_size")),
                        lambda t, ctx: t.permute(0, 2, 3, 1).reshape(t.shape[0], -1)),
 }
 
 
-def _linear_to_conv(t: torch.Tensor, in_chans: int) -> torch.Tensor:
+def _linear_to_conv(t: torch.Tensor, in_chans: int, patch_size: int | None = None) -> torch.Tensor:
     if t.ndim != 2:
         return t  # already a conv's
-    p = round((t.shape[1] / in_chans) ** 0.5)
+    if isinstance(patch_size, (list, tuple)):
+        patch_size = patch_size[0]
+    p = int(patch_size) if patch_size is not None else round((t.shape[1] / in_chans) ** 0.5)
+    if p * p * in_chans != t.shape[1]:
+        raise CheckpointError(f"the linear patch embedding has {t.shape[1]} inputs, not patch_size * patch_size * "
+                              f"num_channels = {p} * {p} * {in_chans} = {p * p * in_chans} (config.json)")
     return t.reshape(t.shape[0], p, p, in_chans).permute(0, 3, 1, 2)  # (D, ph*pw*C) -> (D, C, ph, pw)
 
 

@@ -121,7 +121,7 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         cfg["pos_embed"] = "relative"
         t = sd["blocks.0.attn.rel_pos.table"]
         cells = t.shape[0] - (3 if prefix else 0)  # (2gh - 1)(2gw - 1)
-        n, grid = None, None
+        n, grid, rel_cells = None, None, cells
         side = math.isqrt(cells)
         if side * side == cells and side % 2:
             grid = ((side + 1) // 2,) * 2
@@ -137,6 +137,13 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         return (h // patch[0], w // patch[1])
 
     stated = hints.pop("img_size", None)
+    if cfg["pos_embed"] == "relative" and stated is not None:  # the stated size must be one the tables are for
+        g = grid_of(stated)
+        if (2 * g[0] - 1) * (2 * g[1] - 1) != rel_cells:
+            tables = f"a {grid[0]}x{grid[1]} grid" if grid else f"{rel_cells} relative positions"
+            raise CheckpointError(f"img_size {to_2tuple(stated)} is a {g[0]}x{g[1]} grid, but the checkpoint's "
+                                  f"relative position tables are for {tables}")
+        grid = g
     if grid is None and stated is not None:
         grid = grid_of(stated)
         if n is not None and grid[0] * grid[1] != n:

@@ -1,0 +1,36 @@
+"""Doors the red team found open: a checkpoint folder whose files contradict each other is refused by name, never
+loaded with one of the two facts dropped in silence."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import vitkit
+from vitkit.errors import VitkitError
+
+from conftest import FIXTURES_HERE
+
+
+def _copy(name: str, tmp_path: Path, edit) -> Path:
+    d = tmp_path / name.replace("/", "_")
+    shutil.copytree(FIXTURES_HERE / name, d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_a_stated_size_contradicting_the_relative_tables_is_refused(tmp_path):
+    """BEiT's relative position tables are for one grid: a config.json image_size (or timm's model_args img_size)
+    of another is refused naming both, as a learned position table already is."""
+    d = _copy("hf_families/BeitModel", tmp_path, lambda c: c.update(image_size=64))
+    with pytest.raises(VitkitError, match=r"img_size \(64, 64\) is a 16x16 grid.*relative position tables are for a "
+                                          r"4x4 grid"):
+        vitkit.load(d)
+    d = _copy("timm_beit/base_3x3", tmp_path, lambda c: c["model_args"].update(img_size=[16, 16]))
+    with pytest.raises(VitkitError, match=r"img_size \(16, 16\) is a 4x4 grid.*tables are for a 3x3 grid"):
+        vitkit.load(d)
+    assert vitkit.load(_copy("hf_families/BeitModel", tmp_path / "same", lambda c: None)).config.img_size == (16, 16)

@@ -55,3 +55,38 @@ def test_res_post_norm_layerscale_export_refused(tmp_path):
     with pytest.raises(VitkitError, match=r"no LayerScale.*init_values=0\.5"):
         vitkit.export(m, tmp_path / "rpn_ls", to="timm")
     assert not (tmp_path / "rpn_ls" / "model.safetensors").exists()
+
+
+BEIT = FIXTURES / "timm_beit" / "base_3x3"  # 12 px, patch 4, width 32, depth 2, 2 heads, 5 classes
+BEIT_KW = dict(img_size=12, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+
+
+@pytest.mark.parametrize("name,path,kw,differs", [
+    ("vit_base_patch16_224", BEIT, BEIT_KW, r"pos_embed relative \(the name's: learned_1d\)"),
+    ("vit_base_patch16_224", FIXTURES / "block_options" / "timm_post_norm",
+     dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, mlp_ratio=3.0, num_classes=5),
+     r"res_post_norm True \(the name's: False\)"),
+])
+def test_create_model_checkpoint_structure(name, path, kw, differs):
+    """create_model(name, checkpoint_path=) refuses a file of another architecture naming the difference."""
+    with pytest.raises(VitkitError, match=differs):
+        vitkit.create_model(name, checkpoint_path=path, **kw)
+
+
+def test_create_model_plain_vit_file_as_beit(tmp_path):
+    m = vitkit.create_model("vit_tiny_patch16_224", img_size=12, patch_size=4, embed_dim=32, depth=2, num_heads=2,
+                            mlp_dim=128, num_classes=5)
+    out = vitkit.export(m, tmp_path / "plain", to="timm")
+    with pytest.raises(VitkitError, match=r"pos_embed learned_1d \(the name's: relative\)"):
+        vitkit.create_model("beit_base_patch16_224", checkpoint_path=out, **BEIT_KW)
+
+
+def test_create_model_checkpoint_img_size_applied():
+    """An explicit img_size other than the file's is applied as vitkit.load(img_size=) applies it, not ignored."""
+    kw = {**BEIT_KW, "img_size": 16}
+    m = vitkit.create_model("beit_base_patch16_224", checkpoint_path=BEIT, **kw)
+    ref = vitkit.load(BEIT, img_size=16)
+    assert tuple(m.config.img_size) == (16, 16)
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(m.eval()(x), ref.eval()(x))

@@ -63,20 +63,22 @@ def _timm_model(name: str, overrides: dict, checkpoint_path=None) -> nn.Module:
     """timm's `name` as `timm.create_model(name, **overrides)` builds it: the registered arguments with timm's keywords
     over them (`timm_names.config_fields`); the others (drop rates, vitkit's own fields) as for vitkit's names."""
     global_pool = overrides.pop("global_pool", None) if checkpoint_path else None
+    explicit_size = "img_size" in overrides  # applied to the file's model as vitkit.load(img_size=) applies it
     arch, _ = timm_names.split(name)
     model_args, rest = timm_names.split_kwargs(arch, overrides)
     kind, fields = timm_names.config_fields(name, model_args)
     kw = translate_create_kwargs(kind, fields, rest)
     config = config_with(ARCHS[kind][0](**fields), **kw)
     if checkpoint_path:  # the file's architecture checked against the name's, as timm's strict load does
-        hints = {**kw, **({"num_heads": config.num_heads} if kind == "vit" else {})}
+        hints = {**kw, **({"num_heads": config.num_heads} if kind == "vit" else {}),
+                 **({"img_size": config.img_size} if explicit_size else {})}
         return _loaded(checkpoint_path, hints, global_pool, expected=config)
     return build_model(config)
 
 
 # what a checkpoint must share with the model its name builds (create_model's checkpoint_path)
 _STRUCTURE = {"vit": ("embed_dim", "depth", "num_heads", "patch_size", "hybrid_layers", "mlp_dim", "mlp_layer", "rope",
-                      "class_token", "reg_tokens"),
+                      "class_token", "reg_tokens", "pos_embed", "res_post_norm", "num_kv_heads", "kv_full_blocks"),
               "resnetv2": ("layers", "width_factor", "channels"),
               "swin": ("embed_dim", "depths", "num_heads", "patch_size")}
 

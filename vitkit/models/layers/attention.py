@@ -48,7 +48,9 @@ class RelativePositionBias(nn.Module):
         self.num_prefix_tokens = num_prefix_tokens
         num_rel = (2 * gh - 1) * (2 * gw - 1)
         self.table = nn.Parameter(torch.zeros(num_rel + (3 if num_prefix_tokens else 0), num_heads))
-        self.register_buffer("index", self._build_index(self.grid_size, torch.device("cpu")), persistent=False)
+        # on the default device, as the table: inside build_model's meta-device dry run it allocates nothing and is
+        # counted by its size check (a (T, T) int64 per block: a hostile grid is refused before it is built)
+        self.register_buffer("index", self._build_index(self.grid_size, self.table.device), persistent=False)
         self._cache = None
         self.method = "bilinear"  # how the table is resampled for another grid (the model's `pos_resample`)
 

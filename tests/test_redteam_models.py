@@ -1,0 +1,42 @@
+"""Red-team findings in the models: sizes checked before they are allocated, configs that cannot be."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitkit
+from vitkit import safety
+from vitkit.errors import UsageError, VitkitError
+from vitkit.models.layers import RelativePositionBias
+
+BEIT = Path(__file__).parent / "fixtures" / "timm_beit" / "base_3x3"
+
+
+def test_relative_index_built_on_the_meta_device():
+    """build_model's meta-device dry run counts the (T, T) index before it exists: it must not be built on the CPU."""
+    with torch.device("meta"):
+        rel = RelativePositionBias((64, 64), 2)
+    assert rel.index.device.type == "meta" and rel.index.shape == (4097, 4097)
+    assert RelativePositionBias((2, 2), 2).index.device.type == "cpu"
+
+
+def test_beit_huge_grid_refused_before_building(monkeypatch):
+    monkeypatch.setattr(safety, "memory_budget", lambda: 32 << 20)
+    with pytest.raises(UsageError, match="refused before allocating"):
+        vitkit.create_model("beit_base_patch16_224", pretrained=False, img_size=1024, embed_dim=32, depth=1,
+                            num_heads=2)
+
+
+def test_beit_load_img_size_refused_before_resampling(monkeypatch):
+    monkeypatch.setattr(safety, "memory_budget", lambda: 32 << 20)
+    with pytest.raises(VitkitError, match="relative position tables") as e:
+        vitkit.load(BEIT, img_size=256)
+    assert "\n" not in str(e.value)
+    m = vitkit.load(BEIT)
+    with pytest.raises(UsageError, match="relative position tables"):
+        m.set_img_size(256)
+    assert m.config.img_size == (12, 12)  # nothing changed by the refusal
+    m.set_img_size(16)
+    assert m.config.img_size == (16, 16)

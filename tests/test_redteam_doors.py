@@ -34,3 +34,19 @@ def test_a_stated_size_contradicting_the_relative_tables_is_refused(tmp_path):
     with pytest.raises(VitkitError, match=r"img_size \(16, 16\) is a 4x4 grid.*tables are for a 3x3 grid"):
         vitkit.load(d)
     assert vitkit.load(_copy("hf_families/BeitModel", tmp_path / "same", lambda c: None)).config.img_size == (16, 16)
+
+
+@pytest.mark.parametrize("to", ["timm", "hf"])
+def test_a_folder_export_checks_every_file_before_writing_any(tmp_path, to):
+    """A folder whose config.json is a symbolic link is refused before model.safetensors is replaced (it was
+    refused only after: new weights beside the old config, a model that is neither)."""
+    m = vitkit.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=4,
+                            mlp_dim=64, num_classes=3)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old")
+    (tmp_path / "elsewhere.json").write_text("{}")
+    (out / "config.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(VitkitError, match="symbolic link"):
+        vitkit.export(m, out, to=to)
+    assert (out / "model.safetensors").read_bytes() == b"old"

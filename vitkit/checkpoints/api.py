@@ -19,7 +19,7 @@ from . import bit, hf, hf_backbones, hf_vision, official, swin, timm, torchvisio
 from .infer import infer_resnetv2_config, infer_vit_config
 from .swin import infer_swin_config
 from .io import CheckpointError, read_hf_dir, read_meta, read_npz, read_safetensors, read_torch, sniff
-from ..cache import atomic_write
+from ..cache import atomic_write, check_output
 from ..errors import UsageError
 from ..safety import parse_json, read_bytes, untrusted
 from .catalog import resolve
@@ -541,6 +541,8 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
             return path
         hub_config = fmt.folder_config(c)
         _check_reads_back(c, back, {**facts, **fmt.facts(path, hub_config)}, f"{fmt.label} folder")
+        for name in ("model.safetensors", "config.json"):  # every file checked before any is written
+            check_output(path / name)
         path.mkdir(parents=True, exist_ok=True)
         atomic_write(path / "model.safetensors", lambda p: safetensors.torch.save_file(out, str(p), metadata={"format": "pt"}))
         atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))
@@ -548,6 +550,8 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
     if to == "hf":
         pre = hf.preprocessor_config(c)
         _check_reads_back(c, back, {**facts, **hf.preprocessing_facts(pre)}, fmt.label)
+        for name in ("model.safetensors", "config.json", hf.PREPROCESSOR_FILE):  # all checked before any is written
+            check_output(path / name)
         path.mkdir(parents=True, exist_ok=True)
         atomic_write(path / "model.safetensors", lambda p: safetensors.torch.save_file(out, str(p), metadata={"format": "pt"}))
         atomic_write(path / "config.json", lambda p: p.write_text(json.dumps(hub_config, indent=2)))

@@ -35,6 +35,17 @@ def test_busy_seconds_counts_the_allowed_cpus_busy_time_steal_included_idle_not(
     assert tp.busy_seconds(STAT, set(), hz=100) == 0
 
 
+def test_read_of_an_overflowing_counter_is_no_reading(monkeypatch):
+    """A /proc/stat counter too large for a float (400 digits): no reading, no OverflowError (red team)."""
+    import builtins
+    import io
+    real_open = builtins.open
+    stat = "cpu0 " + "9" * 400 + " 0 0 0 0 0 0 0\n"
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: io.StringIO(stat) if str(p) == "/proc/stat"
+                        else real_open(p, *a, **k))
+    assert tp.read({0}) is None
+
+
 def test_others_are_the_busy_time_this_process_did_not_use_per_second():
     a, b = tp.Reading(10.0, 100.0, 5.0), tp.Reading(12.0, 103.0, 6.0)  # 3 CPU-s busy, 1 of them ours, in 2 s
     assert tp.others_between(a, b) == pytest.approx(1.0)
@@ -156,6 +167,7 @@ def test_no_governor_without_proc_stat(four_cores, monkeypatch):
 
 def test_is_command():
     assert tp.is_command(["/usr/bin/vitkit", "predict"])
+    assert tp.is_command(["/venv/bin/python", "/venv/bin/vitkit", "predict"])  # the console script's orig_argv (shebang)
     assert tp.is_command(["python", "-m", "vitkit", "serve"]) and tp.is_command(["python3", "-mvitkit"])
     assert tp.is_command(["python", "-m", "vitkit.cli", "train"])
     assert not tp.is_command(["python", "train.py", "vitkit"]) and not tp.is_command(["python", "-m", "pytest"])

@@ -57,8 +57,11 @@ _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # ---- the command's wait policy ---------------------------------------------------------------------------------
 
 def is_command(argv: list[str]) -> bool:
-    """Whether the process is the `vitkit` command: its script, or `python -m vitkit[.cli]` (`sys.orig_argv`)."""
+    """Whether the process is the `vitkit` command: its script, or `python -m vitkit[.cli]` (`sys.orig_argv`). The
+    installed console script runs through its shebang, so orig_argv is [interpreter, .../bin/vitkit, ...]."""
     if argv and Path(argv[0]).name == "vitkit":
+        return True
+    if len(argv) > 1 and not argv[1].startswith("-") and Path(argv[1]).name in ("vitkit", "vitkit.exe"):
         return True
     return any(a in ("-mvitkit", "-mvitkit.cli") or (a == "-m" and argv[i + 1:i + 2] in (["vitkit"], ["vitkit.cli"]))
                for i, a in enumerate(argv[1:], 1))
@@ -120,7 +123,7 @@ def read(cpus: set[int] | None = None) -> Reading | None:
     try:
         with open("/proc/stat") as f:
             busy = busy_seconds(f.read(), allowed_cpus() if cpus is None else cpus)
-    except (OSError, ValueError):
+    except (OSError, ValueError, ArithmeticError):  # ArithmeticError: a counter too large for a float (OverflowError)
         return None
     t = os.times()
     return Reading(time.monotonic(), busy, time.process_time() + t.children_user + t.children_system)

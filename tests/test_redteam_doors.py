@@ -50,3 +50,20 @@ def test_a_folder_export_checks_every_file_before_writing_any(tmp_path, to):
     with pytest.raises(VitkitError, match="symbolic link"):
         vitkit.export(m, out, to=to)
     assert (out / "model.safetensors").read_bytes() == b"old"
+
+
+@pytest.mark.parametrize("arch, extra, said", [
+    ("eva02_tiny_patch14_224", {}, r"architecture 'eva02_tiny_patch14_224' \(timm's Eva\)"),
+    ("vit_base_patch16_224", {}, r"architecture 'vit_base_patch16_224' \(timm's VisionTransformer\)"),
+    (None, {"block_fn": "ResPostBlock"}, "model_args block_fn"),
+    (None, {"use_post_norm": True}, "model_args use_post_norm"),
+])
+def test_timm_beit_tensors_with_another_models_config_are_refused(tmp_path, arch, extra, said):
+    """timm BEiT tensors come with a Beit's config.json only (timm refuses every one of these folders): never read
+    by the BEiT table with another class's facts."""
+    def edit(c):
+        if arch:
+            c["architecture"] = arch
+        c["model_args"].update(extra)
+    with pytest.raises(VitkitError, match=f"BEiT tensors.*{said}"):
+        vitkit.load(_copy("timm_beit/base_3x3", tmp_path, edit))

@@ -15,7 +15,7 @@ from ..models import ResNetV2Config, SwinConfig, ViTConfig, build_model
 from ..models.layers.patch_embed import to_2tuple
 from ..models.lora import merged_state_dict
 from ..models.registry import config_with
-from . import bit, hf, hf_backbones, hf_vision, official, swin, timm, torchvision
+from . import bit, hf, hf_backbones, hf_vision, official, swin, timm, timm_beit, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
 from .swin import infer_swin_config
 from .io import CheckpointError, read_hf_dir, read_meta, read_npz, read_safetensors, read_torch, sniff
@@ -271,6 +271,14 @@ def _convert_folder(path: Path, raw: dict[str, torch.Tensor], hub_config: dict):
     if fmt is None:
         raise CheckpointError(f"{path}: a folder with config.json but neither Hugging Face ViT, DINOv2, SigLIP or "
                               f"CLIP nor timm weights")
+    if timm.is_timm_folder(hub_config) and timm_beit.is_timm_beit(raw):  # BEiT tensors: a Beit's config.json only
+        arch, (cls, args) = hub_config.get("architecture"), timm.timm_args(hub_config)
+        if cls not in (None, "Beit") or (cls is None and not str(arch).startswith("beit")):
+            raise CheckpointError(f"{path}: BEiT tensors (relative position tables) with config.json's architecture "
+                                  f"{arch!r} (timm's {cls or 'unknown class'}): the tensors are not that model's")
+        if bad := sorted({"block_fn", "use_post_norm"} & set(args)):
+            raise CheckpointError(f"{path}: BEiT tensors with config.json's {arch!r} model_args {', '.join(bad)}, "
+                                  f"arguments timm's Beit does not take")
     stated = fmt.facts(path, hub_config) if fmt.facts else {}  # what the folder states, or why it is refused, first
     sd, facts, unused = fmt.read(raw, hub_config)
     return fmt.name, sd, {**facts, **stated}, unused

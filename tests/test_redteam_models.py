@@ -40,3 +40,15 @@ def test_beit_load_img_size_refused_before_resampling(monkeypatch):
     assert m.config.img_size == (12, 12)  # nothing changed by the refusal
     m.set_img_size(16)
     assert m.config.img_size == (16, 16)
+
+
+def test_kv_full_blocks_that_leave_no_block_grouped():
+    """kv_full_blocks >= depth / 2 groups no block: the config must not claim grouped-query attention."""
+    from vitkit.models import ViTConfig
+    kw = dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, mlp_dim=64, num_kv_heads=2)
+    for full in (1, 10**30):
+        c = ViTConfig(**kw, kv_full_blocks=full)
+        assert (c.num_kv_heads, c.kv_full_blocks) == (None, 0)
+        assert [c.kv_heads(b) for b in range(c.depth)] == [None, None] and "grouped" not in c.options()
+    c = ViTConfig(**{**kw, "depth": 3}, kv_full_blocks=1)
+    assert (c.num_kv_heads, c.kv_full_blocks, [c.kv_heads(b) for b in range(3)]) == (2, 1, [None, 2, None])

@@ -296,6 +296,8 @@ class ViTConfig:
             raise UsageError("num_kv_heads with rope='mixed': ROPE-ViT-Mixed's frequencies are per query head")
         if self.kv_full_blocks < 0:
             raise UsageError(f"kv_full_blocks must be >= 0, got {self.kv_full_blocks}")
+        if self.num_kv_heads is not None and 2 * self.kv_full_blocks >= self.depth:  # every block full: no grouping
+            self.num_kv_heads = None
         if self.num_kv_heads is None:  # which blocks are grouped means nothing without grouping
             self.kv_full_blocks = 0
         if self.hybrid_layers is not None:

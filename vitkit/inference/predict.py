@@ -897,6 +897,13 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
     if not len(inputs):
         raise UsageError(f"no images in {', '.join(images)}")
     model, backend = load_for_inference(checkpoint, backend, trust_package)
+    if getattr(model.config, "num_classes", 1) == 0:
+        raise UsageError(f"{checkpoint} has no classifier head (num_classes=0): use `vitkit features` for its "
+                         f"features, or a checkpoint with a head to predict classes")
+    if isinstance(model, torch.nn.Module):  # a NaN/inf weight would print non-JSON NaN probabilities: refused by name
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise UsageError(f"{checkpoint}: tensor {name} holds NaN or infinite values: not a usable checkpoint")
     if max_patches and backend != "torch":
         raise UsageError("--max-patches runs packed batches on eager torch (--backend torch)")
     dev = resolve_device("cpu" if isinstance(model, (PackageModel, ExportedModel)) and device == "auto" else device)

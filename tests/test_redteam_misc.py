@@ -30,3 +30,13 @@ def test_predict_refuses_nan_weights_by_name(tmp_path):
     vitkit.save(m, ckpt)
     with pytest.raises(UsageError, match=r"norm\.weight holds NaN"):
         predict_images([_image(tmp_path)], ckpt, progress=False, precision="fp32", format="json")
+
+
+@pytest.mark.parametrize("kw, what", [(dict(num_kv_heads=2), "grouped-query"), (dict(mlp_layer="swiglu"), "swiglu")])
+def test_official_npz_export_refuses_what_it_cannot_hold_by_name(kw, what):
+    from vitkit.checkpoints.io import CheckpointError
+    from vitkit.checkpoints.official import from_vitkit
+    m = vitkit.create_model("vit_tiny_patch16_224", img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4,
+                            mlp_dim=64, num_classes=3, act="gelu_tanh", **kw)
+    with pytest.raises(CheckpointError, match=what):
+        from_vitkit(m.state_dict(), m.config)

@@ -107,6 +107,16 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"the official format holds a learned 1-D position embedding, not {config.pos_embed!r}")
     if config.distilled or config.mpp:
         raise CheckpointError("the official format has no distillation token or masked-patch head; export to vitkit or timm")
+    cannot = [what for what, has in (
+        (f"grouped-query attention (num_kv_heads={getattr(config, 'num_kv_heads', None)})",
+         getattr(config, "num_kv_heads", None) not in (None, config.num_heads)),
+        (f"a {getattr(config, 'mlp_layer', 'mlp')!r} MLP", getattr(config, "mlp_layer", "mlp") != "mlp"),
+        (f"{getattr(config, 'norm', 'layernorm')!r} norms", getattr(config, "norm", "layernorm") != "layernorm"),
+        ("bias-free layers (qkv_bias/k_bias/proj_bias/patch_bias False)",
+         not all(getattr(config, b, True) for b in ("qkv_bias", "k_bias", "proj_bias", "patch_bias"))),
+    ) if has]
+    if cannot:
+        raise CheckpointError(f"the official format cannot hold {', '.join(cannot)}; export to vitkit or timm")
     out: dict[str, torch.Tensor] = {}
     d, heads = config.embed_dim, config.num_heads
     hd = d // heads

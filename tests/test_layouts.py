@@ -182,6 +182,15 @@ def test_a_linear_patch_embedding_is_read_by_the_configs_patch_size_and_channels
         api._recognise("folder", raw, cfg).read(raw, cfg)
 
 
+def test_an_incomplete_qkv_group_names_its_present_and_missing_keys():
+    qkv = Layout("qkv", (Rule(("l.{i}.q.{w}", "l.{i}.k.{w}", "l.{i}.v.{w}"), "blocks.{i}.attn.qkv.{w}"),
+                         Rule(("l.{i}.query.weight", "l.{i}.key.weight", "l.{i}.value.weight"), "blocks.{i}.attn.qkv.weight")),
+                 incomplete=layouts.QKV_INCOMPLETE)
+    with pytest.raises(CheckpointError, match=r"layer 0: .*l\.0\.query\.weight, l\.0\.key\.weight without "
+                                              r"l\.0\.value\.weight"):
+        layouts.read(qkv, {"l.0.query.weight": torch.zeros(2, 2), "l.0.key.weight": torch.zeros(2, 2)})
+
+
 # ---- the registry: a new layout is one entry ----------------------------------------------------------------------
 
 RENAMED_VIT = Layout("renamed ViT", (

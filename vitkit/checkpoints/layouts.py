@@ -56,7 +56,7 @@ class Rule:
 
 
 # a fused query/key/value group with a part missing (a `Layout`'s `incomplete` message)
-QKV_INCOMPLETE = "layer {i}: the query, key and value projections differ in having a {w}"
+QKV_INCOMPLETE = "layer {i}: the query, key and value projections are all needed: {present} without {missing}"
 
 
 @dataclass(frozen=True)

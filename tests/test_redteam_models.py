@@ -52,3 +52,10 @@ def test_kv_full_blocks_that_leave_no_block_grouped():
         assert [c.kv_heads(b) for b in range(c.depth)] == [None, None] and "grouped" not in c.options()
     c = ViTConfig(**{**kw, "depth": 3}, kv_full_blocks=1)
     assert (c.num_kv_heads, c.kv_full_blocks, [c.kv_heads(b) for b in range(3)]) == (2, 1, [None, 2, None])
+
+
+def test_geometric_beit_onnx_dynamic_size_refused_in_one_line(tmp_path):
+    from vitkit.inference.export import export_model
+    with pytest.raises(UsageError, match="geometric progression") as e:
+        export_model(vitkit.load(BEIT), tmp_path / "beit.onnx", "onnx", dynamic_size=True)
+    assert "\n" not in str(e.value) and not (tmp_path / "beit.onnx").exists()

@@ -279,6 +279,10 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
     if dynamic_size and getattr(model.config, "arch", "") == "swin":
         raise UsageError("a Swin's windows and shift masks are laid out for one resolution: export it without "
                          "--dynamic-size (load it at another size with img_size= and export that)")
+    if dynamic_size and format == "onnx" and getattr(model.config, "pos_resample", "") == "geometric":
+        raise UsageError("timm's BEiT resamples its relative position table by a geometric progression "
+                         "(torch.searchsorted), which ONNX cannot export for sizes known only at run time: export it "
+                         "without --dynamic-size (load it at another size with img_size= and export that)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     m = _prepare(model, dynamic_size)

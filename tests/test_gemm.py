@@ -178,6 +178,49 @@ def test_the_choice_is_measured_cached_and_falls_back(tmp_path, monkeypatch):
     assert not _packed_layers(m)
 
 
+def test_training_chooses_its_paths_with_the_repacking_counted(tmp_path, monkeypatch):
+    """A training step repacks W and W^T after every update, so its forward and input gradient are chosen by
+    `measure`'s kinds "train" and "train-t" (the packing, and W^T's copy, in every timed call), not by the inference
+    rates: where packing does not pay (plain MKL as fast, as on Intel CPUs) the layer trains on F.linear, with no
+    packed copy or W^T made, while inference keeps its packed path; the gradients are the plain path's."""
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path))
+    monkeypatch.setattr(gemm, "FORCE", None)
+    monkeypatch.setattr(gemm, "_CHOICES", {})
+    monkeypatch.setattr(gemm, "_RATES", {})
+    monkeypatch.setattr(gemm, "_LOADED", False)
+    if not gemm.available("onednn-packed"):
+        pytest.skip("no packed path in this build")
+    for kind in ("train", "train-t"):  # every path a candidate, each with its packing timed
+        assert set(gemm.measure(64, 96, 50, seconds=0.01, kind=kind)) == set(PATHS)
+    asked = []
+
+    def rates(k, n, rows, kind="linear", **_):  # packed fastest alone, plain MKL fastest with the repacking
+        asked.append(kind)
+        if kind == "wgrad":
+            return {"mkl": 2.0, "onednn": 1.0}
+        return {"mkl": 1.0, "onednn-packed": 2.0} if kind == "linear" else {"mkl": 2.0, "onednn-packed": 1.0}
+
+    monkeypatch.setattr(gemm, "measure", rates)
+    plain = _model()
+    m = copy.deepcopy(plain)
+    pack_linears(m, training=True)
+    m.train(), plain.train()
+    x = torch.randn(2, 3, 32, 32)
+    m(x).logsumexp(-1).sum().backward()
+    plain(x).logsumexp(-1).sum().backward()
+    assert {"train", "train-t", "wgrad"} <= set(asked) and "linear" not in asked
+    layers = _packed_layers(m)
+    assert layers and all(p._packed[0] == "mkl" and p._packed[7] == "mkl" and p._packed[1] is None
+                          and p._packed[2] is None for p in layers)  # no pack, no copy of W^T
+    for (k, p), q in zip(m.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=k)
+    torch.optim.SGD(m.parameters(), lr=0.1, fused=True).step()
+    m.eval()
+    with torch.inference_mode():  # an evaluation after the step: the path measured without the repacking
+        m(x)
+    assert "linear" in asked and m.blocks[0].mlp.fc1._packed[0] == "onednn-packed"
+
+
 def test_a_failing_path_is_no_candidate(monkeypatch):
     """An op that exists but raises (a build that refuses the shape) or computes something else is skipped."""
     real_run = gemm.run
@@ -227,7 +270,7 @@ def test_inference_gelu_runs_inside_oneDNNs_gemm_with_the_unfused_numbers(act, m
     bf16 rounding, computed from the fp32 accumulator). Elsewhere the GELU runs as its own op."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vitkit.machine import gemm, fast_linear
+    from vitkit.machine import gemm
     from vitkit.models.layers.mlp import Mlp
 
     torch.manual_seed(0)

@@ -7,9 +7,11 @@ fastest for its shape:
 - inference (no gradients): from the weight packed once, repacked when the weight changes;
 - training (`training=True`): the forward and the input gradient dX = dY W both run from packed weights (W and
   W^T), repacked once per optimizer step (after any torch optimizer's step, or when the weight's version counter
-  or storage moves); the weight gradient dW = dY^T X, whose operands are both activations, on the path measured
-  fastest for it (oneDNN reading the transposed views, or MKL). Gradients equal the plain path to fp32 rounding
-  (tests/test_gemm.py).
+  or storage moves), each on the path measured fastest with that repacking counted (`gemm.measure`'s kinds
+  "train" and "train-t": where MKL's own GEMM is as fast, as on Intel CPUs, a pack per step does not pay and the
+  layer trains on plain MKL); the weight gradient dW = dY^T X, whose operands are both activations, on the path
+  measured fastest for it (oneDNN reading the transposed views, or MKL). Gradients equal the plain path to fp32
+  rounding (tests/test_gemm.py).
 Everything else (autocast, bf16, GPUs, torch.compile and fx tracing, DTensor weights) takes the plain `F.linear`
 path. A weight written in place outside an optimizer and past autograd's version counter (`p.data.copy_(...)`)
 is not seen: call `pack_linears` again after such a write. The packed copies cost as much memory as the weights
@@ -116,11 +118,13 @@ class FastGemm:
         p = self._packed
         if p is None or param._version != p[4] or param.data_ptr() != p[5] or p[8] != _step or (grad and p[6] is None) \
                 or ("mkl-packed" in (p[0], p[7]) and p[3] != rows):  # MKL's packed GEMM: only the row count packed for
-            path = gemm.choose(w2d.shape[1], w2d.shape[0], rows)
+            # training: both packs are made again after every optimizer step, so they are chosen with that cost
+            # counted (kinds "train", "train-t"): where packing does not pay, plain MKL and no copy of W^T
+            path = gemm.choose(w2d.shape[1], w2d.shape[0], rows, kind="train" if grad else "linear")
             wd = w2d.detach()
             # training: dX = dY W is a linear layer (n -> k) with weight W^T, on its own fastest path
-            tpath = gemm.choose(w2d.shape[0], w2d.shape[1], rows) if grad else None
-            packed_t = gemm.pack(tpath, wd.t().contiguous(), rows) if grad else None
+            tpath = gemm.choose(w2d.shape[0], w2d.shape[1], rows, kind="train-t") if grad else None
+            packed_t = gemm.pack(tpath, wd.t().contiguous(), rows) if grad and tpath != "mkl" else None
             wpath = gemm.choose(w2d.shape[1], w2d.shape[0], rows, kind="wgrad") if grad else None
             p = self._packed = (path, gemm.pack(path, wd, rows), packed_t, rows, param._version, param.data_ptr(), wpath,
                                 tpath, _step)

@@ -13,6 +13,10 @@ and two for a training step's weight gradient dW = dY^T X, whose operands are bo
     mkl            torch.mm
     onednn         oneDNN's GEMM called as a linear layer on the transposed views (it reads the strides)
 
+A training step repacks each weight after every update, so its choice (kinds "train" for the forward, "train-t" for
+the input gradient dX = dY W, whose weight W^T is copied before it is packed) times each path with its packing in
+every call: a packed path trains only where it wins more than its packing costs.
+
 `choose(k, n, rows[, kind])` times the available ones on the problem and returns the fastest; the choice never
 makes a machine slower, since plain MKL is a candidate. A path whose op is missing (a build without MKL or
 oneDNN), fails or computes something else is simply not a candidate. The choices are cached in memory and in
@@ -40,6 +44,7 @@ from .device import sync
 log = logging.getLogger(__name__)
 
 PATHS = ("mkl", "mkl-packed", "onednn-packed")
+LINEAR_KINDS = ("linear", "train", "train-t")  # y = x W^T + b: inference, a training forward, a training dX = dY W
 WGRAD_PATHS = ("mkl", "onednn")  # the weight gradient dW = dY^T X: both operands activations, nothing to prepack
 _CHOICES: dict[tuple, str] = {}
 _RATES: dict[tuple, dict[str, float]] = {}
@@ -142,10 +147,12 @@ MAX_CALLS = 500  # a round of a tiny problem (calls under 0.1 ms) ends after thi
 
 
 def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3, kind: str = "linear") -> dict[str, float]:
-    """GFLOP/s of every available path on a problem, its packing excluded: the best of `rounds` interleaved rounds
-    per path, so that a neighbour's burst of load does not decide the choice. A round lasts seconds / rounds, or
-    MAX_CALLS calls where those take less (a 10-us problem is timed over 500 calls, not 5,000).
-    kind "linear": y = x W^T + b with x (rows, k), W (n, k); "wgrad": dW = dY^T X with dY (rows, n), X (rows, k)."""
+    """GFLOP/s of every available path on a problem: the best of `rounds` interleaved rounds per path, so that a
+    neighbour's burst of load does not decide the choice. A round lasts seconds / rounds, or MAX_CALLS calls where
+    those take less (a 10-us problem is timed over 500 calls, not 5,000).
+    kind "linear": y = x W^T + b with x (rows, k), W (n, k), its packing excluded; "train": the same with W packed
+    again in every call (a training step's forward); "train-t": the same with W a transposed view, copied and
+    packed in every call (a training step's dX = dY W); "wgrad": dW = dY^T X with dY (rows, n), X (rows, k)."""
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     calls: dict[str, Callable[[], torch.Tensor]] = {}
@@ -157,13 +164,18 @@ def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3, k
             cands = {p: (lambda p=p: wgrad(p, gy, x)) for p in WGRAD_PATHS if wgrad_available(p)}
         else:
             ref = F.linear(x, w, b)
+            src = w.t().contiguous().t() if kind == "train-t" else w  # train-t: W^T's storage, read transposed
             cands = {}
             for path in PATHS:
                 if available(path):
                     try:
-                        cands[path] = (lambda path=path, p=pack(path, w, rows): run(path, x, p, w, b, rows))
+                        p = pack(path, src.contiguous(), rows)
                     except (RuntimeError, AttributeError):  # an op this build lacks, or one that refuses the shape
                         continue
+                    if kind == "linear":
+                        cands[path] = (lambda path=path, p=p: run(path, x, p, w, b, rows))
+                    else:  # the packing (and train-t's copy) in every call, as a step repacks after each update
+                        cands[path] = (lambda path=path: run(path, x, pack(path, src.contiguous(), rows), src, b, rows))
         for path, fn in cands.items():
             try:
                 if (fn() - ref).abs().max() > 1e-3 * ref.abs().max():
@@ -183,11 +195,12 @@ def measure(k: int, n: int, rows: int, seconds: float = 0.15, rounds: int = 3, k
 
 
 def choose(k: int, n: int, rows: int, kind: str = "linear") -> str:
-    """The fastest path for y = x W^T + b with x (rows, k), W (n, k) (kind "linear", one of PATHS), or for its
-    weight gradient dW = dY^T X (kind "wgrad", one of WGRAD_PATHS); measured once per machine, shape and thread
+    """The fastest path for y = x W^T + b with x (rows, k), W (n, k) (kind "linear", one of PATHS; "train" and
+    "train-t" count a training step's repacking, see `measure`), or for its weight gradient dW = dY^T X (kind
+    "wgrad", one of WGRAD_PATHS); measured once per machine, shape and thread
     count (row counts grouped by powers of two), or once per process where the CPU was busy meanwhile."""
     force = forced()
-    if kind == "linear" and force in PATHS and available(force):
+    if kind in LINEAR_KINDS and force in PATHS and available(force):
         return force
     if kind == "wgrad" and force in PATHS and available(force):
         return "mkl" if force == "mkl" else "onednn" if wgrad_available("onednn") else "mkl"
@@ -209,8 +222,10 @@ def choose(k: int, n: int, rows: int, kind: str = "linear") -> str:
 
 
 def choices() -> dict[str, dict]:
-    """What was chosen in this process: {"[dW of ]k x n @ rows": {"path", "gflops": {path: rate}}}."""
-    return {f"{'dW of ' if kind == 'wgrad' else ''}{k} x {n} @ {r} rows, {t} threads": {"path": p, "gflops": _RATES.get((kind, k, n, r, t), {})}
+    """What was chosen in this process: {"[dW of |training |training dX, ]k x n @ rows": {"path", "gflops": {path:
+    rate}}}."""
+    label = {"wgrad": "dW of ", "train": "training ", "train-t": "training dX, "}
+    return {f"{label.get(kind, '')}{k} x {n} @ {r} rows, {t} threads": {"path": p, "gflops": _RATES.get((kind, k, n, r, t), {})}
             for (kind, k, n, r, t), p in _CHOICES.items()}
 
 

@@ -252,6 +252,11 @@ def hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{httpd.server_address[1]}")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    # huggingface_hub reads HF_HUB_OFFLINE once, at its import: a test that set it before the worker's first import
+    # (the offline test below) would leave every later hub test in that worker offline
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     yield src, tmp_path / "hf-cache"
     httpd.shutdown()
     httpd.server_close()

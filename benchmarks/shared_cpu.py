@@ -6,10 +6,11 @@ OpenVINO beside 0, 1 and 2 spinning processes, side by side in one run, with vit
     python benchmarks/shared_cpu.py --smoke               # a tiny ViT, 2 short rounds: checks the script (< 1 min)
 
 Every engine runs in a process of its own, so that each has its own OpenMP runtime and environment:
-- eager: vitkit's eager fp32 (packed GEMM), `policy off` with libgomp's defaults and torch's thread count as it
-  starts; `policy on` as the `vitkit` command runs it: GOMP_SPINCOUNT=vitkit.machine.threads.SPINCOUNT (or
-  --spincount) set before torch loads, and a `threads.Governor` stepped before every call, as `predict` and `serve`
-  do (its window restarted as each round begins: the time this process waited says nothing of the load to come);
+- eager: vitkit's eager fp32 (packed GEMM), `policy off` with torch's thread count as it starts; `policy on` as the
+  `vitkit` command runs it: a `threads.Governor` stepped before every call, as `predict` and `serve` do (its window
+  restarted as each round begins: the time this process waited says nothing of the load to come); both with
+  libgomp's default spin, or with the policy on GOMP_SPINCOUNT=N for each N of --spincount (a row each: the A/B
+  of benchmarks/NOTES.md section 40);
 - compiled: the AOTInductor package `--backend aoti` runs (fp32, compiled once per model and machine, cached under
   VITKIT_HOME), with the policy off and on as eager;
 - onnxruntime: vitkit's ONNX export in ONNX Runtime's CPU provider, as many threads as cores (its own pool);
@@ -173,9 +174,10 @@ def prepare(name: str, kwargs: dict, batch: int, engines: list[str]) -> dict[str
 
 
 def worker_env(policy: str, spincount: str) -> dict[str, str]:
-    """The environment an engine's process starts with: libgomp's defaults (off), or the command's spin (on)."""
+    """The environment an engine's process starts with: libgomp's defaults, or (policy on) GOMP_SPINCOUNT=spincount
+    where one is given."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
-    if policy == "on":
+    if policy == "on" and spincount:
         env["GOMP_SPINCOUNT"] = spincount
     return env
 
@@ -186,23 +188,27 @@ def fair(cores: int, k: int) -> tuple[float, float]:
 
 
 def measure(name: str, kwargs: dict, batch: int, engines: list[str], policies: list[str], busy: list[int],
-            rounds: int, round_s: float, spincount: str) -> dict:
+            rounds: int, round_s: float, spincounts: list[str]) -> dict:
     size = tuple(kwargs.get("img_size", (224, 224))) if isinstance(kwargs.get("img_size"), (list, tuple)) else \
         (kwargs.get("img_size", 224),) * 2
     files = prepare(name, kwargs, batch, engines)
     cores = len(os.sched_getaffinity(0))
-    configs = []
+    configs = []  # (label, engine, policy, spincount)
     for e in engines:
         for pol in (policies if e in ("eager", "compiled") else ["-"]):
-            configs.append((f"{e}{'' if pol == '-' else ' (policy ' + pol + ')'}", e, pol))
+            if pol == "on" and len(spincounts) > 1:  # an A/B of the spin: a row per count
+                configs += [(f"{e} (policy on, spin {n})", e, pol, n) for n in spincounts]
+            else:
+                configs.append((f"{e}{'' if pol == '-' else ' (policy ' + pol + ')'}", e, pol, spincounts[0]))
     workers = {}
     try:
-        for label, e, pol in configs:
+        for label, e, pol, spin in configs:
             spec = {"engine": e, "batch": batch, "policy": pol, "model": name, "kwargs": kwargs, "size": list(size),
                     "file": files.get(e), "cores": cores}
-            workers[label] = Worker(label, spec, worker_env(pol, spincount))
-        for w in workers.values():
-            w.ready()
+            workers[label] = Worker(label, spec, worker_env(pol, spin))
+            # one at a time: a worker's warm-up measures its GEMM paths, which a neighbour's warm-up would load (the
+            # policy's LoadWatch then keeps a choice made under that load for the run, uncached, as it should)
+            workers[label].ready()
         rates: dict[tuple[str, int], list[float]] = {(label, k): [] for label in workers for k in busy}
         used: dict[tuple[str, int], list[int]] = {(label, k): [] for label in workers for k in busy}
         order = list(workers)
@@ -238,7 +244,8 @@ def measure(name: str, kwargs: dict, batch: int, engines: list[str], policies: l
 def report(res: dict, cpu: str, busy: list[int]) -> str:
     lines = [f"{res['model']} batch {res['batch']}, {cpu}, {res['cores']} cores: img/s (share of its own 0-busy rate; "
              f"threads torch ran, median)"]
-    head = f"{'engine':<22}" + "".join(f"{str(k) + ' busy':>22}" for k in busy)
+    w = max(22, *(len(label) + 1 for label in res["table"]))
+    head = f"{'engine':<{w}}" + "".join(f"{str(k) + ' busy':>22}" for k in busy)
     lines.append(head)
     for label, row in res["table"].items():
         cells = []
@@ -247,15 +254,16 @@ def report(res: dict, cpu: str, busy: list[int]) -> str:
             share = f" ({c['share']:.0%})" if c["share"] is not None and k else ""
             t = f" t{statistics.median(c['threads']):g}" if label.startswith(("eager", "compiled")) else ""
             cells.append(f"{c['img_per_s']:.2f}{share}{t}")
-        lines.append(f"{label:<22}" + "".join(f"{cell:>22}" for cell in cells))
+        lines.append(f"{label:<{w}}" + "".join(f"{cell:>22}" for cell in cells))
     f = res["fair"]
-    lines.append(f"{'fair share per thread':<22}" + "".join(f"{f[str(k)]['per_thread']:>22.0%}" for k in busy))
-    lines.append(f"{'fair share per process':<22}" + "".join(f"{f[str(k)]['per_process']:>22.0%}" for k in busy))
+    lines.append(f"{'fair share per thread':<{w}}" + "".join(f"{f[str(k)]['per_thread']:>22.0%}" for k in busy))
+    lines.append(f"{'fair share per process':<{w}}" + "".join(f"{f[str(k)]['per_process']:>22.0%}" for k in busy))
     for e in ("eager", "compiled"):
-        on, off = res["table"].get(f"{e} (policy on)"), res["table"].get(f"{e} (policy off)")
-        if on and off and busy[0] == 0:
-            lines.append(f"{e}: policy on / off beside 0 busy processes (on a quiet machine: what the policy costs): "
-                         f"{on['0']['img_per_s'] / off['0']['img_per_s']:.2f}x")
+        off = res["table"].get(f"{e} (policy off)")
+        for label, on in res["table"].items():
+            if off and label.startswith(f"{e} (policy on") and busy[0] == 0:
+                lines.append(f"{label} / off beside 0 busy processes (on a quiet machine: what the policy costs): "
+                             f"{on['0']['img_per_s'] / off['0']['img_per_s']:.2f}x")
     return "\n".join(lines)
 
 
@@ -280,17 +288,15 @@ def main() -> None:
     p.add_argument("--busy", nargs="+", type=int, default=[0, 1, 2], help="busy processes beside the engine")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--round-s", type=float, default=1.0, help="seconds each engine runs in a round")
-    p.add_argument("--spincount", default=None, help="GOMP_SPINCOUNT with the policy on (default: vitkit's)")
+    p.add_argument("--spincount", nargs="+", default=None,
+                   help="GOMP_SPINCOUNT with the policy on (default: libgomp's own; several: a row for each)")
     p.add_argument("--smoke", action="store_true", help="a tiny ViT, batch 1, 2 rounds of 0.3 s: checks the script")
     p.add_argument("--json-out", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
-    sys.path.insert(0, str(REPO))
-    from vitkit.machine.threads import SPINCOUNT
-
-    spincount = args.spincount or SPINCOUNT
+    spincounts = args.spincount or [""]
     policies = ["off", "on"] if args.policy == "both" else [args.policy]
     busy = sorted(set(args.busy))
     cases = [(m, {}, b) for m in args.models for b in args.batches]
@@ -298,16 +304,17 @@ def main() -> None:
     if args.smoke:
         cases, rounds, round_s = [(SMOKE["model"], SMOKE["kwargs"], 1)], 2, 0.3
     cpu = cpu_name()
-    print(f"{cpu}, {len(os.sched_getaffinity(0))} cores; policy on: GOMP_SPINCOUNT={spincount} and the governor; "
+    spin = f"GOMP_SPINCOUNT={'/'.join(spincounts)}" if args.spincount else "libgomp's default spin"
+    print(f"{cpu}, {len(os.sched_getaffinity(0))} cores; policy on: the governor, {spin}; "
           f"load average before: {open('/proc/loadavg').read().split()[0]}", flush=True)
     results = []
     for name, kwargs, batch in cases:
         print(f"{name} batch {batch}:", flush=True)
-        res = measure(name, kwargs, batch, args.engines, policies, busy, rounds, round_s, spincount)
+        res = measure(name, kwargs, batch, args.engines, policies, busy, rounds, round_s, spincounts)
         results.append(res)
         print(report(res, cpu, busy), flush=True)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"cpu": cpu, "spincount": spincount, "results": results}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"cpu": cpu, "spincount": spincounts, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,6 @@ and choices measured under load (--backend auto's engines, the GEMM paths) kept 
 scripted (`Readings`), never the machine's own; nothing here is timed."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -163,36 +161,6 @@ def test_no_governor_without_proc_stat(four_cores, monkeypatch):
     monkeypatch.setattr(tp, "read", lambda cpus=None: None)
     gov = tp.Governor()
     assert "/proc/stat" in gov.fixed and gov.step() == 4
-
-
-def test_is_command():
-    assert tp.is_command(["/usr/bin/vitkit", "predict"])
-    assert tp.is_command(["/venv/bin/python", "/venv/bin/vitkit", "predict"])  # the console script's orig_argv (shebang)
-    assert tp.is_command(["python", "-m", "vitkit", "serve"]) and tp.is_command(["python3", "-mvitkit"])
-    assert tp.is_command(["python", "-m", "vitkit.cli", "train"])
-    assert not tp.is_command(["python", "train.py", "vitkit"]) and not tp.is_command(["python", "-m", "pytest"])
-    assert not tp.is_command(["python", "-c", "import vitkit"])
-
-
-def _spin_setting(code: str, **env: str) -> str:
-    """GOMP_SPINCOUNT as a fresh process sees it after `code` (its argv set first) imported vitkit."""
-    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    out = subprocess.run([sys.executable, "-c", f"import sys\n{code}\nimport vitkit, os\n"
-                          f"print(os.environ.get('GOMP_SPINCOUNT'))"],
-                         capture_output=True, text=True, cwd=REPO, env={**base, "PYTHONPATH": str(REPO), **env},
-                         timeout=120, check=True)
-    return out.stdout.strip()
-
-
-def test_the_command_shortens_openmps_spin_before_torch_loads_and_respects_the_users():
-    command = "sys.orig_argv[:] = ['python', '-m', 'vitkit', 'predict']"
-    assert _spin_setting(command) == tp.SPINCOUNT
-    assert _spin_setting(command, GOMP_SPINCOUNT="77") == "77"  # the user's own
-    assert _spin_setting(command, OMP_WAIT_POLICY="ACTIVE") == "None"
-    assert _spin_setting("") == "None"  # a program that imports vitkit keeps OpenMP's default
-    assert _spin_setting(command.replace("sys.orig", "import torch; sys.orig")) == "None"  # too late: torch loaded
-    env = {}
-    assert tp.preset_wait_policy(env) == "" and env == {}  # in this process torch is loaded already
 
 
 @pytest.fixture

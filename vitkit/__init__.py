@@ -1,7 +1,4 @@
 """vitkit: Vision Transformers ("An Image Is Worth 16x16 Words", arXiv 2010.11929) in PyTorch."""
-from .machine import threads as _threads  # noqa: F401 - first: the command's OpenMP wait policy, before torch loads
-
-# isort: split
 from .checkpoints import CheckpointError, convert, create_model, export, load, resolve_data_config, save
 from .data.image import create_transform
 from .models import ResNetV2, ResNetV2Config, ViTConfig, VisionTransformer, list_models

@@ -1,5 +1,5 @@
-"""How many threads torch runs on a CPU that other work shares, and how long its idle threads spin: the thread
-policy of eager inference, the compiled engine, `predict`, `serve` and training.
+"""How many threads torch runs on a CPU that other work shares: the thread policy of eager inference, the compiled
+engine, `predict`, `serve` and training.
 
 torch's CPU kernels (ATen, oneDNN, MKL, and the loops a compiled package runs) share one OpenMP runtime, libgomp,
 which splits every parallel loop into one fixed share per thread and waits at its end for the last share. On a
@@ -10,19 +10,18 @@ aside for a time slice, and every loop waits for it while its siblings spin on t
 and OpenVINO hand out a loop's work in small pieces to whichever thread is free (their own pools, TBB), so a thread
 set aside delays nothing.
 
-The policy, in two parts:
-- How many threads (`Governor`, every command and any loop that calls it): before each batch or step, at most every
-  INTERVAL_S, it reads how much CPU other processes used on the cores this process may run on (/proc/stat, minus
-  this process's own time; the hypervisor's steal counts as theirs) and sets torch's thread count to the cores they
-  leave (`threads_for`: a core counts as taken once they use more than BUSY_CORE of it), never more than torch had,
-  never fewer than one. A quiet machine keeps every thread. It never acts where the count is the user's: a thread
-  count given (`--threads`, `run.threads`), OMP_NUM_THREADS set, or torch.set_num_threads called while it runs;
-  and it never raises the count above the one it found (a program that set fewer threads keeps them).
-- How long idle threads spin (`preset_wait_policy`, the `vitkit` command only): GOMP_SPINCOUNT=SPINCOUNT, so a
-  thread that waits for a sibling put aside gives its core up after ~0.1 ms instead of ~20 ms. libgomp reads it
-  once, as torch loads, so this module sets it as it is imported (`vitkit/__init__.py` imports it first), where the
-  process is the command and torch is not loaded yet; a program that imports vitkit keeps OpenMP's default (or
-  its own OMP_WAIT_POLICY, GOMP_SPINCOUNT) and gets the thread count alone.
+The policy (`Governor`, every command and any loop that calls it): before each batch or step, at most every
+INTERVAL_S, it reads how much CPU other processes used on the cores this process may run on (/proc/stat, minus this
+process's own time; the hypervisor's steal counts as theirs) and sets torch's thread count to the cores they leave
+(`threads_for`: a core counts as taken once they use more than BUSY_CORE of it), never more than torch had, never
+fewer than one. A quiet machine keeps every thread. It never acts where the count is the user's: a thread count
+given (`--threads`, `run.threads`), OMP_NUM_THREADS set, or torch.set_num_threads called while it runs; and it never
+raises the count above the one it found (a program that set fewer threads keeps them).
+
+How long idle threads spin is left to libgomp (or the user's OMP_WAIT_POLICY, GOMP_SPINCOUNT). A shorter spin
+(GOMP_SPINCOUNT=3000, ~0.1 ms) was the command's default for a time; measured side by side it kept no larger share
+beside busy processes (the governor runs one thread there, which waits for no sibling) and cost eager 14-27% on a
+quiet machine (benchmarks/NOTES.md section 40).
 
 A measurement that a choice is cached from (`--backend auto`'s engines, the GEMM paths) is watched the same way
 (`LoadWatch`): where other processes used more than BUSY_LIMIT cores while it was timed, the choice holds for this
@@ -34,53 +33,20 @@ import contextlib
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-# torch is imported by the functions that use it: `preset_wait_policy` runs before torch loads (vitkit/__init__.py)
+# torch is imported by the functions that use it: importing this module leaves torch unloaded
 
 log = logging.getLogger(__name__)
 
-SPINCOUNT = "3000"  # libgomp spins before an idle thread sleeps (default 300,000; benchmarks/NOTES.md section 38)
-WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's own wait policy: left alone
 BUSY_CORE = 0.25  # other processes using more than this of a core (on average over a window) take that core
 BUSY_LIMIT = 0.25  # cores other processes may use while a cached choice is measured (tests set math.inf)
 INTERVAL_S = 0.5  # the governor reads the counters at most this often
 MIN_WINDOW_S = 0.1  # its first decision waits until the counters span this long (10 ms ticks: 20 on 2 cores)
 ADAPT = True  # False: no governor changes torch's thread count (tests; A/Bs)
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-# ---- the command's wait policy ---------------------------------------------------------------------------------
-
-def is_command(argv: list[str]) -> bool:
-    """Whether the process is the `vitkit` command: its script, or `python -m vitkit[.cli]` (`sys.orig_argv`). The
-    installed console script runs through its shebang, so orig_argv is [interpreter, .../bin/vitkit, ...]."""
-    if argv and Path(argv[0]).name == "vitkit":
-        return True
-    if len(argv) > 1 and not argv[1].startswith("-") and Path(argv[1]).name in ("vitkit", "vitkit.exe"):
-        return True
-    return any(a in ("-mvitkit", "-mvitkit.cli") or (a == "-m" and argv[i + 1:i + 2] in (["vitkit"], ["vitkit.cli"]))
-               for i, a in enumerate(argv[1:], 1))
-
-
-def preset_wait_policy(environ: dict[str, str] | None = None) -> str:
-    """GOMP_SPINCOUNT=SPINCOUNT in `environ` (os.environ) unless a wait policy is set there already; returns what it
-    set ("" for nothing). Acts only before torch loads libgomp, which reads it once."""
-    environ = os.environ if environ is None else environ
-    if "torch" in sys.modules or any(environ.get(k) for k in WAIT_VARS):
-        return ""
-    environ["GOMP_SPINCOUNT"] = SPINCOUNT
-    return f"GOMP_SPINCOUNT={SPINCOUNT}"
-
-
-def preset_for_command() -> None:
-    """The command's wait policy (`preset_wait_policy`), where this process is the `vitkit` command."""
-    if is_command(list(getattr(sys, "orig_argv", sys.argv))):
-        preset_wait_policy()
 
 
 # ---- what other processes use ----------------------------------------------------------------------------------
@@ -279,5 +245,3 @@ class LoadWatch:
         return (f"{what}: measured while other processes used {self.others:.1f} of {self.allowed} cores, so chosen "
                 f"for this run only, not cached")
 
-
-preset_for_command()  # at import: vitkit/__init__.py imports this module first, before anything imports torch

@@ -129,13 +129,19 @@ def compile_package(module: Autocast, example: tuple[torch.Tensor, ...], dims: t
     # compiled while vitkit.machine.threads had lowered torch's count for a busy machine would never run wider)
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or threads)
+    # AOTInductor names the package's top folder after the file's stem, which `check_members` reads as a plain name
+    # of at most 128 characters: compiled as `model.pt2` in a folder beside `out`, then moved into place (a cache's
+    # long file name, or a user's with spaces or accents, would give a package its own loader refuses)
+    work = Path(tempfile.mkdtemp(prefix=".aoti-", dir=Path(out).parent))
     try:
         with torch.no_grad():
             ep = torch.export.export(module, example, dynamic_shapes=None if dims is None else (tuple(dims),))
-            aoti_compile_and_package(ep, package_path=str(out),
+            aoti_compile_and_package(ep, package_path=str(work / "model.pt2"),
                                      inductor_configs={"freezing": True, "aot_inductor.metadata": meta})
+        os.replace(work / "model.pt2", out)
     finally:
         torch.set_num_threads(threads)
+        shutil.rmtree(work, ignore_errors=True)
     record_trusted(out)  # made here: this machine's vitkit loads it without an opt-in
     return Path(out)
 

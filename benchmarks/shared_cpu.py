@@ -38,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("eager", "compiled", "onnx", "openvino")
 SMOKE = {"model": "vit_ti16", "kwargs": {"img_size": 64, "depth": 2}}
+GAP_S = 0.25  # a worker waits this long (untimed) before its round: the previous engine's threads go idle
 
 
 # ---- the worker: one engine in a process of its own ------------------------------------------------------------
@@ -91,6 +92,10 @@ def worker(spec: dict) -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         seconds = float(line.split()[1])
+        # the engine before this one may still be busy for some milliseconds (ONNX Runtime's pool spins after a run,
+        # TBB's workers too): a governor's first window would read that as another process's load and run this
+        # round at one thread (seen: B/16 batch 8, 2 of 4 rounds beside "0 busy" at t1, right after ONNX Runtime)
+        time.sleep(GAP_S)
         if governor is not None:
             governor.restart()
             governor.step()  # the first decision of the round, from the load now (0.1 s), before the clock starts

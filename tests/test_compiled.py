@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import zipfile
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,7 +20,7 @@ from conftest import FIXTURES, Server, tiny_kwargs
 from vitkit import cli
 from vitkit.errors import CheckpointError, UsageError
 from vitkit.inference import backends
-from vitkit.inference.export import export_model, packed_examples
+from vitkit.inference.export import ExportError, export_model, packed_examples
 from vitkit.machine import aoti
 from vitkit.models.layers.packing import PackedBatch
 
@@ -450,3 +451,43 @@ def test_a_package_compiled_where_the_record_cannot_be_written_still_loads_in_th
     monkeypatch.setattr(aoti, "_MADE_HERE", set())
     with pytest.raises(CheckpointError, match="did not make"):
         aoti.load_package(tmp_path / "m.pt2")
+
+
+def test_a_failed_compile_keeps_the_file_there_and_a_link_planted_meanwhile_is_refused(tmp_path, monkeypatch):
+    """A package compiles beside its file and is renamed over it when whole: a compile that fails, or has no
+    compiler, leaves the user's previous package as it was; a symbolic link put at the path while it compiled
+    (minutes) is refused at the rename, not replaced, and its target is untouched; nothing is left beside it."""
+    import torch._inductor
+
+    m = vitkit.create_model("vit_ti16", **{**tiny_kwargs("vit_ti16"), "depth": 1}).eval()
+    old = tmp_path / "m.pt2"
+    old.write_bytes(b"the package of yesterday")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    for packed in (False, True):
+        with pytest.raises(UsageError, match="C\\+\\+ compiler"):
+            export_model(m, old, "aoti", packed=packed)
+        assert old.read_bytes() == b"the package of yesterday"
+    monkeypatch.delenv("CXX")
+
+    def broken(ep, package_path, inductor_configs):  # the compiler failing half-way (a full disk, a crash)
+        Path(package_path).write_bytes(b"half a package")
+        raise RuntimeError("C++ compile error")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
+    for packed in (False, True):
+        with pytest.raises(ExportError, match="C\\+\\+ compile error"):
+            export_model(m, old, "aoti", packed=packed)
+        assert old.read_bytes() == b"the package of yesterday"
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not yours")
+    link = tmp_path / "linked.pt2"
+
+    def planting(ep, package_path, inductor_configs):  # someone puts a link at the output while it compiles
+        Path(package_path).write_bytes(b"a whole package")
+        link.symlink_to(target)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", planting)
+    with pytest.raises(UsageError, match="symbolic link"):
+        aoti.compile_package(aoti.Autocast(m, "fp32"), (torch.randn(2, 3, 32, 32),), None, link, {})
+    assert link.is_symlink() and target.read_text() == "not yours"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "linked.pt2", "m.pt2"]

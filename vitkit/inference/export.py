@@ -193,17 +193,21 @@ def _export_packed_aoti(model: nn.Module, out: Path, tolerance: float, precision
     m = PackedInputs(_prepare(model, False))
     report = ExportReport(out, "aoti-packed", True, True, precision=precision)
     cfg = {**model.config.to_dict(), "packed_inputs": True}
+    made = False  # a compile that fails leaves the file at `out` as it was (compile_package renames when whole)
     try:
         with warnings.catch_warnings(), _quiet_exporter():
             warnings.simplefilter("ignore")
             aoti.compile_package(aoti.Autocast(m, precision), packed_examples(model.config, 0, 3),
                                  tuple(_packed_dims().values()), out, _aoti_meta(cfg, precision))
+            made = True
             run, _ = aoti.load_package(out)
     except (UsageError, VitkitError):
-        out.unlink(missing_ok=True)
+        if made:
+            out.unlink(missing_ok=True)
         raise
     except Exception as e:
-        out.unlink(missing_ok=True)
+        if made:
+            out.unlink(missing_ok=True)
         raise ExportError(f"compiling {type(model).__name__} with packed inputs failed: {type(e).__name__}: {e}") from e
     _check_packed(PackedInputs(_reference(model, m.model, False)), lambda p, c, v: run(p, c, v).numpy(), report)
     _hold(report, tolerance, "packed aoti", (out,))
@@ -292,6 +296,7 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
     example = torch.randn(hint, c.in_chans, *c.img_size, generator=torch.Generator().manual_seed(0))
     dyn = _dynamic_shapes(m, dynamic_batch, dynamic_size)
     report = ExportReport(out, format, dynamic_batch, dynamic_size, quantized=quantize, precision=precision)
+    made = True  # whether a failure leaves a file of this export's at `out` (the other exporters write there directly)
     try:
         with warnings.catch_warnings(), _quiet_exporter():
             warnings.simplefilter("ignore")
@@ -300,8 +305,10 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
             elif format == "openvino":
                 run = _export_openvino(m, example, dyn, out, opset)
             elif format == "aoti":
+                made = False  # until the package is renamed over `out`, the file there is as it was
                 aoti.compile_package(aoti.Autocast(m, precision), (example,), None if dyn is None else (dyn["x"],),
                                      out, _aoti_meta(m.config.to_dict(), precision, dynamic_size))
+                made = True
                 package, _ = aoti.load_package(out)
 
                 def run(x: np.ndarray) -> np.ndarray:
@@ -317,7 +324,8 @@ def export_model(model: nn.Module, out: str | Path, format: str = "onnx", *, dyn
     except (UsageError, ExportError):
         raise
     except Exception as e:
-        out.unlink(missing_ok=True)
+        if made:
+            out.unlink(missing_ok=True)
         if format == "openvino":
             out.with_suffix(".bin").unlink(missing_ok=True)
         raise ExportError(f"exporting {type(model).__name__} to {format} failed: {type(e).__name__}: {e}") from e

@@ -56,7 +56,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..cache import cache_dir
+from ..cache import WriteError, cache_dir, replace_output
 from ..download import sha256_of
 from ..errors import CheckpointError, UsageError
 from ..safety import check_regular, check_zip_entry, gib, open_regular
@@ -127,22 +127,27 @@ def compile_package(module: Autocast, example: tuple[torch.Tensor, ...], dims: t
     # Inductor writes loops that run at whatever thread count the caller has (`#pragma omp parallel`) only when it
     # compiles at os.cpu_count() threads; at any other count it writes that count into the package for good (one
     # compiled while vitkit.machine.threads had lowered torch's count for a busy machine would never run wider)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or threads)
     # AOTInductor names the package's top folder after the file's stem, which `check_members` reads as a plain name
-    # of at most 128 characters: compiled as `model.pt2` in a folder beside `out`, then moved into place (a cache's
-    # long file name, or a user's with spaces or accents, would give a package its own loader refuses)
-    work = Path(tempfile.mkdtemp(prefix=".aoti-", dir=Path(out).parent))
+    # of at most 128 characters: compiled as `model.pt2` in a folder of its own beside `out` (0700), vouched for
+    # there, then renamed over `out` once it is whole (a cache's long file name, or a user's with spaces or accents,
+    # would give a package its own loader refuses; a failed or interrupted compile leaves the file there as it was)
     try:
+        work = Path(tempfile.mkdtemp(prefix=".aoti-", dir=Path(out).parent))
+    except OSError as e:
+        raise WriteError(f"cannot compile a package into {Path(out).parent} ({e.strerror or e}): "
+                         f"nothing was written") from e
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(os.cpu_count() or threads)
         with torch.no_grad():
             ep = torch.export.export(module, example, dynamic_shapes=None if dims is None else (tuple(dims),))
             aoti_compile_and_package(ep, package_path=str(work / "model.pt2"),
                                      inductor_configs={"freezing": True, "aot_inductor.metadata": meta})
-        os.replace(work / "model.pt2", out)
+        record_trusted(work / "model.pt2")  # made here: this machine's vitkit loads it without an opt-in
+        replace_output(work / "model.pt2", out)  # a link, FIFO or device put at `out` meanwhile is refused
     finally:
         torch.set_num_threads(threads)
         shutil.rmtree(work, ignore_errors=True)
-    record_trusted(out)  # made here: this machine's vitkit loads it without an opt-in
     return Path(out)
 
 

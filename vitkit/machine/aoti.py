@@ -124,9 +124,6 @@ def compile_package(module: Autocast, example: tuple[torch.Tensor, ...], dims: t
         raise UsageError(f"compiling a package (--format aoti, --backend aoti) needs a C++ compiler: {NO_COMPILER}")
     meta = {**metadata, "vitkit_torch": torch.__version__, "vitkit_isa": vec_isa(),
             "vitkit_cpu_flags": " ".join(sorted(cpu_flags()))}
-    # Inductor writes loops that run at whatever thread count the caller has (`#pragma omp parallel`) only when it
-    # compiles at os.cpu_count() threads; at any other count it writes that count into the package for good (one
-    # compiled while vitkit.machine.threads had lowered torch's count for a busy machine would never run wider)
     # AOTInductor names the package's top folder after the file's stem, which `check_members` reads as a plain name
     # of at most 128 characters: compiled as `model.pt2` in a folder of its own beside `out` (0700), vouched for
     # there, then renamed over `out` once it is whole (a cache's long file name, or a user's with spaces or accents,
@@ -136,6 +133,9 @@ def compile_package(module: Autocast, example: tuple[torch.Tensor, ...], dims: t
     except OSError as e:
         raise WriteError(f"cannot compile a package into {Path(out).parent} ({e.strerror or e}): "
                          f"nothing was written") from e
+    # Inductor writes loops that run at whatever thread count the caller has (`#pragma omp parallel`) only when it
+    # compiles at os.cpu_count() threads; at any other count it writes that count into the package for good (one
+    # compiled while vitkit.machine.threads had lowered torch's count for a busy machine would never run wider)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(os.cpu_count() or threads)

@@ -175,8 +175,12 @@ class Governor:
             self.fixed = f"torch.set_num_threads({torch.get_num_threads()}) was called"
             self.current = torch.get_num_threads()
             return self.current
+        if self.last is None:
+            return self.current
+        if not self.first and time.monotonic() - self.last.wall < self.interval:
+            return self.current  # between decisions: no /proc/stat read on the batch's path
         now = read()
-        if now is None or self.last is None:
+        if now is None:
             return self.current
         span = now.wall - self.last.wall
         if self.first and span < MIN_WINDOW_S:

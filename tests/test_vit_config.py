@@ -27,7 +27,7 @@ def test_groups_cover_every_field_once_paper_first():
     assert list(groups)[0] == "paper" and groups["paper"] == PAPER
     names = [n for g in groups.values() for n in g]
     assert names == [f.name for f in dataclasses.fields(ViTConfig)]  # each once, in the class's order
-    assert set(groups) == {"paper", "position", "tokens", "pooling", "norms", "variants", "facts"}
+    assert set(groups) == {"paper", "stem", "position", "tokens", "pooling", "norms", "variants", "facts"}
     assert all(title for title, _ in GROUPS.values())
 
 

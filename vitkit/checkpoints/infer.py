@@ -92,6 +92,17 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         cfg["in_chans"] = stem.shape[1]
         stride = backbone_stride(cfg["hybrid_layers"])
         patch = (k[0] * stride, k[1] * stride)
+    elif "patch_embed.backbone.0.conv.weight" in sd:  # a conv stem (MobileCLIP's MCi): each layer's channels, kernel
+        n = _count(sd, r"patch_embed\.backbone\.(\d+)\.conv\.weight")
+        convs = [sd[f"patch_embed.backbone.{i}.conv.weight"] for i in range(n)]
+        if any(c.ndim != 4 or c.shape[2] != c.shape[3] for c in convs):
+            raise CheckpointError(f"conv stem kernels {[tuple(c.shape) for c in convs]}: vitkit's are square")
+        kernels = tuple(c.shape[2] for c in convs)
+        strides = tuple(hints.pop("conv_stem_strides", None) or kernels)  # the file cannot tell: patchify, as MCi
+        cfg.update(conv_stem=tuple(c.shape[0] for c in convs), conv_stem_kernels=kernels, conv_stem_strides=strides,
+                   in_chans=convs[0].shape[1])
+        stride = math.prod(strides)
+        patch = (k[0] * stride, k[1] * stride)
     else:
         cfg["in_chans"] = w.shape[1]
         patch = k

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -50,7 +51,48 @@ _STEM_ONLY = {"patch_embed.backbone.conv.": "patch_embed.backbone.stem.conv.",
 
 
 def is_timm_vit(keys) -> bool:
-    return "patch_embed.proj.weight" in keys and any(k.startswith("blocks.0.") for k in keys)
+    embed = "patch_embed.proj.weight" in keys or CONV_STEM_FIRST in keys  # MCi: the stem's last conv embeds
+    return embed and any(k.startswith("blocks.0.") for k in keys)
+
+
+# timm's ConvStem (MobileCLIP's MCi, `vit_base_mci_224`): `patch_embed.backbone.{i}.conv` / `.bn` layers, the last a
+# conv with a bias and no norm that embeds the patches (HybridEmbed with proj=False: no `patch_embed.proj`); vitkit's
+# `conv_stem` has the same names, its last conv as `patch_embed.proj`.
+CONV_STEM_FIRST = "patch_embed.backbone.0.conv.weight"
+_CONV_STEM_KEY = re.compile(r"patch_embed\.backbone\.(\d+)\.(conv|bn)\.")
+# The conv stems timm registers, by architecture (its entry point builds them; timm_archs.json names the module only):
+# the conv + BatchNorm + GELU layers' channels and kernels (= strides, padding 0), and the embedding's kernel.
+TIMM_CONV_STEMS = {"vit_base_mci_224": {"conv_stem": (192, 192), "conv_stem_kernels": (4, 2), "embed_kernel": 2}}
+
+
+def conv_stem_to_vitkit(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """timm's ConvStem names -> vitkit's: its last conv (no norm after it) is vitkit's `patch_embed.proj`; the
+    conv + BatchNorm layers (running statistics and `num_batches_tracked` too) keep their names. A BatchNorm without
+    its `num_batches_tracked` gets 0, torch's own rule for such a state dict (a counter: with momentum 0.1 it changes
+    no output). Other files as they are."""
+    if CONV_STEM_FIRST not in w:
+        return w
+    w = dict(w)
+    for k in [k for k in w if _CONV_STEM_KEY.match(k) and k.endswith(".bn.running_mean")]:
+        w.setdefault(k[: -len("running_mean")] + "num_batches_tracked", torch.tensor(0))
+    if "patch_embed.proj.weight" in w:
+        return w
+    layers = sorted({int(m.group(1)) for k in w if (m := _CONV_STEM_KEY.match(k))})
+    last = layers[-1]
+    if layers != list(range(last + 1)) or any(k.startswith(f"patch_embed.backbone.{last}.bn.") for k in w):
+        raise CheckpointError(f"timm conv stem layers {layers}: vitkit reads conv + BatchNorm layers 0.. and a last "
+                              f"conv without a norm (MobileCLIP's MCi)")
+    head = f"patch_embed.backbone.{last}.conv."
+    return {("patch_embed.proj." + k[len(head):] if k.startswith(head) else k): v for k, v in w.items()}
+
+
+def conv_stem_from_vitkit(out: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """vitkit's conv stem -> timm's ConvStem names (the inverse of `conv_stem_to_vitkit`)."""
+    if getattr(config, "conv_stem", None) is None:
+        return out
+    head = f"patch_embed.backbone.{len(config.conv_stem)}.conv."
+    return {(head + k[len("patch_embed.proj."):] if k.startswith("patch_embed.proj.") else k): v
+            for k, v in out.items()}
 
 
 def is_timm_naflex(keys) -> bool:
@@ -129,7 +171,7 @@ def _is_eva(keys) -> bool:
 def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
     if timm_beit.is_timm_beit(w):  # timm's Beit: its relative position tables (`timm_beit.KEYS`)
         return timm_beit.to_vitkit(w)
-    w, facts, unused = dict(w), {"act": "gelu", "norm_eps": 1e-6}, []
+    w, facts, unused = dict(conv_stem_to_vitkit(w)), {"act": "gelu", "norm_eps": 1e-6}, []
     if "mask_token" in w:  # DINOv2's release: the masked-image-modelling token, unused by the backbone
         w.pop("mask_token")
         unused.append("mask_token")
@@ -227,7 +269,7 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
     if config.mpp:
         raise CheckpointError("timm has no masked-patch-prediction head: call model.drop_mpp() first, or export to vitkit")
     eva = eva_style(config)
-    if eva and (config.hybrid_layers is not None or config.distilled):
+    if eva and (config.hybrid_layers is not None or getattr(config, "conv_stem", None) is not None or config.distilled):
         raise CheckpointError("timm's Eva (rotary embeddings, SwiGLU) has no hybrid backbone or distillation token")
     out = {}
     for k, v in sd.items():
@@ -249,7 +291,7 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
         elif eva and not config.mlp_norm and m and m.group(2).startswith("mlp.fc1_x."):
             continue
         out[k] = v
-    return out
+    return conv_stem_from_vitkit(out, config)
 
 
 def resnetv2_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
@@ -288,6 +330,15 @@ def _pretrained_cfg(c) -> dict:
 def folder_config(c) -> dict:
     """The config.json of a timm hub folder holding a vitkit model, or a CheckpointError naming what timm's
     constructors cannot express."""
+    if c.arch == "vit" and getattr(c, "conv_stem", None) is not None and (
+            c.naflex or eva_style(c) or c.norm != "layernorm" or c.pos_embed == "relative" or c.distilled
+            or c.res_post_norm or c.norm_eps != 1e-6):
+        raise CheckpointError("timm registers one ViT on a conv stem, MobileCLIP's vit_base_mci_224: a "
+                              "VisionTransformer (LayerNorm eps 1e-6, no distillation token, no res-post-norm, rotary "
+                              "embeddings, SwiGLU or relative positions); export to vitkit")
+    if c.arch == "vit" and getattr(c, "conv_stem", None) is not None and c.conv_stem_strides != c.conv_stem_kernels:
+        raise CheckpointError(f"timm's MCi stem has patchify convs (padding 0, stride = kernel): conv_stem_strides "
+                              f"{c.conv_stem_strides} are not the kernels {c.conv_stem_kernels}; export to vitkit")
     if c.arch == "vit" and c.naflex:
         return naflex_folder_config(c)
     cfg: dict = {"num_classes": c.num_classes}
@@ -344,7 +395,10 @@ def folder_config(c) -> dict:
         raise CheckpointError("timm registers no distilled hybrid")
     if c.norm_eps not in (1e-6, 1e-5) or (c.norm_eps == 1e-5 and (c.distilled or c.hybrid_layers is not None)):
         raise CheckpointError(f"timm's ViTs use LayerNorm eps 1e-6 (1e-5 for the CLIP ones), not {c.norm_eps}")
-    if c.hybrid_layers is None:
+    if c.conv_stem is not None:  # timm's HybridEmbed(proj=False) on a ConvStem: the stem's last conv embeds
+        arch, args["patch_size"], args["no_embed_class"] = "vit_base_mci_224", [1, 1], c.no_embed_class
+        first_conv = "patch_embed.backbone.0.conv"
+    elif c.hybrid_layers is None:
         # the CLIP architecture is the one whose LayerNorms have eps 1e-5 (the rest of it is in model_args)
         # the res-post-norm one is the architecture whose blocks are timm's ResPostBlock (no LayerScale)
         arch = ("deit_base_distilled_patch16_224" if c.distilled else "vit_base_patch16_rpn_224" if c.res_post_norm
@@ -665,11 +719,15 @@ def folder_facts(cfg: dict) -> dict:
     embed = args.get("embed_layer")
     if isinstance(embed, dict) and embed.get("partial") == "HybridEmbed":
         backbone = embed.get("backbone") or {}
-        if backbone.get("module") not in ("ResNetV2", "Sequential") or set(embed) - {"partial", "backbone"}:
+        conv_stem = backbone.get("module") == "ConvStem" and embed.get("proj") is False  # MCi: no projection
+        if conv_stem and not set(embed) - {"partial", "backbone", "proj"}:
+            args = {k: v for k, v in args.items() if k != "embed_layer"}
+        elif backbone.get("module") not in ("ResNetV2", "Sequential") or set(embed) - {"partial", "backbone"}:
             raise CheckpointError(f"timm's {arch} embeds patches with a {backbone.get('module')} backbone; vitkit's "
-                                  f"hybrids have a BiT ResNetV2 (the paper's)")
-        args = {k: v for k, v in args.items() if k != "embed_layer"}
-        facts.update(TIMM_HYBRID_NUMERICS)
+                                  f"hybrids have a BiT ResNetV2 (the paper's) or MobileCLIP's conv stem")
+        else:
+            args = {k: v for k, v in args.items() if k != "embed_layer"}
+            facts.update(TIMM_HYBRID_NUMERICS)
     if args.get("pool_include_prefix") and facts["classifier"] != "map":
         raise CheckpointError(f"timm's {arch} averages the prefix tokens with the patches (pool_include_prefix), "
                               f"which vitkit does not implement (its 'avg' pools the patches alone)")
@@ -838,7 +896,15 @@ def _vit_sizes(arch: str, cls: str | None, args: dict, facts: dict) -> dict:
     if cls == "VisionTransformerDistilled":
         out["distilled"] = True
     embed = args.get("embed_layer")
-    if isinstance(embed, dict) and embed.get("partial") == "HybridEmbed":
+    if isinstance(embed, dict) and embed.get("partial") == "HybridEmbed" and embed.get("backbone", {}).get(
+            "module") == "ConvStem":  # MobileCLIP's stem, its layers as the entry point builds them
+        if arch not in TIMM_CONV_STEMS or patch != (1, 1):
+            raise CheckpointError(f"timm's {arch} has a ConvStem whose layers vitkit does not know (vitkit: "
+                                  f"{', '.join(TIMM_CONV_STEMS)}, timm's patch_size 1)")
+        stem = TIMM_CONV_STEMS[arch]
+        out.update(conv_stem=stem["conv_stem"], conv_stem_kernels=stem["conv_stem_kernels"])
+        patch = (math.prod(stem["conv_stem_kernels"]) * stem["embed_kernel"],) * 2
+    elif isinstance(embed, dict) and embed.get("partial") == "HybridEmbed":
         layers = tuple(embed.get("backbone", {}).get("stages", ()))
         out["hybrid_layers"] = layers
         patch = tuple(p * backbone_stride(layers) for p in patch)  # vitkit's patch: the backbone's stride times timm's

@@ -55,7 +55,6 @@ REFUSED_FAMILIES = [
     (r"_(dlittle|dwee|dpwee)_", "differential attention"),
     (r"_sapiens2$", "Sapiens2: LayerScale on the attention branch alone (attn_only_layer_scale); vitkit has its "
                     "grouped-query attention (num_kv_heads: a Sapiens2 folder without that LayerScale loads)"),
-    (r"_mci_", "MobileCLIP's MCi: a convolutional stem"),
     (r"_resnet\d+d", "hybrids on a ResNet-D (vitkit's hybrids have BiT's ResNetV2)"),
 ]
 # timm's ViT-like families outside the modules vitkit reads: refused by name, with what they add

@@ -16,6 +16,7 @@ flat or a nested dict. Checkpoints are written flat, the fields newer than the p
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from .layers import LearnedPosEmbed1d, LearnedPosEmbed2d, NoPosEmbed, SinCosPosEmbed2d
@@ -33,7 +34,8 @@ MLP_LAYERS = ("mlp", "swiglu")
 ROPES = (None, *ROPE_KINDS)
 ROPE_INDEXING = ("ij", "xy")
 # fields newer than the previous vitkit release, with their defaults: `to_dict` leaves them out when at the default
-_LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0}
+_LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0,
+                 "conv_stem": None, "conv_stem_kernels": (), "conv_stem_strides": ()}
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
@@ -49,6 +51,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
               ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_dim",
                "classifier", "representation_size", "drop_rate", "attn_drop_rate", "drop_path_rate", "qkv_bias", "act",
                "norm_eps", "hybrid_layers", "hybrid_width", "hybrid_ws_eps", "hybrid_ws_eps_mode", "hybrid_gn_eps")),
+    "stem": ("convolutional stem (MobileCLIP's MCi)", ("conv_stem", "conv_stem_kernels", "conv_stem_strides")),
     "position": ("position and rotary embeddings",
                  ("pos_embed", "no_embed_class", "pos_resample", "pos_resample_square", "dynamic_img_size", "rope",
                   "rope_ref_grid", "rope_temperature", "rope_indexing", "rope_offset", "rope_half")),
@@ -86,6 +89,13 @@ class ViTConfig:
         hybrid_layers: blocks per ResNet stage for a hybrid (e.g. (3, 4, 9)); () the ResNet stem alone
             (AugReg's R+Ti/16); None: a plain ViT.
         hybrid_width: the ResNet width factor; hybrid_ws_eps/_mode, hybrid_gn_eps: its numerics.
+
+    Convolutional stem (the hybrid's other backbone kind; `layers/conv_stem.py`):
+        conv_stem: the output channels of each conv + BatchNorm + exact GELU layer before the patch embedding,
+            which is the stem's last conv (MobileCLIP's MCi: (192, 192), then the 768-wide 2x2/2 embedding);
+            None: none. patch_size is then the total stride, as for a ResNet hybrid.
+        conv_stem_kernels, conv_stem_strides: each layer's kernel and stride (MCi: (4, 2) and (4, 2)); the strides
+            () are the kernels (patchify convs). Padding (kernel - stride + 1) // 2 keeps H / stride exact.
 
     Position and rotary embeddings:
         pos_embed: "learned_1d" (the paper's) | "learned_2d" | "sincos_2d" | "none" | "relative" (App. D.4).
@@ -180,6 +190,10 @@ class ViTConfig:
     hybrid_ws_eps: float = 1e-5
     hybrid_ws_eps_mode: str = "std"
     hybrid_gn_eps: float = 1e-6
+    # ---- convolutional stem ----
+    conv_stem: tuple[int, ...] | None = None
+    conv_stem_kernels: tuple[int, ...] = ()
+    conv_stem_strides: tuple[int, ...] = ()
     # ---- position and rotary embeddings ----
     pos_embed: str = "learned_1d"
     no_embed_class: bool = False
@@ -311,11 +325,36 @@ class ViTConfig:
             if any(p % stride for p in self.patch_size):
                 raise UsageError(f"patch_size {self.patch_size} (the hybrid's total stride) is not a multiple of its "
                                  f"ResNet's stride {stride} ({len(self.hybrid_layers)} stage(s))")
+        self._check_conv_stem()
         for s, p in zip(self.img_size, self.patch_size):
             if s % p:
                 raise UsageError(f"img_size {self.img_size} is not divisible by patch_size {self.patch_size}")
         if self.class_names is not None and self.num_classes and len(self.class_names) != self.num_classes:
             raise UsageError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+
+    def _check_conv_stem(self) -> None:
+        """The conv stem's fields: one kernel and stride per layer, no ResNet beside it, a patch size its stride
+        divides (defaults when there is none, so that a config without a stem reads as before)."""
+        self.conv_stem_kernels, self.conv_stem_strides = tuple(self.conv_stem_kernels), tuple(self.conv_stem_strides)
+        if self.conv_stem is None:
+            if self.conv_stem_kernels or self.conv_stem_strides:
+                raise UsageError("conv_stem_kernels and conv_stem_strides describe a conv stem: set conv_stem too")
+            return
+        self.conv_stem = tuple(self.conv_stem)
+        if not self.conv_stem_strides:
+            self.conv_stem_strides = self.conv_stem_kernels
+        if not self.conv_stem or not len(self.conv_stem) == len(self.conv_stem_kernels) == len(self.conv_stem_strides):
+            raise UsageError(f"conv_stem {self.conv_stem}: one kernel and one stride per layer, got kernels "
+                             f"{self.conv_stem_kernels} and strides {self.conv_stem_strides}")
+        if any(k < s for k, s in zip(self.conv_stem_kernels, self.conv_stem_strides)):
+            raise UsageError(f"conv_stem_kernels {self.conv_stem_kernels} smaller than the strides "
+                             f"{self.conv_stem_strides} skip pixels")
+        if self.hybrid_layers is not None or self.mpp:
+            raise UsageError("conv_stem is a hybrid backbone of its own: not with hybrid_layers (a ResNet) or mpp")
+        stride = math.prod(self.conv_stem_strides)
+        if any(p % stride for p in self.patch_size):
+            raise UsageError(f"patch_size {self.patch_size} (the total stride) is not a multiple of the conv stem's "
+                             f"stride {stride}")
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -405,6 +444,7 @@ class ViTConfig:
               "MAP head" if self.classifier == "map" else "", "quick GELU" if self.act == "quick_gelu" else "",
               "distillation token" if self.distilled else "",
               "residual post-norm" if self.res_post_norm else "",
+              f"conv stem {self.conv_stem}" if self.conv_stem else "",
               f"grouped-query attention ({self.num_kv_heads} key/value heads)" if self.num_kv_heads else ""]
         return [o for o in on if o]
 

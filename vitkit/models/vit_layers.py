@@ -14,6 +14,7 @@ from torch import nn
 from .layers import (
     Attention,
     AttentionPool,
+    ConvStem,
     DropPath,
     LayerScale,
     Mlp,
@@ -39,8 +40,11 @@ def norm_or_identity(c: ViTConfig, on: bool) -> nn.Module:
 
 
 def make_patch_embed(c: ViTConfig) -> PatchEmbed:
-    """Eq. 1's patch embedding; for a hybrid, on the feature map of a ResNet built first (`hybrid_layers`)."""
+    """Eq. 1's patch embedding; for a hybrid, on the feature map of a ResNet built first (`hybrid_layers`) or of a
+    conv stem (`conv_stem`, MobileCLIP's MCi: the embedding is the stem's last conv)."""
     backbone = None
+    if c.conv_stem is not None:
+        backbone = ConvStem(c.conv_stem, c.conv_stem_kernels, c.conv_stem_strides, in_chans=c.in_chans)
     if c.hybrid_layers is not None:
         backbone = ResNetBackbone(c.hybrid_layers, width_factor=c.hybrid_width, in_chans=c.in_chans,
                                   ws_eps=c.hybrid_ws_eps, ws_eps_mode=c.hybrid_ws_eps_mode, gn_eps=c.hybrid_gn_eps)

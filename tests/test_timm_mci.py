@@ -1,0 +1,197 @@
+"""MobileCLIP's MCi image encoder (timm's `vit_base_mci_224`, issue 53): a ViT-B on a convolutional stem (conv 4x4/4 +
+BatchNorm + GELU, conv 2x2/2 + BatchNorm + GELU, the 2x2/2 patch embedding with a bias: vitkit's `conv_stem`). timm's
+own files at two small widths, one at a non-square input (tests/fixtures/timm_mci, `make_registry_sweep.py mci`): the
+folders and their bare state dicts load and give timm's logits (<= 1e-4, fp32) in eval mode (BatchNorm's running
+statistics) and in train mode (the batch's); timm's name builds timm's parameter count; vitkit's timm export is timm's
+file, tensor for tensor (BatchNorm's batch count too), and timm reads it to its own logits."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import vitkit
+from vitkit.checkpoints.io import CheckpointError, read_safetensors
+from vitkit.errors import UsageError
+from vitkit.models import ViTConfig, build_model
+
+FIX = Path(__file__).parent / "fixtures" / "timm_mci"
+CASES = json.loads((FIX / "index.json").read_text())["cases"]
+TOL = 1e-4
+# timm 1.0.31 counts vit_base_mci_224's parameters (tests/fixtures/make_registry_sweep.py archs: timm_archs.json):
+# with its 512-wide head (MobileCLIP's image embedding) and with none
+MCI_PARAMS, MCI_PARAMS_0 = 86_349_056, 85_955_328
+
+
+def _input(case: str) -> torch.Tensor:
+    return torch.from_numpy(np.load(FIX / case / "input.npy"))
+
+
+def _worst(model, case: str, expected: str = "logits") -> float:
+    with torch.no_grad():
+        out = model(_input(case)).numpy()
+    return float(np.abs(out - np.load(FIX / case / f"{expected}.npy")).max())
+
+
+def _stem(case: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(vitkit's conv_stem, conv_stem_kernels) of a case: timm's ConvStem but its last conv (the embedding)."""
+    stem = CASES[case]["conv_stem"]
+    return tuple(stem["channels"][:-1]), tuple(stem["kernels"][:-1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_timm_mci_folder_gives_timms_logits_in_eval_and_train_mode(case):
+    model = vitkit.load(FIX / case)
+    c = model.config
+    assert (c.conv_stem, c.conv_stem_kernels) == _stem(case) and c.conv_stem_strides == c.conv_stem_kernels
+    assert tuple(c.img_size) == tuple(CASES[case]["input"]) and c.no_embed_class and c.hybrid_layers is None
+    assert c.patch_size == (16, 16) and not model.training
+    assert _worst(model, case) <= TOL
+    # train mode: BatchNorm normalises by the batch's statistics (the fixture's running ones are far from them)
+    assert _worst(model.train(), case, "logits_train") <= TOL
+    assert np.abs(np.load(FIX / case / "logits.npy") - np.load(FIX / case / "logits_train.npy")).max() > 1e-2
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bare_timm_mci_state_dict_loads_by_its_tensors_and_by_its_name(case):
+    """The folder's model.safetensors alone: its stem read from its tensors, the head count and (for the non-square
+    grid) the size given, as a timm user gives them to create_model; and named by its architecture."""
+    row = CASES[case]
+    f = FIX / case / "model.safetensors"
+    hints = {"num_heads": row["model_args"]["num_heads"], "img_size": tuple(row["input"])}
+    named = vitkit.load(f, architecture="vit_base_mci_224", **hints)
+    assert named.config.no_embed_class and named.config.mean == (0.0, 0.0, 0.0)
+    assert _worst(named, case) <= TOL
+    # without the name, the patches-only position embedding is what the tensors tell (a square grid) or the user says
+    square = row["input"][0] == row["input"][1]
+    assert _worst(vitkit.load(f, **hints, **({} if square else {"no_embed_class": True})), case) <= TOL
+
+
+def test_a_state_dict_without_batchnorm_batch_counts_loads(tmp_path):
+    """`num_batches_tracked` absent (a writer that drops it): 0, as torch's BatchNorm fills it; the outputs are the
+    same (with momentum 0.1 it is a counter only)."""
+    from safetensors.torch import save_file
+
+    case = "mci_3x3"
+    sd = read_safetensors(FIX / case / "model.safetensors")[0]
+    assert sum(k.endswith("num_batches_tracked") for k in sd) == 2
+    save_file({k: v for k, v in sd.items() if not k.endswith("num_batches_tracked")}, tmp_path / "model.safetensors")
+    model = vitkit.load(tmp_path / "model.safetensors", architecture="vit_base_mci_224", num_heads=2)
+    assert int(model.patch_embed.backbone[0].bn.num_batches_tracked) == 0
+    assert _worst(model, case) <= TOL
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_timms_name_with_the_stem_builds_the_fixture_model(case):
+    """`create_model("vit_base_mci_224", **timm's keywords)` with the stem's layers (vitkit's conv_stem: timm takes
+    the stem as an embed_layer module) takes timm's weights strictly."""
+    row = CASES[case]
+    channels, kernels = _stem(case)
+    model = vitkit.create_model("vit_base_mci_224", conv_stem=channels, conv_stem_kernels=kernels, **row["model_args"])
+    assert sum(p.numel() for p in model.parameters()) == row["params"]
+    model.load_state_dict(vitkit.load(FIX / case).state_dict(), strict=True)
+    assert _worst(model.eval(), case) <= TOL
+
+
+def test_vit_base_mci_224_has_timms_parameter_count():
+    with torch.device("meta"):
+        model = vitkit.create_model("vit_base_mci_224")
+        headless = vitkit.create_model("vit_base_mci_224", num_classes=0)
+    c = model.config
+    assert (c.conv_stem, c.conv_stem_kernels, c.conv_stem_strides, c.patch_size) == ((192, 192), (4, 2), (4, 2), (16, 16))
+    assert model.num_classes == 512 and c.no_embed_class and c.mean == (0.0, 0.0, 0.0)
+    assert sum(p.numel() for p in model.parameters()) == MCI_PARAMS
+    assert sum(p.numel() for p in headless.parameters()) == MCI_PARAMS_0
+    # the stem's norms are BatchNorm with running statistics and a batch count (buffers, not parameters)
+    names = dict(model.named_buffers())
+    assert {"patch_embed.backbone.0.bn.running_mean", "patch_embed.backbone.1.bn.num_batches_tracked"} <= set(names)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_export_to_timm_writes_timms_file(case, tmp_path):
+    """vitkit's timm export of the folder is timm's model.safetensors name for name and value for value (the last
+    stem conv back at `patch_embed.backbone.2.conv`, BatchNorm's int64 batch count kept); its config.json names the
+    architecture; timm read vitkit's export to its own logits (index.json, when the fixture was made)."""
+    row = CASES[case]
+    out = vitkit.export(vitkit.load(FIX / case), tmp_path / "export", to="timm")
+    ours, theirs = read_safetensors(out / "model.safetensors")[0], read_safetensors(FIX / case / "model.safetensors")[0]
+    assert sorted(ours) == sorted(theirs)
+    for k, v in theirs.items():
+        assert ours[k].dtype == v.dtype and torch.equal(ours[k], v), k
+    assert int(ours["patch_embed.backbone.0.bn.num_batches_tracked"]) == int(
+        theirs["patch_embed.backbone.0.bn.num_batches_tracked"]) > 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architecture"] == "vit_base_mci_224" and cfg["model_args"]["patch_size"] == [1, 1]
+    assert cfg["model_args"]["no_embed_class"] is True
+    assert _worst(vitkit.load(out), case) <= TOL
+    assert row["export_same_names"] and row["export_max_abs_tensor_diff"] == 0.0
+    assert row["timm_reads_vitkit_export"] <= TOL and row["timm_reads_back"] <= TOL
+
+
+def test_export_refuses_a_conv_stem_timm_cannot_hold(tmp_path):
+    """Strides other than the kernels (padded convs): timm's file would read back as patchify convs. A distilled
+    model on a conv stem: timm registers none."""
+    base = dict(img_size=32, patch_size=16, embed_dim=16, depth=1, num_heads=2, mlp_dim=32, num_classes=3,
+                conv_stem=(8, 8), conv_stem_kernels=(3, 4), conv_stem_strides=(2, 4))
+    with pytest.raises(CheckpointError, match="conv_stem_strides"):
+        vitkit.export(build_model(ViTConfig(**base)), tmp_path / "padded", to="timm")
+    distilled = {**base, "conv_stem_kernels": (2, 8), "conv_stem_strides": (), "distilled": True}
+    with pytest.raises(CheckpointError, match="vit_base_mci_224"):
+        vitkit.export(build_model(ViTConfig(**distilled)), tmp_path / "distilled", to="timm")
+    # vitkit's own format holds either, BatchNorm's buffers included
+    model = build_model(ViTConfig(**base)).eval()
+    back = vitkit.load(vitkit.export(model, tmp_path / "own.safetensors"))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(back(x), model(x))
+    assert back.config.conv_stem_strides == (2, 4)
+
+
+def test_conv_stem_config_is_checked():
+    base = dict(img_size=32, patch_size=16, embed_dim=16, depth=1, num_heads=2, mlp_dim=32)
+    for bad, words in [({"conv_stem": (8,), "conv_stem_kernels": (4, 2)}, "one kernel and one stride"),
+                       ({"conv_stem": (8, 8), "conv_stem_kernels": (2, 2), "conv_stem_strides": (4, 2)}, "skip pixels"),
+                       ({"conv_stem": (8, 8), "conv_stem_kernels": (4, 8)}, "not a multiple"),
+                       ({"conv_stem": (8,), "conv_stem_kernels": (4,), "hybrid_layers": ()}, "hybrid_layers"),
+                       ({"conv_stem_kernels": (4,)}, "set conv_stem"),
+                       ({"conv_stem": (0,), "conv_stem_kernels": (4,)}, "conv_stem")]:
+        with pytest.raises(UsageError, match=words):
+            ViTConfig(**base, **bad)
+    # a config without a stem writes none of the stem's fields (the previous vitkit reads it)
+    assert "conv_stem" not in ViTConfig(**base).to_dict()
+    padded = ViTConfig(**base, conv_stem=(8,), conv_stem_kernels=(3,), conv_stem_strides=(2,))
+    assert ViTConfig.from_dict(padded.to_dict()) == padded
+    with torch.no_grad():  # padding (k - s + 1) // 2: each layer divides the size by its stride exactly
+        assert build_model(padded).patch_embed.backbone(torch.zeros(1, 3, 32, 32)).shape == (1, 8, 16, 16)
+
+
+def test_a_conv_stem_model_trains():
+    """A few optimiser steps in train mode: the loss is finite and falls, a gradient reaches every parameter (the
+    stem's convs and BatchNorm scales too), BatchNorm's running statistics and batch count move; in eval mode the
+    model then uses those running statistics (a batch of one gives the same logits alone as beside another image)."""
+    torch.manual_seed(0)
+    model = vitkit.create_model("vit_base_mci_224", conv_stem=(8, 8), embed_dim=32, depth=2, num_heads=2,
+                                img_size=32, num_classes=3)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
+    bn = model.patch_embed.backbone[0].bn
+    mean0 = bn.running_mean.clone()
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if len(losses) == 1:  # (the head starts at zero: the first step's gradient stops there)
+            missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+            assert not missing, missing
+        opt.step()
+        losses.append(loss.item())
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert int(bn.num_batches_tracked) == 5 and not torch.equal(bn.running_mean, mean0)
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(x[:1]), model(x)[:1], atol=1e-5)

@@ -2,7 +2,7 @@
 BatchNorm + GELU, conv 2x2/2 + BatchNorm + GELU, the 2x2/2 patch embedding with a bias: vitkit's `conv_stem`). timm's
 own files at two small widths, one at a non-square input (tests/fixtures/timm_mci, `make_registry_sweep.py mci`): the
 folders and their bare state dicts load and give timm's logits (<= 1e-4, fp32) in eval mode (BatchNorm's running
-statistics) and in train mode (the batch's); timm's name builds timm's parameter count; vitkit's timm export is timm's
+statistics), in train mode (the batch's) and resized to another grid; timm's name builds timm's parameter count; vitkit's timm export is timm's
 file, tensor for tensor (BatchNorm's batch count too), and timm reads it to its own logits."""
 from __future__ import annotations
 
@@ -53,6 +53,18 @@ def test_a_timm_mci_folder_gives_timms_logits_in_eval_and_train_mode(case):
     # train mode: BatchNorm normalises by the batch's statistics (the fixture's running ones are far from them)
     assert _worst(model.train(), case, "logits_train") <= TOL
     assert np.abs(np.load(FIX / case / "logits.npy") - np.load(FIX / case / "logits_train.npy")).max() > 1e-2
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_at_another_size_the_position_grid_resamples_as_timms(case):
+    """timm's `set_input_size` (the stem's feature map at the new size, the position grid resampled by antialiased
+    bicubic) against `vitkit.load(folder, img_size=...)`: square to non-square and back."""
+    size = tuple(CASES[case]["resized"])
+    model = vitkit.load(FIX / case, img_size=size)
+    assert model.config.img_size == size and model.config.pos_resample == "bicubic"
+    with torch.no_grad():
+        out = model(torch.from_numpy(np.load(FIX / case / "input_resized.npy"))).numpy()
+    assert np.abs(out - np.load(FIX / case / "logits_resized.npy")).max() <= TOL
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -11,7 +11,8 @@ Two containers:
 
 vitkit's module names follow timm's, so most keys map one to one; the differences are the position embedding
 (`pos_embed` is a module here: `pos_embed.weight`), BiT's 1x1-conv head (a Linear here) and the stem-only
-hybrid (timm's backbone *is* the stem there: `patch_embed.backbone.conv`, `.norm`). timm's `Eva` (EVA-02) names
+hybrid (timm's backbone *is* the stem there: `patch_embed.backbone.conv`, `.norm`) and MobileCLIP's conv stem (timm's
+last `patch_embed.backbone.{n}.conv` is vitkit's `patch_embed.proj`). timm's `Eva` (EVA-02) names
 LayerScale `gamma_1`/`gamma_2`, keeps the query and value biases apart (`q_bias`, `v_bias`; the key has none) or the
 three projections apart (`q_proj`, `k_proj`, `v_proj`), and packs SwiGLU's two input projections into one `mlp.fc1`
 (gate rows first) unless the MLP has a norm. DINOv2's release names the registers `register_tokens`, keeps the

@@ -6,6 +6,7 @@ statistics), in train mode (the batch's) and resized to another grid; timm's nam
 file, tensor for tensor (BatchNorm's batch count too), and timm reads it to its own logits."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def _stem(case: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 def test_a_timm_mci_folder_gives_timms_logits_in_eval_and_train_mode(case):
     model = vitkit.load(FIX / case)
     c = model.config
-    assert (c.conv_stem, c.conv_stem_kernels) == _stem(case) and c.conv_stem_strides == c.conv_stem_kernels
+    assert (c.conv_stem, c.conv_stem_kernels) == _stem(case) and c.conv_stem_strides == ()
+    assert c.stem_strides == c.conv_stem_kernels  # patchify convs
     assert tuple(c.img_size) == tuple(CASES[case]["input"]) and c.no_embed_class and c.hybrid_layers is None
     assert c.patch_size == (16, 16) and not model.training
     assert _worst(model, case) <= TOL
@@ -113,7 +115,7 @@ def test_vit_base_mci_224_has_timms_parameter_count():
         model = vitkit.create_model("vit_base_mci_224")
         headless = vitkit.create_model("vit_base_mci_224", num_classes=0)
     c = model.config
-    assert (c.conv_stem, c.conv_stem_kernels, c.conv_stem_strides, c.patch_size) == ((192, 192), (4, 2), (4, 2), (16, 16))
+    assert (c.conv_stem, c.conv_stem_kernels, c.stem_strides, c.patch_size) == ((192, 192), (4, 2), (4, 2), (16, 16))
     assert model.num_classes == 512 and c.no_embed_class and c.mean == (0.0, 0.0, 0.0)
     assert sum(p.numel() for p in model.parameters()) == MCI_PARAMS
     assert sum(p.numel() for p in headless.parameters()) == MCI_PARAMS_0
@@ -173,7 +175,10 @@ def test_conv_stem_config_is_checked():
         with pytest.raises(UsageError, match=words):
             ViTConfig(**base, **bad)
     # a config without a stem writes none of the stem's fields (the previous vitkit reads it)
-    assert "conv_stem" not in ViTConfig(**base).to_dict()
+    assert not {"conv_stem", "conv_stem_kernels", "conv_stem_strides"} & set(ViTConfig(**base).to_dict())
+    # strides equal to the kernels are stored as () (patchify), so that new kernels bring their strides along
+    mci = ViTConfig(**base, conv_stem=(8, 8), conv_stem_kernels=(4, 2), conv_stem_strides=(4, 2))
+    assert mci.conv_stem_strides == () and dataclasses.replace(mci, conv_stem_kernels=(2, 2)).stem_strides == (2, 2)
     padded = ViTConfig(**base, conv_stem=(8,), conv_stem_kernels=(3,), conv_stem_strides=(2,))
     assert ViTConfig.from_dict(padded.to_dict()) == padded
     with torch.no_grad():  # padding (k - s + 1) // 2: each layer divides the size by its stride exactly
@@ -207,3 +212,38 @@ def test_a_conv_stem_model_trains():
     model.eval()
     with torch.no_grad():
         assert torch.allclose(model(x[:1]), model(x)[:1], atol=1e-5)
+
+
+def test_counting_flops_leaves_batchnorm_alone():
+    """The FLOP probe (run on a model in train mode when a run describes it) runs in eval mode: BatchNorm's running
+    statistics and batch count stay as they were, and so does every module's mode."""
+    from vitkit.models.stats import count_flops
+
+    model = vitkit.create_model("vit_base_mci_224", conv_stem=(8, 8), embed_dim=32, depth=1, num_heads=2, img_size=32)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert count_flops(model, (32, 32)) > 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(m.training for m in model.modules())
+
+
+def test_a_training_run_on_a_conv_stem_learns(tmp_path):
+    """vitkit's trainer on timm's name with a small stem (digits, 16 px, seconds): it learns, and the run's weights
+    hold finite running statistics counted over its steps."""
+    from vitkit.training import apply_overrides, get_preset, train
+
+    cfg = get_preset("fashion-mnist")
+    cfg.model.overrides = {}
+    apply_overrides(cfg, {
+        "data.dataset": "digits", "data.batch_size": 64, "data.eval_batch_size": 500, "model.name": "vit_base_mci_224",
+        "aug.hflip": False, "aug.pad": 0, "run.tta": "none", "optim.lr": 3e-3, "schedule.epochs": 4,
+        "schedule.warmup_epochs": 0.5, "run.progress": False, "run.threads": 1, "run.deterministic": True,
+        "run.precision": "fp32", "run.out_dir": str(tmp_path / "run"),
+        "model.overrides": {"conv_stem": [16, 16], "conv_stem_kernels": [2, 2], "embed_dim": 64, "depth": 2,
+                            "num_heads": 4, "mlp_ratio": 2.0, "img_size": 16, "in_chans": 1}})
+    res = train(cfg)
+    assert res["acc1"] > 0.8, res  # 10 classes: chance is 0.1
+    model = vitkit.load(tmp_path / "run" / "final.safetensors")
+    bn = model.patch_embed.backbone[0].bn
+    assert model.config.conv_stem == (16, 16) and torch.isfinite(bn.running_mean).all()
+    assert int(bn.num_batches_tracked) == res["step"]

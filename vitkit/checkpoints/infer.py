@@ -99,9 +99,10 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
             raise CheckpointError(f"conv stem kernels {[tuple(c.shape) for c in convs]}: vitkit's are square")
         kernels = tuple(c.shape[2] for c in convs)
         strides = tuple(hints.pop("conv_stem_strides", None) or kernels)  # the file cannot tell: patchify, as MCi
+        strides = () if strides == kernels else strides
         cfg.update(conv_stem=tuple(c.shape[0] for c in convs), conv_stem_kernels=kernels, conv_stem_strides=strides,
                    in_chans=convs[0].shape[1])
-        stride = math.prod(strides)
+        stride = math.prod(strides or kernels)
         patch = (k[0] * stride, k[1] * stride)
     else:
         cfg["in_chans"] = w.shape[1]

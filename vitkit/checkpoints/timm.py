@@ -337,7 +337,7 @@ def folder_config(c) -> dict:
         raise CheckpointError("timm registers one ViT on a conv stem, MobileCLIP's vit_base_mci_224: a "
                               "VisionTransformer (LayerNorm eps 1e-6, no distillation token, no res-post-norm, rotary "
                               "embeddings, SwiGLU or relative positions); export to vitkit")
-    if c.arch == "vit" and getattr(c, "conv_stem", None) is not None and c.conv_stem_strides != c.conv_stem_kernels:
+    if c.arch == "vit" and getattr(c, "conv_stem", None) is not None and c.conv_stem_strides:
         raise CheckpointError(f"timm's MCi stem has patchify convs (padding 0, stride = kernel): conv_stem_strides "
                               f"{c.conv_stem_strides} are not the kernels {c.conv_stem_kernels}; export to vitkit")
     if c.arch == "vit" and c.naflex:

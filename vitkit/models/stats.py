@@ -49,10 +49,18 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
     These are the model's FLOPs, as the paper and the peers count them: every token through every block
     (`forward_features`, then the head), also where vitkit's `forward` runs the last block on the class token
     alone (`model.last_block_cls_only`), whose saving then shows as speed, not as fewer FLOPs.
+    Counted in eval mode (the same matmuls), the modules' modes restored after: a train-mode forward of this probe
+    would move a BatchNorm's running statistics (a conv stem's) by an input that is not data.
     """
-    x = torch.empty(batch, in_chans, *img_size, device=next(model.parameters()).device)
-    with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter, torch.no_grad():
-        model.forward_head(model.forward_features(x))
+    x = torch.zeros(batch, in_chans, *img_size, device=next(model.parameters()).device)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter, torch.no_grad():
+            model.forward_head(model.forward_features(x))
+    finally:
+        for m, training in modes:
+            m.training = training
     return counter.get_total_flops() // batch
 
 

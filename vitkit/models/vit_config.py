@@ -94,8 +94,10 @@ class ViTConfig:
         conv_stem: the output channels of each conv + BatchNorm + exact GELU layer before the patch embedding,
             which is the stem's last conv (MobileCLIP's MCi: (192, 192), then the 768-wide 2x2/2 embedding);
             None: none. patch_size is then the total stride, as for a ResNet hybrid.
-        conv_stem_kernels, conv_stem_strides: each layer's kernel and stride (MCi: (4, 2) and (4, 2)); the strides
-            () are the kernels (patchify convs). Padding (kernel - stride + 1) // 2 keeps H / stride exact.
+        conv_stem_kernels, conv_stem_strides: each layer's kernel and stride (MCi: kernels (4, 2), strides ()); the
+            strides () are the kernels (patchify convs; strides equal to the kernels are stored so, so that a new
+            conv_stem_kernels brings its strides along), `stem_strides` the strides in force. Padding
+            (kernel - stride + 1) // 2 keeps H / stride exact.
 
     Position and rotary embeddings:
         pos_embed: "learned_1d" (the paper's) | "learned_2d" | "sincos_2d" | "none" | "relative" (App. D.4).
@@ -341,20 +343,25 @@ class ViTConfig:
                 raise UsageError("conv_stem_kernels and conv_stem_strides describe a conv stem: set conv_stem too")
             return
         self.conv_stem = tuple(self.conv_stem)
-        if not self.conv_stem_strides:
-            self.conv_stem_strides = self.conv_stem_kernels
-        if not self.conv_stem or not len(self.conv_stem) == len(self.conv_stem_kernels) == len(self.conv_stem_strides):
+        if self.conv_stem_strides == self.conv_stem_kernels:
+            self.conv_stem_strides = ()  # patchify convs: the strides are the kernels
+        if not self.conv_stem or not len(self.conv_stem) == len(self.conv_stem_kernels) == len(self.stem_strides):
             raise UsageError(f"conv_stem {self.conv_stem}: one kernel and one stride per layer, got kernels "
                              f"{self.conv_stem_kernels} and strides {self.conv_stem_strides}")
-        if any(k < s for k, s in zip(self.conv_stem_kernels, self.conv_stem_strides)):
+        if any(k < s for k, s in zip(self.conv_stem_kernels, self.stem_strides)):
             raise UsageError(f"conv_stem_kernels {self.conv_stem_kernels} smaller than the strides "
                              f"{self.conv_stem_strides} skip pixels")
         if self.hybrid_layers is not None or self.mpp:
             raise UsageError("conv_stem is a hybrid backbone of its own: not with hybrid_layers (a ResNet) or mpp")
-        stride = math.prod(self.conv_stem_strides)
+        stride = math.prod(self.stem_strides)
         if any(p % stride for p in self.patch_size):
             raise UsageError(f"patch_size {self.patch_size} (the total stride) is not a multiple of the conv stem's "
                              f"stride {stride}")
+
+    @property
+    def stem_strides(self) -> tuple[int, ...]:
+        """Each conv stem layer's stride: conv_stem_strides, or the kernels where that is ()."""
+        return self.conv_stem_strides or self.conv_stem_kernels
 
     @property
     def grid_size(self) -> tuple[int, int]:

@@ -44,7 +44,7 @@ def make_patch_embed(c: ViTConfig) -> PatchEmbed:
     conv stem (`conv_stem`, MobileCLIP's MCi: the embedding is the stem's last conv)."""
     backbone = None
     if c.conv_stem is not None:
-        backbone = ConvStem(c.conv_stem, c.conv_stem_kernels, c.conv_stem_strides, in_chans=c.in_chans)
+        backbone = ConvStem(c.conv_stem, c.conv_stem_kernels, c.stem_strides, in_chans=c.in_chans)
     if c.hybrid_layers is not None:
         backbone = ResNetBackbone(c.hybrid_layers, width_factor=c.hybrid_width, in_chans=c.in_chans,
                                   ws_eps=c.hybrid_ws_eps, ws_eps_mode=c.hybrid_ws_eps_mode, gn_eps=c.hybrid_gn_eps)

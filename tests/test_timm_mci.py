@@ -155,6 +155,9 @@ def test_export_refuses_a_conv_stem_timm_cannot_hold(tmp_path):
     distilled = {**base, "conv_stem_kernels": (2, 8), "conv_stem_strides": (), "distilled": True}
     with pytest.raises(CheckpointError, match="vit_base_mci_224"):
         vitkit.export(build_model(ViTConfig(**distilled)), tmp_path / "distilled", to="timm")
+    for to, name in (("npz", "m.npz"), ("hf", "hf")):  # no conv stem in the official format or transformers' ViT
+        with pytest.raises(CheckpointError, match="convolutional stem"):
+            vitkit.export(build_model(ViTConfig(**{**distilled, "distilled": False})), tmp_path / name, to=to)
     # vitkit's own format holds either, BatchNorm's buffers included
     model = build_model(ViTConfig(**base)).eval()
     back = vitkit.load(vitkit.export(model, tmp_path / "own.safetensors"))

@@ -535,6 +535,8 @@ def export(model: nn.Module, path: str | Path, to: str = "vitkit") -> Path:
         return save(model, path)
     if c.arch != "vit" and to != "timm":
         raise CheckpointError(f"a {c.arch} model exports to 'vitkit' or 'timm' only, not {to!r}")
+    if getattr(c, "conv_stem", None) is not None and to not in ("vitkit", "timm"):  # MobileCLIP's MCi
+        raise CheckpointError(f"a ViT on a convolutional stem (conv_stem) exports to 'vitkit' or 'timm' only, not {to!r}")
     fmt = _writer(to, c)
     out, hub_config = fmt.write(_tensors(model) if fmt.own_qv_bias else sd, c)
     back, facts, _ = fmt.readback(out, hub_config, c) if fmt.readback else fmt.read(out, hub_config)

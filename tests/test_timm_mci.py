@@ -117,6 +117,7 @@ def test_vit_base_mci_224_has_timms_parameter_count():
     c = model.config
     assert (c.conv_stem, c.conv_stem_kernels, c.stem_strides, c.patch_size) == ((192, 192), (4, 2), (4, 2), (16, 16))
     assert model.num_classes == 512 and c.no_embed_class and c.mean == (0.0, 0.0, 0.0)
+    assert model.pretrained_cfg["first_conv"] == "patch_embed.backbone.0.conv"  # timm's pretrained_cfg
     assert sum(p.numel() for p in model.parameters()) == MCI_PARAMS
     assert sum(p.numel() for p in headless.parameters()) == MCI_PARAMS_0
     # the stem's norms are BatchNorm with running statistics and a batch count (buffers, not parameters)

@@ -467,6 +467,8 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
 
     @property
     def _first_conv(self) -> str:
+        if self.config.conv_stem is not None:  # timm's name too (its ConvStem's first layer)
+            return "patch_embed.backbone.0.conv"
         return "patch_embed.proj" if self.config.hybrid_layers is None else "patch_embed.backbone.stem.conv"
 
     def set_input_size(self, img_size: int | tuple[int, int] | None = None,

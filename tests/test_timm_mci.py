@@ -251,3 +251,37 @@ def test_a_training_run_on_a_conv_stem_learns(tmp_path):
     bn = model.patch_embed.backbone[0].bn
     assert model.config.conv_stem == (16, 16) and torch.isfinite(bn.running_mean).all()
     assert int(bn.num_batches_tracked) == res["step"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_apples_mobileclip_release_loads_as_timm_converts_it(case):
+    """Apple's release layout (`image_encoder.model.*` beside the text tower), which timm's own converter reads to
+    exactly timm's state dict (index.json): its image tower loads, the text tower left unused, timm's logits; the
+    table written back gives the release's image-tower tensors."""
+    from vitkit.checkpoints import layouts, mobileclip
+    from vitkit.checkpoints.api import read_checkpoint
+    from vitkit.checkpoints.io import read_torch
+
+    row = CASES[case]
+    assert row["release_timm_converts_exactly"]
+    f = FIX / case / "mobileclip_release.pt"
+    hints = {"num_heads": row["model_args"]["num_heads"], "img_size": tuple(row["input"])}
+    ck = read_checkpoint(f, **hints)
+    assert ck.format == "mobileclip-release" and all(k.startswith(("text_encoder.", "logit_scale")) for k in ck.unused)
+    assert len(ck.unused) == 3 and not ck.state_dict["head.bias"].any()
+    model = vitkit.load(f, **hints)
+    assert model.config.conv_stem == _stem(case)[0] and model.config.mean == (0.0, 0.0, 0.0)
+    assert _worst(model, case, "logits_release") <= TOL
+    raw = read_torch(f)
+    back, left = layouts.write(mobileclip.LAYOUT, ck.state_dict)
+    image = {k: v for k, v in raw.items() if k.startswith("image_encoder.")}
+    assert not left and sorted(back) == sorted(image) and all(torch.equal(back[k], image[k]) for k in image)
+
+
+def test_a_release_key_the_table_does_not_know_is_refused(tmp_path):
+    from vitkit.checkpoints.io import read_torch
+
+    raw = read_torch(FIX / "mci_3x3" / "mobileclip_release.pt")
+    torch.save({**raw, "image_encoder.model.extra_norm.weight": torch.ones(3)}, tmp_path / "odd.pt")
+    with pytest.raises(CheckpointError, match="extra_norm"):
+        vitkit.load(tmp_path / "odd.pt", num_heads=2)

@@ -15,7 +15,7 @@ from ..models import ResNetV2Config, SwinConfig, ViTConfig, build_model
 from ..models.layers.patch_embed import to_2tuple
 from ..models.lora import merged_state_dict
 from ..models.registry import config_with
-from . import bit, hf, hf_backbones, hf_vision, official, swin, timm, timm_beit, torchvision
+from . import bit, hf, hf_backbones, hf_vision, mobileclip, official, swin, timm, timm_beit, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
 from .swin import infer_swin_config
 from .io import CheckpointError, read_hf_dir, read_meta, read_npz, read_safetensors, read_torch, sniff
@@ -109,6 +109,9 @@ REGISTRY: tuple[Format, ...] = (
     Format("timm-naflex", _timm(timm.is_timm_naflex), lambda raw, cfg: timm.naflex_to_vitkit(raw), **_TIMM_FOLDER,
            holds=lambda c: getattr(c, "naflex", False), write=lambda sd, c: (timm.naflex_from_vitkit(sd, c), None),
            readback=lambda out, cfg, c: timm.naflex_to_vitkit(out, c.in_chans), label="a timm NaFlexVit"),
+    # Apple's MobileCLIP release (the whole CLIP model): its image tower, timm's vit_base_mci_224
+    Format("mobileclip-release", _keys(mobileclip.is_release), lambda raw, cfg: mobileclip.to_vitkit(raw),
+           containers=("file",)),
     Format("dinov3-release", _keys(timm.is_dinov3_release), lambda raw, cfg: timm.dinov3_release_to_vitkit(raw),
            containers=("file",)),
     # vitkit's own names: a model.state_dict() saved by hand

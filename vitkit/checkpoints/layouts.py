@@ -82,6 +82,10 @@ TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
     # SigLIP 2's patch embedding, a Linear over (ph, pw, C)-ordered patches (D, ph * pw * C) <-> a conv (D, C, ph, pw)
     "linear_patches": (lambda t, ctx: _linear_to_conv(t, ctx.get("in_chans", 3), ctx.get("patch_size")),
                        lambda t, ctx: t.permute(0, 2, 3, 1).reshape(t.shape[0], -1)),
+    # MobileCLIP's position embedding (1, 1, N, D) <-> vitkit's (1, N, D)
+    "lead_one": (lambda t, ctx: t[0] if t.ndim == 4 else t, lambda t, ctx: t[None]),
+    # a projection stored (in, out) (MobileCLIP's `classifier.proj`) <-> a Linear's weight (out, in)
+    "transposed": (lambda t, ctx: t.t(), lambda t, ctx: t.t()),
 }
 
 

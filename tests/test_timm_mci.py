@@ -18,6 +18,7 @@ import vitkit
 from vitkit.checkpoints.io import CheckpointError, read_safetensors
 from vitkit.errors import UsageError
 from vitkit.models import ViTConfig, build_model
+from vitkit.models.layers import ConvStem
 
 FIX = Path(__file__).parent / "fixtures" / "timm_mci"
 CASES = json.loads((FIX / "index.json").read_text())["cases"]
@@ -173,6 +174,7 @@ def test_conv_stem_config_is_checked():
     for bad, words in [({"conv_stem": (8,), "conv_stem_kernels": (4, 2)}, "one kernel and one stride"),
                        ({"conv_stem": (8, 8), "conv_stem_kernels": (2, 2), "conv_stem_strides": (4, 2)}, "skip pixels"),
                        ({"conv_stem": (8, 8), "conv_stem_kernels": (4, 8)}, "not a multiple"),
+                       ({"conv_stem": (8, 8), "conv_stem_kernels": (2, 8), "conv_stem_strides": (1, 8)}, "even kernel"),
                        ({"conv_stem": (8,), "conv_stem_kernels": (4,), "hybrid_layers": ()}, "hybrid_layers"),
                        ({"conv_stem_kernels": (4,)}, "set conv_stem"),
                        ({"conv_stem": (0,), "conv_stem_kernels": (4,)}, "conv_stem")]:
@@ -187,6 +189,9 @@ def test_conv_stem_config_is_checked():
     assert ViTConfig.from_dict(padded.to_dict()) == padded
     with torch.no_grad():  # padding (k - s + 1) // 2: each layer divides the size by its stride exactly
         assert build_model(padded).patch_embed.backbone(torch.zeros(1, 3, 32, 32)).shape == (1, 8, 16, 16)
+        for k, st in [(2, 2), (3, 2), (4, 2), (5, 2), (3, 1), (5, 1), (6, 4), (7, 4)]:
+            stem = ConvStem((4,), (k,), (st,))
+            assert stem(torch.zeros(1, 3, 24, 40)).shape == (1, 4, 24 // st, 40 // st), (k, st)
 
 
 def test_a_conv_stem_model_trains():

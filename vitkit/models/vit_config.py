@@ -20,6 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 from .layers import LearnedPosEmbed1d, LearnedPosEmbed2d, NoPosEmbed, SinCosPosEmbed2d
+from .layers.conv_stem import check_stem
 from .layers.mlp import ACTIVATIONS
 from .layers.norm import NORMS
 from .layers.rope import ROPE_KINDS
@@ -345,12 +346,7 @@ class ViTConfig:
         self.conv_stem = tuple(self.conv_stem)
         if self.conv_stem_strides == self.conv_stem_kernels:
             self.conv_stem_strides = ()  # patchify convs: the strides are the kernels
-        if not self.conv_stem or not len(self.conv_stem) == len(self.conv_stem_kernels) == len(self.stem_strides):
-            raise UsageError(f"conv_stem {self.conv_stem}: one kernel and one stride per layer, got kernels "
-                             f"{self.conv_stem_kernels} and strides {self.conv_stem_strides}")
-        if any(k < s for k, s in zip(self.conv_stem_kernels, self.stem_strides)):
-            raise UsageError(f"conv_stem_kernels {self.conv_stem_kernels} smaller than the strides "
-                             f"{self.conv_stem_strides} skip pixels")
+        check_stem(self.conv_stem, self.conv_stem_kernels, self.stem_strides)
         if self.hybrid_layers is not None or self.mpp:
             raise UsageError("conv_stem is a hybrid backbone of its own: not with hybrid_layers (a ResNet) or mpp")
         stride = math.prod(self.stem_strides)

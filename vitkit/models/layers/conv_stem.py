@@ -24,6 +24,20 @@ def stem_padding(kernel: int, stride: int) -> int:
     return (kernel - stride + 1) // 2
 
 
+def check_stem(channels: tuple[int, ...], kernels: tuple[int, ...], strides: tuple[int, ...]) -> None:
+    """A UsageError unless every layer has a kernel and a stride and divides the size by its stride exactly: a
+    kernel no smaller than its stride (else pixels are skipped), and no even kernel at stride 1 (symmetric padding
+    cannot keep the size)."""
+    if not channels or not len(channels) == len(kernels) == len(strides):
+        raise UsageError(f"conv stem {channels}: one kernel and one stride per layer, got kernels {kernels} and "
+                         f"strides {strides}")
+    if any(k < s for k, s in zip(kernels, strides)):
+        raise UsageError(f"conv stem kernels {kernels} smaller than their strides {strides} skip pixels")
+    if any(s == 1 and k % 2 == 0 for k, s in zip(kernels, strides)):
+        raise UsageError(f"conv stem kernels {kernels} at strides {strides}: an even kernel at stride 1 cannot keep "
+                         f"the size with symmetric padding")
+
+
 class ConvBnAct(nn.Module):
     """conv (no bias) -> BatchNorm2d -> exact GELU. In eval mode the norm uses its running statistics."""
 
@@ -44,11 +58,7 @@ class ConvStem(nn.Sequential):
     def __init__(self, channels: tuple[int, ...], kernels: tuple[int, ...], strides: tuple[int, ...],
                  in_chans: int = 3) -> None:
         super().__init__()
-        if not channels or not len(channels) == len(kernels) == len(strides):
-            raise UsageError(f"a conv stem needs one kernel and one stride per layer: channels {channels}, kernels "
-                             f"{kernels}, strides {strides}")
-        if any(k < s for k, s in zip(kernels, strides)):
-            raise UsageError(f"conv stem kernels {kernels} smaller than their strides {strides} skip pixels")
+        check_stem(channels, kernels, strides)
         in_chs = in_chans
         for i, (out_chs, k, s) in enumerate(zip(channels, kernels, strides)):
             self.add_module(str(i), ConvBnAct(in_chs, out_chs, k, s))

@@ -235,7 +235,8 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
             facts = {**facts, **timm.architecture_facts(architecture)}
             timm.check_architecture_sizes(architecture, sd, hints)
         elif fmt == "timm-vit" and not {"pos_embed.weight", "pos_embed.row", "blocks.0.attn.rel_pos.table",
-                                        "rope.freqs"} & set(sd) \
+                                        "rope.freqs", "blocks.0.attn.rel_pos.mlp.fc1.weight",
+                                        "shared_rel_pos.mlp.fc1.weight"} & set(sd) \
                 and "rope" not in {**facts, **hints} and "pos_embed" not in hints:
             raise CheckpointError(
                 f"{path}: a timm state dict with no position embedding: its positions are a rotary embedding the file "

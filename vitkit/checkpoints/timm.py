@@ -31,7 +31,7 @@ import torch
 
 from ..models.resnet import backbone_stride
 from ..safety import SIZE_BOUNDS
-from . import timm_beit
+from . import timm_beit, timm_relpos
 from .io import CheckpointError, expect_shape, fuse
 import difflib
 
@@ -129,6 +129,8 @@ def _is_eva(keys) -> bool:
 def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
     if timm_beit.is_timm_beit(w):  # timm's Beit: its relative position tables (`timm_beit.KEYS`)
         return timm_beit.to_vitkit(w)
+    if timm_relpos.is_timm_relpos(w):  # timm's ViT-RelPos: its relative position MLPs (`timm_relpos.RULES`)
+        return timm_relpos.to_vitkit(w)
     w, facts, unused = dict(w), {"act": "gelu", "norm_eps": 1e-6}, []
     if "mask_token" in w:  # DINOv2's release: the masked-image-modelling token, unused by the backbone
         w.pop("mask_token")
@@ -216,6 +218,8 @@ def eva_style(config) -> bool:
 def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     if config.pos_embed == "relative":  # timm's Beit holds the relative position bias
         return timm_beit.from_vitkit(sd, config)
+    if config.pos_embed == "relative_mlp":  # timm's VisionTransformerRelPos, its MLP
+        return timm_relpos.from_vitkit(sd, config)
     if getattr(config, "num_kv_heads", None) is not None:
         raise CheckpointError("a timm export of grouped-query attention (num_kv_heads) is not offered: export to "
                               "vitkit")
@@ -312,6 +316,11 @@ def folder_config(c) -> dict:
         args = timm_beit.folder_args(c)
         cfg.update(architecture="beit_base_patch16_224", num_features=c.embed_dim, global_pool=args["global_pool"],
                    model_args=args)
+        cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": "patch_embed.proj", "classifier": "head"}
+        return cfg
+    if c.pos_embed == "relative_mlp":  # timm's VisionTransformerRelPos, every constructor argument in model_args
+        arch, args = timm_relpos.folder_args(c)
+        cfg.update(architecture=arch, num_features=c.embed_dim, global_pool=args["global_pool"], model_args=args)
         cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": "patch_embed.proj", "classifier": "head"}
         return cfg
     if eva_style(c):
@@ -487,10 +496,13 @@ def registered_archs() -> dict[str, dict]:
     return {**doc["archs"], **doc.get("more_archs", {})}
 
 
-# The model classes' own defaults where they differ from VisionTransformer's (timm's Eva and Beit pool by the average).
-_CLASS_DEFAULTS = {"Eva": {"global_pool": "avg"}, "Beit": timm_beit.CLASS_DEFAULTS}
-# timm's model classes vitkit implements; the others (VisionTransformerRelPos, VisionTransformerSAM) are refused
-TIMM_CLASSES = ("VisionTransformer", "VisionTransformerDistilled", "Eva", "NaFlexVit", "ResNetV2", "Beit")
+# The model classes' own defaults where they differ from VisionTransformer's (timm's Eva and Beit pool by the average;
+# ViT-RelPos too, without a class token, with LayerScale).
+_CLASS_DEFAULTS = {"Eva": {"global_pool": "avg"}, "Beit": timm_beit.CLASS_DEFAULTS,
+                   "VisionTransformerRelPos": timm_relpos.CLASS_DEFAULTS}
+# timm's model classes vitkit implements; the others (VisionTransformerSAM) are refused
+TIMM_CLASSES = ("VisionTransformer", "VisionTransformerDistilled", "Eva", "NaFlexVit", "ResNetV2", "Beit",
+                "VisionTransformerRelPos")
 
 
 def timm_args(cfg: dict) -> tuple[str | None, dict]:
@@ -546,7 +558,7 @@ _EVA_ONLY = {"rope_type": "cat", "rope_grid_offset": 0.0, "rope_grid_indexing": 
 _SAME = {"pos_embed": ("learn", "learned", "none"), "rope_type": ("cat", ""), "attn_pool_mlp_ratio": (None,), "attn_type": ("eva", "standard", "rope"),
          "weight_init": ("", "skip"),
          # read into vitkit's res_post_norm (`_block_facts`)
-         "block_fn": ("ResPostBlock",), "use_post_norm": (True,)}
+         "block_fn": ("ResPostBlock", "ResPostRelPosBlock"), "use_post_norm": (True,)}
 # timm's MLP layers that are the paper's MLP or a SwiGLU vitkit reads from the tensors
 _MLP_LAYERS = {None, "Mlp", "SwiGLUPacked", "SwiGLU"}
 
@@ -679,6 +691,8 @@ def folder_facts(cfg: dict) -> dict:
     if cls == "Beit":  # its positions, pooling and key bias: its own arguments (timm_beit)
         only_default = {k: v for k, v in only_default.items() if k not in timm_beit.ARGS}
         facts.update(timm_beit.arg_facts(arch, args))
+    if cls == "VisionTransformerRelPos":  # its relative position MLP, tokens and pooling (timm_relpos)
+        facts.update(timm_relpos.arg_facts(arch, args))
     for key, default in only_default.items():
         value = args.get(key, default)
         if value != default and value not in _SAME.get(key, ()):
@@ -696,7 +710,7 @@ def _block_facts(arch: str, args: dict, eva: bool) -> dict:
                                               or any(h is not None for h in _listed(args.get("num_kv_heads")))):
         raise CheckpointError(f"timm's {arch} asks for post-norm blocks with qk-norm, grouped key/value heads or "
                               f"attention-only LayerScale, which timm's Eva does not build")
-    if (eva and args.get("use_post_norm")) or args.get("block_fn") == "ResPostBlock":
+    if (eva and args.get("use_post_norm")) or args.get("block_fn") in ("ResPostBlock", "ResPostRelPosBlock"):
         facts.update(res_post_norm=True, init_values=None)
     kv = args.get("num_kv_heads") if eva else None
     if kv is not None:
@@ -828,7 +842,7 @@ def _vit_sizes(arch: str, cls: str | None, args: dict, facts: dict) -> dict:
         raise CheckpointError(f"timm's {arch} normalises after {pool!r} pooling; vitkit's fc_norm follows the "
                               f"average alone")
     out.update(fc_norm=bool(use_fc), final_norm=bool(use_fc or post))
-    out["pos_embed"] = "learned_1d" if absolute else "none"
+    out["pos_embed"] = "learned_1d" if absolute else "none"  # (ViT-RelPos: its own, in folder_facts)
     if pool == "map":  # the attention pooling's MLP: the blocks' ratio unless its own (Eva, NaFlexVit)
         ratio = (args.get("attn_pool_mlp_ratio") if eva or naflex else None) or args.get("mlp_ratio", 4.0)
         if int(d * ratio) != out["mlp_dim"]:
@@ -870,9 +884,11 @@ def architecture_facts(arch: str) -> dict:
     kw = entry["kwargs"]
     pre = {**entry.get("pretrained_cfg", {}), "input_size": entry.get("input_size")}
     facts = folder_facts({"architecture": arch, "pretrained_cfg": pre})
-    absolute = kw.get("use_abs_pos_emb", True) and kw.get("pos_embed", "learn") != "none"
+    absolute = kw.get("use_abs_pos_emb", True) and kw.get("pos_embed", "learn") != "none" \
+        and entry["class"] != "VisionTransformerRelPos"  # (its MLP takes any grid: the registered size stands)
     if absolute or kw.get("use_rel_pos_bias") or kw.get("use_shared_rel_pos_bias"):
         facts.pop("img_size", None)  # the position table's grid says it (BEiT's relative table: a square one)
+    facts.pop("rel_pos_dim", None)  # (ViT-RelPos: its MLP's width, the tensors say it)
     return facts
 
 

@@ -10,7 +10,7 @@ import re
 
 from ..errors import UsageError
 from ..models.registry import list_models
-from . import timm
+from . import timm, timm_relpos
 from .io import CheckpointError
 
 # timm's constructor arguments that shape the model, per model class: passed as timm passes them (`model_args`, over
@@ -42,9 +42,6 @@ _VITKIT_VALUES = {"pos_embed": ("learned_1d", "learned_2d", "sincos_2d", "relati
 # timm's architectures of its ViT modules that vitkit refuses, by family: the translation refuses each (a
 # CheckpointError naming the argument or the model class); this names the family for the message and the table.
 REFUSED_FAMILIES = [
-    (r"^(vit_s?relpos_|test_vit_relpos)", "ViT-RelPos: a position bias an MLP computes from log-spaced offsets "
-                                          "(RelPosMlp), shared by all blocks in vit_srelpos, with res-post-norm "
-                                          "blocks in the _rpn_ ones; vitkit's relative bias is BEiT's learned table"),
     (r"^samvit_", "SAM's ViT: windowed attention with decomposed relative positions and a convolutional neck; vitkit "
                   "does not implement it"),
     (r"^beit3_", "BEiT-3: a norm inside the GELU MLP (Magneto's sub-LN)"),
@@ -146,6 +143,7 @@ def split_kwargs(arch: str, kwargs: dict) -> tuple[dict, dict]:
     """(timm's constructor arguments, the rest) of create_model's keywords for timm's `arch`."""
     cls = timm.cls_of(arch)
     names = (_RESNET_ARGS if cls == "ResNetV2" else _EVA_ARGS if cls == "Eva" else _BEIT_ARGS if cls == "Beit" else
+             timm_relpos.NAMES if cls == "VisionTransformerRelPos" else
              (set(timm.registered_archs()[arch]["kwargs"]) | {"img_size", "in_chans", "num_classes"}) - _NOT_ARCH
              if cls == "NaFlexVit" else _VIT_ARGS)
     model_args, rest = {}, {}

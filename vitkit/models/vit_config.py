@@ -33,13 +33,15 @@ MLP_LAYERS = ("mlp", "swiglu")
 ROPES = (None, *ROPE_KINDS)
 ROPE_INDEXING = ("ij", "xy")
 # fields newer than the previous vitkit release, with their defaults: `to_dict` leaves them out when at the default
-_LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0}
+_LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0, "rel_pos_dim": 128,
+                 "rel_pos_shared": False}
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
     "sincos_2d": SinCosPosEmbed2d,
     "none": NoPosEmbed,
     "relative": NoPosEmbed,  # the relative bias lives in every attention layer instead
+    "relative_mlp": NoPosEmbed,  # so does the MLP that computes it (or in the model, shared by the blocks)
 }
 
 # The groups of `ViTConfig`'s fields, in the class's order: name -> (heading, fields). Checked at import
@@ -51,7 +53,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
                "norm_eps", "hybrid_layers", "hybrid_width", "hybrid_ws_eps", "hybrid_ws_eps_mode", "hybrid_gn_eps")),
     "position": ("position and rotary embeddings",
                  ("pos_embed", "no_embed_class", "pos_resample", "pos_resample_square", "dynamic_img_size", "rope",
-                  "rope_ref_grid", "rope_temperature", "rope_indexing", "rope_offset", "rope_half")),
+                  "rope_ref_grid", "rope_temperature", "rope_indexing", "rope_offset", "rope_half", "rel_pos_dim",
+                  "rel_pos_shared")),
     "tokens": ("extra tokens", ("class_token", "distilled", "reg_tokens")),
     "pooling": ("pooling and head", ("fc_norm", "pool_heads", "pool_mlp_dim", "pool_prefix", "mpp")),
     "norms": ("norms", ("norm", "pre_norm", "patch_norm", "final_norm", "qk_norm", "attn_norm", "mlp_norm",
@@ -88,7 +91,10 @@ class ViTConfig:
         hybrid_width: the ResNet width factor; hybrid_ws_eps/_mode, hybrid_gn_eps: its numerics.
 
     Position and rotary embeddings:
-        pos_embed: "learned_1d" (the paper's) | "learned_2d" | "sincos_2d" | "none" | "relative" (App. D.4).
+        pos_embed: "learned_1d" (the paper's) | "learned_2d" | "sincos_2d" | "none" | "relative" (App. D.4: a
+            learned bias per head and relative offset in every block's attention, BEiT's) | "relative_mlp" (that bias
+            computed by an MLP from the offsets' log-spaced coordinates, Swin V2's continuous bias: timm's
+            ViT-RelPos, `layers.attention.RelativePositionMlp`; no table to resample at another grid).
         no_embed_class: the position embedding covers the patches only (DeiT-III, DINOv2 with registers, big_vision);
             False: it covers the prefix tokens too, as in the paper.
         pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
@@ -107,6 +113,8 @@ class ViTConfig:
             rope_temperature: the base of the frequencies (DINOv3's periods). rope_indexing: "ij" (the first half
             of the angles from the row) or "xy" (from the column: ROPE-ViT, PE). rope_offset: added to the patch
             indices (PE: 1). rope_half: the rotate-half channel layout (DINOv3) instead of adjacent pairs.
+        rel_pos_dim, rel_pos_shared ("relative_mlp"): the MLP's hidden width; one MLP for all blocks (timm's
+            vit_srelpos) instead of one each.
 
     Extra tokens:
         class_token: prepend a class token; None means "only when classifier == 'token'".
@@ -192,6 +200,8 @@ class ViTConfig:
     rope_indexing: str = "ij"
     rope_offset: float = 0.0
     rope_half: bool = False
+    rel_pos_dim: int = 128
+    rel_pos_shared: bool = False
     # ---- extra tokens ----
     class_token: bool | None = None
     distilled: bool = False
@@ -259,6 +269,9 @@ class ViTConfig:
             raise UsageError(f"pos_resample must be one of {RESAMPLE_METHODS}, got {self.pos_resample!r}")
         if self.pos_resample == "geometric" and self.pos_embed != "relative":
             raise UsageError("pos_resample='geometric' resamples a relative position table (timm's BEiT); "
+                             f"pos_embed={self.pos_embed!r} has none")
+        if self.pos_embed != "relative_mlp" and (self.rel_pos_dim != 128 or self.rel_pos_shared):
+            raise UsageError("rel_pos_dim and rel_pos_shared are the MLP relative bias's (pos_embed='relative_mlp'); "
                              f"pos_embed={self.pos_embed!r} has none")
         if self.rope not in ROPES:
             raise UsageError(f"rope must be one of {ROPES}, got {self.rope!r}")
@@ -405,6 +418,9 @@ class ViTConfig:
               "MAP head" if self.classifier == "map" else "", "quick GELU" if self.act == "quick_gelu" else "",
               "distillation token" if self.distilled else "",
               "residual post-norm" if self.res_post_norm else "",
+              "relative position bias" if self.pos_embed == "relative" else "",
+              (f"relative position MLP{' shared by the blocks' if self.rel_pos_shared else ''}"
+               if self.pos_embed == "relative_mlp" else ""),
               f"grouped-query attention ({self.num_kv_heads} key/value heads)" if self.num_kv_heads else ""]
         return [o for o in on if o]
 

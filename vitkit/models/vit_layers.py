@@ -19,6 +19,8 @@ from .layers import (
     Mlp,
     PatchEmbed,
     RelativePositionBias,
+    RelativePositionMlp,
+    Shared,
     RotaryEmbedding2d,
     SwiGLU,
     make_norm,
@@ -77,14 +79,30 @@ def make_rope(c: ViTConfig) -> RotaryEmbedding2d | None:
                              depth=c.depth, num_heads=c.num_heads)
 
 
-def make_block(c: ViTConfig, index: int) -> Block:
+def make_rel_pos(c: ViTConfig) -> RelativePositionBias | RelativePositionMlp | None:
+    """A block's relative position bias: BEiT's learned table ("relative"), the MLP of the offsets ("relative_mlp"),
+    or None."""
+    if c.pos_embed == "relative":
+        rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens)
+        rel.method = c.pos_resample
+        return rel
+    if c.pos_embed == "relative_mlp":
+        return RelativePositionMlp(c.grid_size, c.num_heads, c.rel_pos_dim, c.num_prefix_tokens)
+    return None
+
+
+def make_shared_rel_pos(c: ViTConfig) -> RelativePositionMlp | None:
+    """The relative position MLP all blocks share (`rel_pos_shared`: timm's `shared_rel_pos`), or None."""
+    return make_rel_pos(c) if c.rel_pos_shared else None
+
+
+def make_block(c: ViTConfig, index: int, shared_rel_pos: nn.Module | None = None) -> Block:
     """Encoder block `index` of the config `c`: its layers built here and handed to `Block` (or `ResPostBlock`,
     res_post_norm), in this order (the random initialisation of a seeded model follows it). Stochastic depth grows
-    linearly over the blocks, from 0 to drop_path_rate."""
+    linearly over the blocks, from 0 to drop_path_rate. `shared_rel_pos`: the model's relative position MLP, read by
+    every block (`rel_pos_shared`)."""
     drop_path = c.drop_path_rate * index / max(c.depth - 1, 1)
-    rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens) if c.pos_embed == "relative" else None
-    if rel is not None:
-        rel.method = c.pos_resample
+    rel = Shared(shared_rel_pos) if shared_rel_pos is not None else make_rel_pos(c)
     d = c.embed_dim
     norm1 = norm_layer(c)(d)
     attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,

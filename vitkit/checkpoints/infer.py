@@ -67,6 +67,7 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     # LayerScale: the value it was initialised with is not in the file (and changes nothing once trained)
     stated_init = hints.pop("init_values", None)
     cfg["init_values"] = (stated_init or 1e-5) if "blocks.0.ls1.gamma" in sd else None
+    cfg["attn_only_layer_scale"] = "blocks.0.ls1.gamma" in sd and "blocks.0.ls2.gamma" not in sd  # (Sapiens2)
     cfg["class_token"] = "cls_token" in sd
     cfg["distilled"] = "dist_token" in sd  # DeiT's distillation token (timm's names)
     cfg["reg_tokens"] = sd["reg_token"].shape[1] if "reg_token" in sd else 0

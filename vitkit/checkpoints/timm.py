@@ -220,6 +220,9 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
         return timm_beit.from_vitkit(sd, config)
     if config.pos_embed == "relative_mlp":  # timm's VisionTransformerRelPos, its MLP
         return timm_relpos.from_vitkit(sd, config)
+    if getattr(config, "attn_only_layer_scale", False) and not eva_style(config):
+        raise CheckpointError("timm holds LayerScale on the attention branch alone (attn_only_layer_scale) in its Eva "
+                              "only, whose blocks this model's other options do not fit: export to vitkit")
     if getattr(config, "num_kv_heads", None) is not None:
         raise CheckpointError("a timm export of grouped-query attention (num_kv_heads) is not offered: export to "
                               "vitkit")
@@ -465,6 +468,8 @@ def _eva_folder_config(c, cfg: dict) -> dict:
             "ref_feat_shape": list(c.rope_ref_grid) if c.rope_ref_grid else None,
             "dynamic_img_size": c.dynamic_img_size, "use_abs_pos_emb": c.pos_embed == "learned_1d",
             "attn_type": "rope" if c.qkv_bias and c.k_bias else "eva", "use_post_transformer_norm": c.final_norm and not c.fc_norm}
+    if c.attn_only_layer_scale:  # Sapiens2's LayerScale on the attention alone (written only where set)
+        args["attn_only_layer_scale"] = True
     if c.res_post_norm:  # EvaBlockPostNorm (written only where set: the same config.json as before otherwise)
         if c.qk_norm or c.init_values is not None:
             raise CheckpointError("timm's Eva post-norm block (use_post_norm) has no qk-norm and no LayerScale")
@@ -541,7 +546,8 @@ _MODEL_ARGS = {"init_values": "init_values", "reg_tokens": "reg_tokens", "num_re
                "no_embed_class": "no_embed_class", "pre_norm": "pre_norm", "use_pre_transformer_norm": "pre_norm",
                "qk_norm": "qk_norm", "dynamic_img_size": "dynamic_img_size", "scale_mlp": "mlp_norm",
                "scale_mlp_norm": "mlp_norm", "scale_attn_inner": "attn_norm", "scale_attn_norm": "attn_norm",
-               "scale_attn_inner_norm": "attn_norm", "rope_temperature": "rope_temperature"}
+               "scale_attn_inner_norm": "attn_norm", "rope_temperature": "rope_temperature",
+               "attn_only_layer_scale": "attn_only_layer_scale"}
 # Arguments vitkit takes only at their default (anything else is another architecture).
 # (the train-time rotary coordinate augmentations change nothing at inference: a fine-tuning run does not apply them)
 _ONLY_DEFAULT = {"embed_layer": None, "block_fn": None, "use_naflex": False, "use_post_norm": False,
@@ -686,8 +692,8 @@ def folder_facts(cfg: dict) -> dict:
         raise CheckpointError(f"timm's {arch} averages the prefix tokens with the patches (pool_include_prefix), "
                               f"which vitkit does not implement (its 'avg' pools the patches alone)")
     only_default = _ONLY_DEFAULT if eva else {**_ONLY_DEFAULT, **_EVA_ONLY}  # what vitkit reads from an Eva alone
-    if eva:  # grouped key/value heads: `_block_facts`
-        only_default = {k: v for k, v in only_default.items() if k != "num_kv_heads"}
+    if eva:  # grouped key/value heads (`_block_facts`), LayerScale on the attention alone (`_MODEL_ARGS`)
+        only_default = {k: v for k, v in only_default.items() if k not in ("num_kv_heads", "attn_only_layer_scale")}
     if cls == "Beit":  # its positions, pooling and key bias: its own arguments (timm_beit)
         only_default = {k: v for k, v in only_default.items() if k not in timm_beit.ARGS}
         facts.update(timm_beit.arg_facts(arch, args))

@@ -50,8 +50,6 @@ REFUSED_FAMILIES = [
     (r"_(xp|pwee)_", "parallel attention and MLP (ParallelScalingBlock)"),
     (r"_18x2_", "two parallel blocks per layer (ParallelThingsBlock)"),
     (r"_(dlittle|dwee|dpwee)_", "differential attention"),
-    (r"_sapiens2$", "Sapiens2: LayerScale on the attention branch alone (attn_only_layer_scale); vitkit has its "
-                    "grouped-query attention (num_kv_heads: a Sapiens2 folder without that LayerScale loads)"),
     (r"_mci_", "MobileCLIP's MCi: a convolutional stem"),
     (r"_resnet\d+d", "hybrids on a ResNet-D (vitkit's hybrids have BiT's ResNetV2)"),
 ]
@@ -156,8 +154,7 @@ def split_kwargs(arch: str, kwargs: dict) -> tuple[dict, dict]:
 def config_fields(name: str, model_args: dict | None = None) -> tuple[str, dict]:
     """("vit" or "resnetv2", vitkit config fields) of timm's `name` (a tag selects the classes and preprocessing
     its weights have, as in timm) built with `model_args`, or a UsageError naming why vitkit does not build it (a
-    refused name by its family, unless the keywords change what vitkit lacks: Sapiens2 with
-    attn_only_layer_scale=False)."""
+    refused name by its family, unless the keywords change what vitkit lacks)."""
     arch, tag = split(name) or (None, None)
     if arch is None:
         raise unknown(name)

@@ -34,7 +34,7 @@ ROPES = (None, *ROPE_KINDS)
 ROPE_INDEXING = ("ij", "xy")
 # fields newer than the previous vitkit release, with their defaults: `to_dict` leaves them out when at the default
 _LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0, "rel_pos_dim": 128,
-                 "rel_pos_shared": False}
+                 "rel_pos_shared": False, "attn_only_layer_scale": False}
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
@@ -60,7 +60,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "norms": ("norms", ("norm", "pre_norm", "patch_norm", "final_norm", "qk_norm", "attn_norm", "mlp_norm",
                         "res_post_norm")),
     "variants": ("attention and MLP variants", ("k_bias", "proj_bias", "patch_bias", "mlp_layer", "init_values",
-                                                "num_kv_heads", "kv_full_blocks")),
+                                                "attn_only_layer_scale", "num_kv_heads", "kv_full_blocks")),
     "facts": ("what the weights carry", ("mean", "std", "interpolation", "crop_pct", "class_names", "naflex", "arch")),
 }
 
@@ -151,7 +151,7 @@ class ViTConfig:
         mlp_layer: "mlp" (the paper's) or "swiglu" (fc2(SiLU(W_g x) * W_x x): EVA-02, DINOv2-g); with "swiglu",
             mlp_dim is the width of the gated hidden layer.
         init_values: LayerScale (CaiT, DeiT-III, DINOv2): a learned per-channel scale on both residual branches,
-            initialised to this value; None: none.
+            initialised to this value; None: none. attn_only_layer_scale: on the attention branch alone (Sapiens2).
         num_kv_heads: grouped-query attention (Sapiens2): this many key/value heads, each shared by
             num_heads // num_kv_heads query heads (head h reads key/value head h // that); None: one per query
             head. The fused qkv's rows are q (D), k and v (num_kv_heads x head width each).
@@ -227,6 +227,7 @@ class ViTConfig:
     patch_bias: bool = True
     mlp_layer: str = "mlp"
     init_values: float | None = None
+    attn_only_layer_scale: bool = False
     num_kv_heads: int | None = None
     kv_full_blocks: int = 0
     # ---- what the weights carry ----
@@ -299,6 +300,8 @@ class ViTConfig:
             raise UsageError(f"reg_tokens must be >= 0, got {self.reg_tokens}")
         if self.reg_tokens and self.distilled:
             raise UsageError("register tokens beside DeiT's distillation token: no published model has both")
+        if self.attn_only_layer_scale and self.init_values is None:
+            raise UsageError("attn_only_layer_scale puts LayerScale on the attention branch alone: it needs init_values")
         if self.embed_dim % self.num_heads:
             raise UsageError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
@@ -405,7 +408,8 @@ class ViTConfig:
 
     def options(self) -> list[str]:
         """The later-ViT options this config turns on, in words (for a run's one-line model description)."""
-        on = [f"LayerScale {self.init_values:g}" if self.init_values is not None else "",
+        on = [f"LayerScale {self.init_values:g}{' (attention only)' if self.attn_only_layer_scale else ''}"
+              if self.init_values is not None else "",
               f"{self.reg_tokens} registers" if self.reg_tokens else "",
               "position embedding over the patches only" if self.no_embed_class else "",
               "pre-norm" if self.pre_norm else "", "qk-norm" if self.qk_norm else "",

@@ -632,9 +632,6 @@ def folder_facts(cfg: dict) -> dict:
         facts["patch_norm"] = True
     if mlp not in _MLP_LAYERS:
         raise CheckpointError(f"timm's {arch} uses mlp_layer {args['mlp_layer']!r}, which vitkit does not implement")
-    if (args.get("scale_mlp_norm") or args.get("scale_mlp")) and mlp not in ("SwiGLU", "SwiGLUPacked") \
-            and not args.get("swiglu_mlp"):
-        raise CheckpointError(f"timm's {arch} has a norm inside a GELU MLP; vitkit has it inside SwiGLU only")
     if "num_heads" in args:
         facts["num_heads"] = args["num_heads"]
     pool = args.get("global_pool", cfg.get("global_pool", "token"))

@@ -44,7 +44,6 @@ _VITKIT_VALUES = {"pos_embed": ("learned_1d", "learned_2d", "sincos_2d", "relati
 REFUSED_FAMILIES = [
     (r"^samvit_", "SAM's ViT: windowed attention with decomposed relative positions and a convolutional neck; vitkit "
                   "does not implement it"),
-    (r"^beit3_", "BEiT-3: a norm inside the GELU MLP (Magneto's sub-LN)"),
     (r"^naflexvit_.*_(parfac|radio)", "NaFlexVit with factorized positions (RADIO, parfac)"),
     (r"^resnetv2_\d+(d|t|d_\w+)?$", "ResNetV2 other than BiT: BatchNorm, EvoNorm, FRN, deep or tiered stems"),
     (r"_(xp|pwee)_", "parallel attention and MLP (ParallelScalingBlock)"),

@@ -139,7 +139,7 @@ class ViTConfig:
             none).
         qk_norm: a norm on every head's queries and keys.
         attn_norm: a norm on the attention heads' output before the projection (EVA-02 CLIP's sub-LN).
-        mlp_norm: a norm on the SwiGLU's hidden units (EVA-02's `scale_mlp`).
+        mlp_norm: a norm on the MLP's hidden units (EVA-02's `scale_mlp` in its SwiGLU; BEiT-3's sub-LN in the GELU MLP).
         res_post_norm: residual post-norm: each branch reads the un-normed tokens and its output is normed before
             the residual add, x + ls(norm1(attn(x))), x + ls(norm2(mlp(x))) (timm's Eva `use_post_norm`:
             EVA-02-CLIP-E "enormous"; Swin V2's res-post-norm); the norms keep their names (norm1, norm2).
@@ -264,8 +264,6 @@ class ViTConfig:
             raise UsageError(f"act must be one of {ACTIVATIONS}, got {self.act!r}")
         if self.mlp_layer not in MLP_LAYERS:
             raise UsageError(f"mlp_layer must be one of {MLP_LAYERS}, got {self.mlp_layer!r}")
-        if self.mlp_norm and self.mlp_layer != "swiglu":
-            raise UsageError("mlp_norm (a LayerNorm inside the MLP) is implemented for mlp_layer='swiglu' only")
         if self.pos_resample not in RESAMPLE_METHODS:
             raise UsageError(f"pos_resample must be one of {RESAMPLE_METHODS}, got {self.pos_resample!r}")
         if self.pos_resample == "geometric" and self.pos_embed != "relative":
@@ -414,7 +412,8 @@ class ViTConfig:
               "position embedding over the patches only" if self.no_embed_class else "",
               "pre-norm" if self.pre_norm else "", "qk-norm" if self.qk_norm else "",
               "attention sub-norm" if self.attn_norm else "",
-              ("SwiGLU with a norm" if self.mlp_norm else "SwiGLU") if self.mlp_layer == "swiglu" else "",
+              ("SwiGLU with a norm" if self.mlp_norm else "SwiGLU") if self.mlp_layer == "swiglu" else
+              "a norm inside the MLP" if self.mlp_norm else "",
               {"eva": "2-D RoPE", "mixed": "2-D RoPE, learned frequencies", "dinov3": "DINOv3 RoPE"}.get(self.rope, ""),
               "no key bias" if not self.k_bias else "", "RMSNorm" if self.norm == "rmsnorm" else "",
               "patch norm" if self.patch_norm else "", "no projection biases" if not self.proj_bias else "",

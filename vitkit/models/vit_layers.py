@@ -114,7 +114,8 @@ def make_block(c: ViTConfig, index: int, shared_rel_pos: nn.Module | None = None
     if c.mlp_layer == "swiglu":
         mlp = SwiGLU(d, c.mlp_dim, norm=c.mlp_norm, drop=c.drop_rate, bias=c.proj_bias, norm_layer=norm_layer(c))
     else:
-        mlp = Mlp(d, c.mlp_dim, act=c.act, drop=c.drop_rate, bias=c.proj_bias)
+        mlp = Mlp(d, c.mlp_dim, act=c.act, drop=c.drop_rate, bias=c.proj_bias,
+                  norm_layer=norm_layer(c) if c.mlp_norm else None)
     ls2 = LayerScale(d, c.init_values) if c.init_values is not None and not c.attn_only_layer_scale else nn.Identity()
     block = ResPostBlock if c.res_post_norm else Block
     return block(norm1, attn, ls1, DropPath(drop_path), norm2, mlp, ls2, DropPath(drop_path))

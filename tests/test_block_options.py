@@ -1,5 +1,6 @@
 """Block options: residual post-norm (`res_post_norm`), grouped-query attention (`num_kv_heads`,
-`kv_full_blocks`), against timm's own outputs (tests/fixtures/block_options, made by make_block_options.py) and
+`kv_full_blocks`) and LayerScale on the attention branch alone (`attn_only_layer_scale`, Sapiens2), against timm's
+own outputs (tests/fixtures/block_options, made by make_block_options.py) and
 against plain multi-head attention with each key/value head copied to its group."""
 from __future__ import annotations
 

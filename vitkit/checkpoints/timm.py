@@ -31,7 +31,7 @@ import torch
 
 from ..models.resnet import backbone_stride
 from ..safety import SIZE_BOUNDS
-from . import timm_beit, timm_relpos
+from . import timm_beit, timm_relpos, timm_sam
 from .io import CheckpointError, expect_shape, fuse
 import difflib
 
@@ -782,6 +782,8 @@ def arch_config(arch: str, model_args: dict | None = None, tag: str | None = Non
     if pre["fixed_input_size"] and cls_of(arch) != "ResNetV2":  # a dynamic size too: its position table's grid
         user.setdefault("img_size", list(pre["input_size"][1:]))
     cfg = {"architecture": arch, "model_args": user, "pretrained_cfg": pre}
+    if cls_of(arch) == "VisionTransformerSAM":  # SAM's image encoder: its own model and arguments (timm_sam)
+        return "samvit", timm_sam.config_fields(arch, timm_args(cfg)[1], pre)
     facts = folder_facts(cfg)
     cls, args = timm_args(cfg)
     if cls == "ResNetV2":
@@ -886,6 +888,9 @@ def architecture_facts(arch: str) -> dict:
     entry = registered_archs()[arch]
     kw = entry["kwargs"]
     pre = {**entry.get("pretrained_cfg", {}), "input_size": entry.get("input_size")}
+    if entry["class"] == "VisionTransformerSAM":  # its windows: the registered arguments; its grid: the tensors'
+        cfg = {"architecture": arch, "pretrained_cfg": pre}
+        return {k: v for k, v in timm_sam.folder_facts(cfg, timm_args(cfg)[1]).items() if k != "img_size"}
     facts = folder_facts({"architecture": arch, "pretrained_cfg": pre})
     absolute = kw.get("use_abs_pos_emb", True) and kw.get("pos_embed", "learn") != "none" \
         and entry["class"] != "VisionTransformerRelPos"  # (its MLP takes any grid: the registered size stands)

@@ -10,7 +10,7 @@ import re
 
 from ..errors import UsageError
 from ..models.registry import list_models
-from . import timm, timm_relpos
+from . import timm, timm_relpos, timm_sam
 from .io import CheckpointError
 
 # timm's constructor arguments that shape the model, per model class: passed as timm passes them (`model_args`, over
@@ -42,8 +42,6 @@ _VITKIT_VALUES = {"pos_embed": ("learned_1d", "learned_2d", "sincos_2d", "relati
 # timm's architectures of its ViT modules that vitkit refuses, by family: the translation refuses each (a
 # CheckpointError naming the argument or the model class); this names the family for the message and the table.
 REFUSED_FAMILIES = [
-    (r"^samvit_", "SAM's ViT: windowed attention with decomposed relative positions and a convolutional neck; vitkit "
-                  "does not implement it"),
     (r"^naflexvit_.*_(parfac|radio)", "NaFlexVit with factorized positions (RADIO, parfac)"),
     (r"^resnetv2_\d+(d|t|d_\w+)?$", "ResNetV2 other than BiT: BatchNorm, EvoNorm, FRN, deep or tiered stems"),
     (r"_(xp|pwee)_", "parallel attention and MLP (ParallelScalingBlock)"),
@@ -141,6 +139,7 @@ def split_kwargs(arch: str, kwargs: dict) -> tuple[dict, dict]:
     cls = timm.cls_of(arch)
     names = (_RESNET_ARGS if cls == "ResNetV2" else _EVA_ARGS if cls == "Eva" else _BEIT_ARGS if cls == "Beit" else
              timm_relpos.NAMES if cls == "VisionTransformerRelPos" else
+             timm_sam.ARGS if cls == "VisionTransformerSAM" else
              (set(timm.registered_archs()[arch]["kwargs"]) | {"img_size", "in_chans", "num_classes"}) - _NOT_ARCH
              if cls == "NaFlexVit" else _VIT_ARGS)
     model_args, rest = {}, {}

@@ -888,9 +888,10 @@ def architecture_facts(arch: str) -> dict:
     entry = registered_archs()[arch]
     kw = entry["kwargs"]
     pre = {**entry.get("pretrained_cfg", {}), "input_size": entry.get("input_size")}
-    if entry["class"] == "VisionTransformerSAM":  # its windows: the registered arguments; its grid: the tensors'
-        cfg = {"architecture": arch, "pretrained_cfg": pre}
-        return {k: v for k, v in timm_sam.folder_facts(cfg, timm_args(cfg)[1]).items() if k != "img_size"}
+    if entry["class"] == "VisionTransformerSAM":  # its global blocks: the registered ones; its grid and window: the
+        cfg = {"architecture": arch, "pretrained_cfg": pre}  # tensors' (or the caller's)
+        facts = timm_sam.folder_facts(cfg, timm_args(cfg)[1])
+        return {k: v for k, v in facts.items() if k not in ("img_size", "window_size")}
     facts = folder_facts({"architecture": arch, "pretrained_cfg": pre})
     absolute = kw.get("use_abs_pos_emb", True) and kw.get("pos_embed", "learn") != "none" \
         and entry["class"] != "VisionTransformerRelPos"  # (its MLP takes any grid: the registered size stands)

@@ -114,6 +114,12 @@ def _window(v) -> int | None:
     return v or None  # timm's 0: no windows, every block global
 
 
+def _global_blocks(a: dict) -> tuple[int, ...]:
+    """timm's global_attn_indexes of blocks that exist (timm asks `i in global_attn_indexes` of each block: an index
+    past the depth names none, as the registered (2, 5, 8, 11) in a shallower model)."""
+    return tuple(i for i in a["global_attn_indexes"] if 0 <= i < a["depth"])
+
+
 def _pair(v) -> tuple[int, int]:
     return tuple(v) if isinstance(v, (list, tuple)) else (v, v)
 
@@ -135,7 +141,7 @@ def config_fields(arch: str, args: dict, pre: dict) -> dict:
     return {"img_size": _pair(a["img_size"]), "patch_size": _pair(a["patch_size"]), "in_chans": a["in_chans"],
             "num_classes": a.get("num_classes", 0), "embed_dim": a["embed_dim"], "depth": a["depth"],
             "num_heads": a["num_heads"], "mlp_ratio": float(a["mlp_ratio"]), "qkv_bias": a["qkv_bias"],
-            "window_size": _window(a["window_size"]), "global_attn_indexes": tuple(a["global_attn_indexes"]),
+            "window_size": _window(a["window_size"]), "global_attn_indexes": _global_blocks(a),
             "use_abs_pos": a["use_abs_pos"], "use_rel_pos": a["use_rel_pos"], "neck_chans": a["neck_chans"] or 0,
             "norm_eps": _norm_eps(arch, args.get("norm_layer")), **_preprocessing(pre)}
 
@@ -147,7 +153,7 @@ def folder_facts(cfg: dict, args: dict) -> dict:
     _check_held(arch, args)
     a = {**DEFAULTS, **args}
     facts = {"img_size": _pair(a["img_size"]), "window_size": _window(a["window_size"]),
-             "global_attn_indexes": tuple(a["global_attn_indexes"]), "num_heads": a["num_heads"],
+             "global_attn_indexes": _global_blocks(a), "num_heads": a["num_heads"],
              "norm_eps": _norm_eps(arch, args.get("norm_layer")), **_preprocessing(cfg.get("pretrained_cfg") or {})}
     labels = cfg.get("label_names")
     if isinstance(labels, list):
@@ -214,16 +220,19 @@ def infer_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unknown=N
         raise CheckpointError("a SAM ViT without a position embedding: its tensors do not tell its resolution; pass "
                               "img_size=")
     cfg["img_size"] = tuple(g * p for g, p in zip(grid, patch))
-    if "window_size" not in hints or "global_attn_indexes" not in hints:
+    if "window_size" not in hints:  # the windowed blocks' tables tell the window's side
         on_grid = (2 * grid[0] - 1, 2 * grid[1] - 1)
-        windowed = {i: t for i, t in tables.items() if t != on_grid}
-        sides = {t for t in windowed.values()}
-        if not tables or not windowed or len(sides) != 1 or len({*sides.pop()}) != 1:
+        stated = hints.get("global_attn_indexes")
+        if stated is not None and any(not 0 <= i < depth for i in stated):
+            raise CheckpointError(f"global_attn_indexes {list(stated)}: the file's blocks are 0 .. {depth - 1}; pass "
+                                  f"the model's own global_attn_indexes=")
+        windowed = {i: t for i, t in tables.items() if (i not in stated if stated is not None else t != on_grid)}
+        sides = set(windowed.values())
+        if not tables or len(sides) > 1 or any(h != w for h, w in sides) or (not sides and stated is None):
             raise CheckpointError("the SAM ViT's windows do not show in its tensors (which blocks attend globally, "
-                                  "and the window's side): pass window_size= and global_attn_indexes= (or, for a bare "
-                                  "timm file, architecture='samvit_base_patch16' ...)")
-        side = next(iter(windowed.values()))[0]
-        cfg["window_size"] = (side + 1) // 2
+                                  "and the window's side): pass global_attn_indexes= (or, for a bare timm file, its "
+                                  "architecture='samvit_base_patch16' ...)")
+        cfg["window_size"] = (sides.pop()[0] + 1) // 2 if sides else None  # every block global: no windows
         cfg["global_attn_indexes"] = tuple(i for i in tables if i not in windowed)
     cfg.update({k: v for k, v in hints.items() if k not in ("act",)})
     cfg["img_size"] = _pair(cfg["img_size"])

@@ -27,8 +27,7 @@ DOC = Path(__file__).parents[1] / "docs" / "timm.md"
 # What vitkit does not implement, by timm's name -> words the refusal must carry (its family). Every other name must
 # build with timm's count: a name that stops building, or starts to, fails here.
 REFUSED = {
-    r"^samvit_": "SAM's ViT",
-r"^naflexvit_.*_(parfac|radio)": "factorized",
+    r"^naflexvit_.*_(parfac|radio)": "factorized",
     r"^resnetv2_\d+(d|t|d_\w+)?$": "other than BiT", r"_(xp|pwee)_": "ParallelScalingBlock",
     r"_18x2_": "ParallelThingsBlock", r"_(dlittle|dwee|dpwee)_": "differential attention",
     r"_mci_": "MobileCLIP", r"_resnet\d+d": "ResNet-D",
@@ -84,8 +83,8 @@ def test_every_timm_name_builds_with_timms_count_or_is_refused_by_family():
                 wrong[name] = (got, want)
             built.append(name)
     assert not wrong
-    assert len(built) == 278  # 246 of the six modules vitkit read first, the 2 res-post-norm ones, BEiT's 7,
-    # ViT-RelPos's 14, Sapiens2's 5 and BEiT-3's 4
+    assert len(built) == 282  # 246 of the six modules vitkit read first, the 2 res-post-norm ones, BEiT's 7,
+    # ViT-RelPos's 14, Sapiens2's 5, BEiT-3's 4 and SAM's 4
 
 
 @pytest.mark.parametrize("name", COMMON)
@@ -200,10 +199,9 @@ def test_a_timm_name_with_checkpoint_path(tmp_path):
 
 
 def test_names_vitkit_does_not_build_say_why():
-    with pytest.raises(UsageError, match=r"^timm's samvit_base_patch16 \(SAM's ViT: windowed attention with decomposed "
-                                         r"relative positions and a convolutional neck; vitkit does not implement "
-                                         r"it\) is not one vitkit implements"):
-        vitkit.create_model("samvit_base_patch16")
+    with pytest.raises(UsageError, match=r"^timm's vit_base_mci_224 \(MobileCLIP's MCi: a convolutional stem\) is not "
+                                         r"one vitkit implements"):
+        vitkit.create_model("vit_base_mci_224")
     with pytest.raises(UsageError, match=r"timm's cait_s24_224 \(CaiT"):  # a family outside timm_archs.json
         vitkit.create_model("cait_s24_224")
     with pytest.raises(UsageError, match=r"unknown model 'vit_base_patch16_225'.*did you mean vit_base_patch16_224"):

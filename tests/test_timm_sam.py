@@ -226,3 +226,22 @@ def test_gradients_reach_every_parameter_and_intermediates_are_reachable():
     assert out["attention"][0].shape == (2, 6, 2, 4, 4)  # 3x5 padded to 4x6: six 2x2 windows
     assert out["attention"][1].shape == (2, 1, 2, 15, 15)  # the global block: the whole map
     torch.testing.assert_close(out["attention"][1].sum(-1), torch.ones(2, 1, 2, 15))
+
+
+@pytest.mark.parametrize("name", ["samvit_base_patch16", "samvit_large_patch16", "samvit_huge_patch16",
+                                  "samvit_base_patch16_224"])
+def test_full_size_timm_files_tell_their_model(name):
+    """timm's state dict of each registered name (shapes only, on the meta device) is read back to the model the name
+    builds: at 1024 px the position embedding gives the 64x64 grid and the tables the 14x14 windows and the global
+    blocks; samvit_base_patch16_224 (no position embedding, windows the size of its 14x14 grid) by its architecture."""
+    with torch.device("meta"):
+        model = vitkit.create_model(name)
+    timm_sd = timm_sam.from_vitkit(model.state_dict(), model.config)
+    sd, _, unused = timm_sam.to_vitkit(timm_sd)
+    hints = {} if model.config.use_abs_pos else vitkit.checkpoints.timm.architecture_facts(name)
+    want = {k: v for k, v in model.config.to_dict().items() if k not in ("mean", "std", "crop_pct")}
+    got = timm_sam.infer_config(sd, hints).to_dict()
+    assert not unused and {k: got[k] for k in want} == want
+    if not model.config.use_abs_pos:
+        with pytest.raises(CheckpointError, match="windows do not show"):
+            timm_sam.infer_config(sd, {}, img_size_if_unknown=224)

@@ -505,7 +505,7 @@ def registered_archs() -> dict[str, dict]:
 # ViT-RelPos too, without a class token, with LayerScale).
 _CLASS_DEFAULTS = {"Eva": {"global_pool": "avg"}, "Beit": timm_beit.CLASS_DEFAULTS,
                    "VisionTransformerRelPos": timm_relpos.CLASS_DEFAULTS}
-# timm's model classes vitkit implements; the others (VisionTransformerSAM) are refused
+# timm's model classes vitkit implements as its ViT or BiT; VisionTransformerSAM is its own model (`timm_sam`)
 TIMM_CLASSES = ("VisionTransformer", "VisionTransformerDistilled", "Eva", "NaFlexVit", "ResNetV2", "Beit",
                 "VisionTransformerRelPos")
 

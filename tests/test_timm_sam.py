@@ -165,7 +165,8 @@ def test_the_key_table_reads_both_ways(case):
 
 def test_sams_own_release_names_load(tmp_path):
     """SAM's release files (facebookresearch/segment-anything): `image_encoder.` before the encoder's names, the MLP's
-    `lin1` / `lin2` (timm's `checkpoint_filter_fn` renames them); the prompt encoder and mask decoder left unused."""
+    `lin1` / `lin2` (timm's `checkpoint_filter_fn` renames them); the prompt encoder and mask decoder left unused; the
+    blocks' LayerNorm eps SAM's code gives them (1e-6), the same model as timm's file otherwise."""
     w, _ = read_safetensors(FIX / "base_5x5" / "model.safetensors")
     sam = {"image_encoder." + k.replace("mlp.fc", "mlp.lin"): v for k, v in w.items() if not k.startswith("head.")}
     sam["prompt_encoder.pe_layer.positional_encoding_gaussian_matrix"] = torch.randn(2, 4)
@@ -174,9 +175,18 @@ def test_sams_own_release_names_load(tmp_path):
     model = vitkit.load(tmp_path / "sam_vit_b.pth")
     assert sorted(model.load_report["unused"]) == ["mask_decoder.iou_token.weight",
                                                    "prompt_encoder.pe_layer.positional_encoding_gaussian_matrix"]
+    assert model.config.norm_eps == 1e-6  # SAM's own blocks (build_sam.py); timm's have PyTorch's default 1e-5
     model.reset_classifier(5)
     model.head.load_state_dict({"weight": w["head.fc.weight"], "bias": w["head.fc.bias"]})
-    assert _worst(model.eval(), "base_5x5") <= TOL
+    timms = vitkit.load(FIX / "base_5x5")
+    for m in timms.blocks.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.eps = 1e-6
+    x = torch.from_numpy(np.load(FIX / "base_5x5" / "input.npy"))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), timms(x), rtol=0, atol=0)
+    with pytest.raises(CheckpointError, match="LayerNorm eps 1e-5"):  # timm's config.json cannot say 1e-6
+        vitkit.export(model, tmp_path / "timm", to="timm")
 
 
 def test_what_vitkit_does_not_hold_is_refused(tmp_path):

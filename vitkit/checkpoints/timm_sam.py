@@ -59,9 +59,11 @@ def is_timm_sam(keys) -> bool:
 
 
 def to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
-    """A timm SAM ViT state dict (or SAM's release file) -> (vitkit state dict, config facts, unused keys)."""
+    """A timm SAM ViT state dict (or SAM's release file) -> (vitkit state dict, config facts, unused keys). SAM's own
+    code builds its blocks' LayerNorms with eps 1e-6 (`build_sam.py`); timm's with PyTorch's default 1e-5."""
     sd, unused = layouts.read(LAYOUT, w)
-    return sd, {}, unused
+    release = any(k.startswith(LAYOUT.prefixes) for k in w)
+    return sd, ({"norm_eps": 1e-6} if release else {}), unused
 
 
 def from_vitkit(sd: dict[str, torch.Tensor], config: SamViTConfig) -> dict[str, torch.Tensor]:

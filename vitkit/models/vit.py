@@ -414,11 +414,12 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         for s, p in zip(new, c.patch_size):
             if s % p:
                 raise UsageError(f"img_size {new} is not divisible by patch_size {c.patch_size}")
-        rel = [m for m in self.modules() if isinstance(m, RelativePositionBias)]
-        if rel:  # each block's (T, T) int64 index (and its (2, N, N) offsets while built) and resampled table
-            (nh, nw), heads = (s // p for s, p in zip(new, c.patch_size)), rel[0].table.shape[1]
+        rel = [m for m in self.modules() if isinstance(m, (RelativePositionBias, RelativePositionMlp))]
+        if rel:  # each block's (T, T) int64 index (and its (2, N, N) offsets while built) and resampled table (or
+            # the MLP's (2gh - 1, 2gw - 1, 2) offsets)
+            (nh, nw), heads = (s // p for s, p in zip(new, c.patch_size)), c.num_heads
             n, t = nh * nw, nh * nw + rel[0].num_prefix_tokens
-            nbytes = len(rel) * (t * t * 8 + (2 * nh - 1) * (2 * nw - 1) * heads * 4) + 2 * n * n * 8
+            nbytes = len(rel) * (t * t * 8 + (2 * nh - 1) * (2 * nw - 1) * max(heads, 2) * 4) + 2 * n * n * 8
             check_alloc(nbytes, f"the relative position tables of {len(rel)} block(s) at img_size {new}", UsageError)
         c.img_size = new
         self.patch_embed.img_size = new

@@ -1,5 +1,6 @@
-"""Two block options: residual post-norm (`res_post_norm`) and grouped-query attention (`num_kv_heads`,
-`kv_full_blocks`), against timm's own outputs (tests/fixtures/block_options, made by make_block_options.py) and
+"""Block options: residual post-norm (`res_post_norm`), grouped-query attention (`num_kv_heads`,
+`kv_full_blocks`) and LayerScale on the attention branch alone (`attn_only_layer_scale`, Sapiens2), against timm's
+own outputs (tests/fixtures/block_options, made by make_block_options.py) and
 against plain multi-head attention with each key/value head copied to its group."""
 from __future__ import annotations
 
@@ -142,3 +143,49 @@ def test_options_save_and_load(tmp_path):
     x = torch.randn(1, 3, 16, 16)
     with torch.no_grad():
         assert torch.equal(back(x), m(x))
+
+
+SAPIENS2 = ["timm_sapiens2", "timm_sapiens2_wide"]
+
+
+@pytest.mark.parametrize("name", SAPIENS2)
+def test_sapiens2_as_registered_loads_from_timms_folder_and_builds_from_its_name(name):
+    """Sapiens2's blocks as timm registers them (LayerScale on the attention branch alone, `attn_only_layer_scale`;
+    a packed SwiGLU; grouped key/value heads in the middle blocks): timm's folder loads to its logits and features,
+    and `vitkit.create_model(arch, **model_args)` is the same model (timm's parameter count, a strict load)."""
+    folder = FIXTURES / name
+    model = vitkit.load(folder)
+    c = model.config
+    assert c.attn_only_layer_scale and c.init_values is not None and c.mlp_layer == "swiglu" and c.num_kv_heads
+    assert all(isinstance(b.ls2, torch.nn.Identity) and b.ls1.gamma.shape == (c.embed_dim,) for b in model.blocks)
+    x = torch.from_numpy(np.load(folder / "input.npy"))
+    with torch.no_grad():
+        assert (model(x) - torch.from_numpy(np.load(folder / "logits.npy"))).abs().max() <= 1e-4
+        assert (model.forward_features(x) - torch.from_numpy(np.load(folder / "features.npy"))).abs().max() <= 1e-4
+    cfg = json.loads((folder / "config.json").read_text())
+    built = vitkit.create_model(cfg["architecture"], **cfg["model_args"]).eval()
+    built.load_state_dict(model.state_dict(), strict=True)
+    sd, _ = read_safetensors(folder / "model.safetensors")
+    assert sum(p.numel() for p in built.parameters()) == sum(v.numel() for v in sd.values())
+    # the bare state dict named by its architecture, with the sizes that differ from it (as a timm user passes them
+    # to create_model): LayerScale on one branch is in the names
+    a = cfg["model_args"]
+    kv = a["num_kv_heads"]
+    bare = vitkit.load(folder / "model.safetensors", architecture=cfg["architecture"], num_heads=a["num_heads"],
+                       img_size=tuple(np.load(folder / "input.npy").shape[2:]), reg_tokens=a["num_reg_tokens"],
+                       num_kv_heads=min(kv), kv_full_blocks=kv.index(min(kv)))
+    assert bare.config.attn_only_layer_scale
+    with torch.no_grad():
+        assert (bare(x) - torch.from_numpy(np.load(folder / "logits.npy"))).abs().max() <= 1e-4
+
+
+def test_attention_only_layer_scale_needs_a_layer_scale_and_saves():
+    with pytest.raises(UsageError, match="attn_only_layer_scale .* needs init_values"):
+        ViTConfig(attn_only_layer_scale=True)
+    cfg = ViTConfig(img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=4, mlp_dim=32, num_classes=3,
+                    init_values=0.1, attn_only_layer_scale=True)
+    m = build_model(cfg)
+    assert [n for n, _ in m.named_parameters() if ".ls" in n] == ["blocks.0.ls1.gamma", "blocks.1.ls1.gamma"]
+    assert "attn_only_layer_scale" not in ViTConfig().to_dict()  # written only where set (older vitkit reads the rest)
+    with torch.device("meta"):
+        assert sum(p.numel() for p in vitkit.create_model("vit_base_patch16_sapiens2").parameters()) == 113_993_472

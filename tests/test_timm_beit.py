@@ -133,8 +133,9 @@ def test_what_vitkit_does_not_hold_is_refused(tmp_path):
     w, _ = read_safetensors(FIX / "base_3x3" / "model.safetensors")
     with pytest.raises(CheckpointError, match="unexpected timm BEiT key 'blocks.0.attn.k_norm.weight'"):
         timm_beit.to_vitkit({**w, "blocks.0.attn.k_norm.weight": torch.ones(16)})
-    with pytest.raises(UsageError, match="a norm inside a GELU MLP"):
-        vitkit.create_model("beit_base_patch16_224", scale_mlp=True)
+    with torch.device("meta"):  # scale_mlp in Beit's GELU MLP: a norm on its hidden units, as timm's Mlp has it
+        normed = vitkit.create_model("beit_base_patch16_224", scale_mlp=True)
+        assert normed.config.mlp_norm and tuple(normed.blocks[0].mlp.norm.weight.shape) == (3072,)
     with pytest.raises(UsageError, match="normalises after 'token' pooling"):
         vitkit.create_model("beit_base_patch16_224", global_pool="token", use_fc_norm=True)
     # older files keep the index buffers, a function of the grid: left unused

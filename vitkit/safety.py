@@ -432,7 +432,7 @@ SIZE_BOUNDS = {
     "embed_dim": (1, 65536), "depth": (0, 1024), "num_heads": (1, 4096), "mlp_dim": (1, 1 << 20),
     "representation_size": (1, 65536), "reg_tokens": (0, 4096), "depths": (0, 1024), "window_size": (1, 1024),
     "layers": (0, 1024), "width_factor": (1, 64), "channels": (1, 1 << 20), "stem_width": (1, 1 << 16),
-    "hybrid_layers": (0, 1024), "rope_ref_grid": (1, 16384),
+    "hybrid_layers": (0, 1024), "rope_ref_grid": (1, 16384), "rel_pos_dim": (1, 65536),
     "conv_stem": (1, 1 << 16), "conv_stem_kernels": (1, 4096), "conv_stem_strides": (1, 4096),
 }
 

@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..models import ResNetV2Config, SwinConfig, ViTConfig, build_model
+from ..models import ResNetV2Config, SamViTConfig, SwinConfig, ViTConfig, build_model
 from ..models.layers.patch_embed import to_2tuple
 from ..models.lora import merged_state_dict
 from ..models.registry import config_with
-from . import bit, hf, hf_backbones, hf_vision, mobileclip, official, swin, timm, timm_beit, torchvision
+from . import bit, hf, hf_backbones, hf_vision, mobileclip, official, swin, timm, timm_beit, timm_sam, torchvision
 from .infer import infer_resnetv2_config, infer_vit_config
 from .swin import infer_swin_config
 from .io import CheckpointError, read_hf_dir, read_meta, read_npz, read_safetensors, read_torch, sniff
@@ -95,6 +95,11 @@ REGISTRY: tuple[Format, ...] = (
     Format("timm-swin", _timm(swin.is_swin), lambda raw, cfg: swin.to_vitkit(raw),
            facts=lambda path, cfg: swin.folder_facts(cfg), target="timm", holds=lambda c: c.arch == "swin",
            write=lambda sd, c: (swin.from_vitkit(sd), None), folder_config=swin.folder_config, label="a timm Swin"),
+    # timm's SAM image encoder (also SAM's own release files: the image encoder read, the rest left unused)
+    Format("timm-sam", _timm(timm_sam.is_timm_sam), lambda raw, cfg: timm_sam.to_vitkit(raw),
+           facts=lambda path, cfg: timm_sam.folder_facts(cfg, timm.timm_args(cfg)[1]), target="timm",
+           holds=lambda c: c.arch == "samvit", write=lambda sd, c: (timm_sam.from_vitkit(sd, c), None),
+           folder_config=timm_sam.folder_config, label="a timm SAM ViT"),
     _hf_format(hf_backbones, "dinov3", "hf-backbones", holds=lambda c: c.rope == "dinov3"),
     _hf_format(hf_backbones, "aimv2", "hf-backbones", holds=lambda c: c.norm == "rmsnorm"),
     _hf_format(hf_vision, "siglip", "hf-vision", holds=lambda c: c.classifier == "map"),
@@ -166,7 +171,7 @@ def config_from_dict(d: dict) -> ViTConfig | ResNetV2Config:
         raise CheckpointError(f"the checkpoint's config is not a mapping ({type(d).__name__})")
     d = dict(d)
     arch = d.pop("arch", "vit")
-    cls = {"vit": ViTConfig, "resnetv2": ResNetV2Config, "swin": SwinConfig}.get(arch)
+    cls = {"vit": ViTConfig, "resnetv2": ResNetV2Config, "swin": SwinConfig, "samvit": SamViTConfig}.get(arch)
     if cls is None:
         raise CheckpointError(f"the checkpoint's architecture {arch!r} is not one this vitkit version knows")
     try:
@@ -238,7 +243,8 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
             facts = {**facts, **timm.architecture_facts(architecture)}
             timm.check_architecture_sizes(architecture, sd, hints)
         elif fmt == "timm-vit" and not {"pos_embed.weight", "pos_embed.row", "blocks.0.attn.rel_pos.table",
-                                        "rope.freqs"} & set(sd) \
+                                        "rope.freqs", "blocks.0.attn.rel_pos.mlp.fc1.weight",
+                                        "shared_rel_pos.mlp.fc1.weight"} & set(sd) \
                 and "rope" not in {**facts, **hints} and "pos_embed" not in hints:
             raise CheckpointError(
                 f"{path}: a timm state dict with no position embedding: its positions are a rotary embedding the file "
@@ -322,6 +328,8 @@ def _read_run_checkpoint(path: Path, hints: dict) -> Checkpoint:
 def _infer_config(sd: dict[str, torch.Tensor], facts: dict, img_size_if_unknown=None, what: str = "the checkpoint"):
     if "layers.0.blocks.0.attn.relative_position_bias_table" in sd:
         return infer_swin_config(sd, facts)
+    if any(k.startswith("neck.") for k in sd):  # SAM's image encoder: its neck (or the norm in its place)
+        return timm_sam.infer_config(sd, facts, img_size_if_unknown)
     if "stem.conv.weight" in sd and "patch_embed.proj.weight" not in sd:
         return infer_resnetv2_config(sd, facts)
     if "patch_embed.proj.weight" in sd:

@@ -67,6 +67,7 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     # LayerScale: the value it was initialised with is not in the file (and changes nothing once trained)
     stated_init = hints.pop("init_values", None)
     cfg["init_values"] = (stated_init or 1e-5) if "blocks.0.ls1.gamma" in sd else None
+    cfg["attn_only_layer_scale"] = "blocks.0.ls1.gamma" in sd and "blocks.0.ls2.gamma" not in sd  # (Sapiens2)
     cfg["class_token"] = "cls_token" in sd
     cfg["distilled"] = "dist_token" in sd  # DeiT's distillation token (timm's names)
     cfg["reg_tokens"] = sd["reg_token"].shape[1] if "reg_token" in sd else 0
@@ -138,6 +139,13 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         if side * side == cells and side % 2:
             grid = ((side + 1) // 2,) * 2
         hints.setdefault("num_heads", t.shape[1])
+    elif "blocks.0.attn.rel_pos.mlp.fc1.weight" in sd or "shared_rel_pos.mlp.fc1.weight" in sd:
+        # the relative position MLP (timm's ViT-RelPos): no table, any grid; its width and the heads from its layers
+        fc = "shared_rel_pos.mlp." if "shared_rel_pos.mlp.fc1.weight" in sd else "blocks.0.attn.rel_pos.mlp."
+        cfg.update(pos_embed="relative_mlp", rel_pos_dim=sd[fc + "fc1.weight"].shape[0],
+                   rel_pos_shared=fc.startswith("shared"))
+        hints.setdefault("num_heads", sd[fc + "fc2.weight"].shape[0])
+        n, grid = None, None
     else:
         cfg["pos_embed"] = hints.get("pos_embed", "none")
         n, grid = None, None

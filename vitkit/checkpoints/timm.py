@@ -33,7 +33,7 @@ import torch
 
 from ..models.resnet import backbone_stride
 from ..safety import SIZE_BOUNDS
-from . import timm_beit
+from . import timm_beit, timm_relpos, timm_sam
 from .io import CheckpointError, expect_shape, fuse
 import difflib
 
@@ -172,6 +172,8 @@ def _is_eva(keys) -> bool:
 def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
     if timm_beit.is_timm_beit(w):  # timm's Beit: its relative position tables (`timm_beit.KEYS`)
         return timm_beit.to_vitkit(w)
+    if timm_relpos.is_timm_relpos(w):  # timm's ViT-RelPos: its relative position MLPs (`timm_relpos.RULES`)
+        return timm_relpos.to_vitkit(w)
     w, facts, unused = dict(conv_stem_to_vitkit(w)), {"act": "gelu", "norm_eps": 1e-6}, []
     if "mask_token" in w:  # DINOv2's release: the masked-image-modelling token, unused by the backbone
         w.pop("mask_token")
@@ -259,6 +261,11 @@ def eva_style(config) -> bool:
 def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     if config.pos_embed == "relative":  # timm's Beit holds the relative position bias
         return timm_beit.from_vitkit(sd, config)
+    if config.pos_embed == "relative_mlp":  # timm's VisionTransformerRelPos, its MLP
+        return timm_relpos.from_vitkit(sd, config)
+    if getattr(config, "attn_only_layer_scale", False) and not eva_style(config):
+        raise CheckpointError("timm holds LayerScale on the attention branch alone (attn_only_layer_scale) in its Eva "
+                              "only, whose blocks this model's other options do not fit: export to vitkit")
     if getattr(config, "num_kv_heads", None) is not None:
         raise CheckpointError("a timm export of grouped-query attention (num_kv_heads) is not offered: export to "
                               "vitkit")
@@ -364,6 +371,11 @@ def folder_config(c) -> dict:
         args = timm_beit.folder_args(c)
         cfg.update(architecture="beit_base_patch16_224", num_features=c.embed_dim, global_pool=args["global_pool"],
                    model_args=args)
+        cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": "patch_embed.proj", "classifier": "head"}
+        return cfg
+    if c.pos_embed == "relative_mlp":  # timm's VisionTransformerRelPos, every constructor argument in model_args
+        arch, args = timm_relpos.folder_args(c)
+        cfg.update(architecture=arch, num_features=c.embed_dim, global_pool=args["global_pool"], model_args=args)
         cfg["pretrained_cfg"] = {**_pretrained_cfg(c), "first_conv": "patch_embed.proj", "classifier": "head"}
         return cfg
     if eva_style(c):
@@ -511,6 +523,8 @@ def _eva_folder_config(c, cfg: dict) -> dict:
             "ref_feat_shape": list(c.rope_ref_grid) if c.rope_ref_grid else None,
             "dynamic_img_size": c.dynamic_img_size, "use_abs_pos_emb": c.pos_embed == "learned_1d",
             "attn_type": "rope" if c.qkv_bias and c.k_bias else "eva", "use_post_transformer_norm": c.final_norm and not c.fc_norm}
+    if c.attn_only_layer_scale:  # Sapiens2's LayerScale on the attention alone (written only where set)
+        args["attn_only_layer_scale"] = True
     if c.res_post_norm:  # EvaBlockPostNorm (written only where set: the same config.json as before otherwise)
         if c.qk_norm or c.init_values is not None:
             raise CheckpointError("timm's Eva post-norm block (use_post_norm) has no qk-norm and no LayerScale")
@@ -542,10 +556,13 @@ def registered_archs() -> dict[str, dict]:
     return {**doc["archs"], **doc.get("more_archs", {})}
 
 
-# The model classes' own defaults where they differ from VisionTransformer's (timm's Eva and Beit pool by the average).
-_CLASS_DEFAULTS = {"Eva": {"global_pool": "avg"}, "Beit": timm_beit.CLASS_DEFAULTS}
-# timm's model classes vitkit implements; the others (VisionTransformerRelPos, VisionTransformerSAM) are refused
-TIMM_CLASSES = ("VisionTransformer", "VisionTransformerDistilled", "Eva", "NaFlexVit", "ResNetV2", "Beit")
+# The model classes' own defaults where they differ from VisionTransformer's (timm's Eva and Beit pool by the average;
+# ViT-RelPos too, without a class token, with LayerScale).
+_CLASS_DEFAULTS = {"Eva": {"global_pool": "avg"}, "Beit": timm_beit.CLASS_DEFAULTS,
+                   "VisionTransformerRelPos": timm_relpos.CLASS_DEFAULTS}
+# timm's model classes vitkit implements as its ViT or BiT; VisionTransformerSAM is its own model (`timm_sam`)
+TIMM_CLASSES = ("VisionTransformer", "VisionTransformerDistilled", "Eva", "NaFlexVit", "ResNetV2", "Beit",
+                "VisionTransformerRelPos")
 
 
 def timm_args(cfg: dict) -> tuple[str | None, dict]:
@@ -584,7 +601,8 @@ _MODEL_ARGS = {"init_values": "init_values", "reg_tokens": "reg_tokens", "num_re
                "no_embed_class": "no_embed_class", "pre_norm": "pre_norm", "use_pre_transformer_norm": "pre_norm",
                "qk_norm": "qk_norm", "dynamic_img_size": "dynamic_img_size", "scale_mlp": "mlp_norm",
                "scale_mlp_norm": "mlp_norm", "scale_attn_inner": "attn_norm", "scale_attn_norm": "attn_norm",
-               "scale_attn_inner_norm": "attn_norm", "rope_temperature": "rope_temperature"}
+               "scale_attn_inner_norm": "attn_norm", "rope_temperature": "rope_temperature",
+               "attn_only_layer_scale": "attn_only_layer_scale"}
 # Arguments vitkit takes only at their default (anything else is another architecture).
 # (the train-time rotary coordinate augmentations change nothing at inference: a fine-tuning run does not apply them)
 _ONLY_DEFAULT = {"embed_layer": None, "block_fn": None, "use_naflex": False, "use_post_norm": False,
@@ -601,7 +619,7 @@ _EVA_ONLY = {"rope_type": "cat", "rope_grid_offset": 0.0, "rope_grid_indexing": 
 _SAME = {"pos_embed": ("learn", "learned", "none"), "rope_type": ("cat", ""), "attn_pool_mlp_ratio": (None,), "attn_type": ("eva", "standard", "rope"),
          "weight_init": ("", "skip"),
          # read into vitkit's res_post_norm (`_block_facts`)
-         "block_fn": ("ResPostBlock",), "use_post_norm": (True,)}
+         "block_fn": ("ResPostBlock", "ResPostRelPosBlock"), "use_post_norm": (True,)}
 # timm's MLP layers that are the paper's MLP or a SwiGLU vitkit reads from the tensors
 _MLP_LAYERS = {None, "Mlp", "SwiGLUPacked", "SwiGLU"}
 
@@ -669,9 +687,6 @@ def folder_facts(cfg: dict) -> dict:
         facts["patch_norm"] = True
     if mlp not in _MLP_LAYERS:
         raise CheckpointError(f"timm's {arch} uses mlp_layer {args['mlp_layer']!r}, which vitkit does not implement")
-    if (args.get("scale_mlp_norm") or args.get("scale_mlp")) and mlp not in ("SwiGLU", "SwiGLUPacked") \
-            and not args.get("swiglu_mlp"):
-        raise CheckpointError(f"timm's {arch} has a norm inside a GELU MLP; vitkit has it inside SwiGLU only")
     if "num_heads" in args:
         facts["num_heads"] = args["num_heads"]
     pool = args.get("global_pool", cfg.get("global_pool", "token"))
@@ -733,11 +748,13 @@ def folder_facts(cfg: dict) -> dict:
         raise CheckpointError(f"timm's {arch} averages the prefix tokens with the patches (pool_include_prefix), "
                               f"which vitkit does not implement (its 'avg' pools the patches alone)")
     only_default = _ONLY_DEFAULT if eva else {**_ONLY_DEFAULT, **_EVA_ONLY}  # what vitkit reads from an Eva alone
-    if eva:  # grouped key/value heads: `_block_facts`
-        only_default = {k: v for k, v in only_default.items() if k != "num_kv_heads"}
+    if eva:  # grouped key/value heads (`_block_facts`), LayerScale on the attention alone (`_MODEL_ARGS`)
+        only_default = {k: v for k, v in only_default.items() if k not in ("num_kv_heads", "attn_only_layer_scale")}
     if cls == "Beit":  # its positions, pooling and key bias: its own arguments (timm_beit)
         only_default = {k: v for k, v in only_default.items() if k not in timm_beit.ARGS}
         facts.update(timm_beit.arg_facts(arch, args))
+    if cls == "VisionTransformerRelPos":  # its relative position MLP, tokens and pooling (timm_relpos)
+        facts.update(timm_relpos.arg_facts(arch, args))
     for key, default in only_default.items():
         value = args.get(key, default)
         if value != default and value not in _SAME.get(key, ()):
@@ -755,7 +772,7 @@ def _block_facts(arch: str, args: dict, eva: bool) -> dict:
                                               or any(h is not None for h in _listed(args.get("num_kv_heads")))):
         raise CheckpointError(f"timm's {arch} asks for post-norm blocks with qk-norm, grouped key/value heads or "
                               f"attention-only LayerScale, which timm's Eva does not build")
-    if (eva and args.get("use_post_norm")) or args.get("block_fn") == "ResPostBlock":
+    if (eva and args.get("use_post_norm")) or args.get("block_fn") in ("ResPostBlock", "ResPostRelPosBlock"):
         facts.update(res_post_norm=True, init_values=None)
     kv = args.get("num_kv_heads") if eva else None
     if kv is not None:
@@ -824,6 +841,8 @@ def arch_config(arch: str, model_args: dict | None = None, tag: str | None = Non
     if pre["fixed_input_size"] and cls_of(arch) != "ResNetV2":  # a dynamic size too: its position table's grid
         user.setdefault("img_size", list(pre["input_size"][1:]))
     cfg = {"architecture": arch, "model_args": user, "pretrained_cfg": pre}
+    if cls_of(arch) == "VisionTransformerSAM":  # SAM's image encoder: its own model and arguments (timm_sam)
+        return "samvit", timm_sam.config_fields(arch, timm_args(cfg)[1], pre)
     facts = folder_facts(cfg)
     cls, args = timm_args(cfg)
     if cls == "ResNetV2":
@@ -887,7 +906,7 @@ def _vit_sizes(arch: str, cls: str | None, args: dict, facts: dict) -> dict:
         raise CheckpointError(f"timm's {arch} normalises after {pool!r} pooling; vitkit's fc_norm follows the "
                               f"average alone")
     out.update(fc_norm=bool(use_fc), final_norm=bool(use_fc or post))
-    out["pos_embed"] = "learned_1d" if absolute else "none"
+    out["pos_embed"] = "learned_1d" if absolute else "none"  # (ViT-RelPos: its own, in folder_facts)
     if pool == "map":  # the attention pooling's MLP: the blocks' ratio unless its own (Eva, NaFlexVit)
         ratio = (args.get("attn_pool_mlp_ratio") if eva or naflex else None) or args.get("mlp_ratio", 4.0)
         if int(d * ratio) != out["mlp_dim"]:
@@ -936,10 +955,16 @@ def architecture_facts(arch: str) -> dict:
     entry = registered_archs()[arch]
     kw = entry["kwargs"]
     pre = {**entry.get("pretrained_cfg", {}), "input_size": entry.get("input_size")}
+    if entry["class"] == "VisionTransformerSAM":  # its global blocks: the registered ones; its grid and window: the
+        cfg = {"architecture": arch, "pretrained_cfg": pre}  # tensors' (or the caller's)
+        facts = timm_sam.folder_facts(cfg, timm_args(cfg)[1])
+        return {k: v for k, v in facts.items() if k not in ("img_size", "window_size")}
     facts = folder_facts({"architecture": arch, "pretrained_cfg": pre})
-    absolute = kw.get("use_abs_pos_emb", True) and kw.get("pos_embed", "learn") != "none"
+    absolute = kw.get("use_abs_pos_emb", True) and kw.get("pos_embed", "learn") != "none" \
+        and entry["class"] != "VisionTransformerRelPos"  # (its MLP takes any grid: the registered size stands)
     if absolute or kw.get("use_rel_pos_bias") or kw.get("use_shared_rel_pos_bias"):
         facts.pop("img_size", None)  # the position table's grid says it (BEiT's relative table: a square one)
+    facts.pop("rel_pos_dim", None)  # (ViT-RelPos: its MLP's width, the tensors say it)
     return facts
 
 

@@ -62,9 +62,6 @@ def is_timm_beit(keys) -> bool:
 def to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict, list[str]]:
     """A timm Beit state dict -> (vitkit state dict, config facts, unused keys)."""
     sd, unused = layouts.read(LAYOUT, {k: v for k, v in w.items() if k != SHARED_TABLE})
-    if "blocks.0.mlp.norm.weight" in sd and "blocks.0.mlp.fc1.weight" in sd:
-        raise CheckpointError("timm's BEiT with scale_mlp and a GELU MLP (a norm inside it): vitkit has that norm "
-                              "inside SwiGLU only")
     shared = w.get(SHARED_TABLE)
     if shared is not None:  # one table for all blocks, added to each block's own: summed into each
         for i in sorted({int(k.split(".")[1]) for k in sd if k.startswith("blocks.")}):

@@ -10,7 +10,7 @@ import re
 
 from ..errors import UsageError
 from ..models.registry import list_models
-from . import timm
+from . import timm, timm_relpos, timm_sam
 from .io import CheckpointError
 
 # timm's constructor arguments that shape the model, per model class: passed as timm passes them (`model_args`, over
@@ -42,19 +42,11 @@ _VITKIT_VALUES = {"pos_embed": ("learned_1d", "learned_2d", "sincos_2d", "relati
 # timm's architectures of its ViT modules that vitkit refuses, by family: the translation refuses each (a
 # CheckpointError naming the argument or the model class); this names the family for the message and the table.
 REFUSED_FAMILIES = [
-    (r"^(vit_s?relpos_|test_vit_relpos)", "ViT-RelPos: a position bias an MLP computes from log-spaced offsets "
-                                          "(RelPosMlp), shared by all blocks in vit_srelpos, with res-post-norm "
-                                          "blocks in the _rpn_ ones; vitkit's relative bias is BEiT's learned table"),
-    (r"^samvit_", "SAM's ViT: windowed attention with decomposed relative positions and a convolutional neck; vitkit "
-                  "does not implement it"),
-    (r"^beit3_", "BEiT-3: a norm inside the GELU MLP (Magneto's sub-LN)"),
     (r"^naflexvit_.*_(parfac|radio)", "NaFlexVit with factorized positions (RADIO, parfac)"),
     (r"^resnetv2_\d+(d|t|d_\w+)?$", "ResNetV2 other than BiT: BatchNorm, EvoNorm, FRN, deep or tiered stems"),
     (r"_(xp|pwee)_", "parallel attention and MLP (ParallelScalingBlock)"),
     (r"_18x2_", "two parallel blocks per layer (ParallelThingsBlock)"),
     (r"_(dlittle|dwee|dpwee)_", "differential attention"),
-    (r"_sapiens2$", "Sapiens2: LayerScale on the attention branch alone (attn_only_layer_scale); vitkit has its "
-                    "grouped-query attention (num_kv_heads: a Sapiens2 folder without that LayerScale loads)"),
     (r"_resnet\d+d", "hybrids on a ResNet-D (vitkit's hybrids have BiT's ResNetV2)"),
 ]
 # timm's ViT-like families outside the modules vitkit reads: refused by name, with what they add
@@ -145,6 +137,8 @@ def split_kwargs(arch: str, kwargs: dict) -> tuple[dict, dict]:
     """(timm's constructor arguments, the rest) of create_model's keywords for timm's `arch`."""
     cls = timm.cls_of(arch)
     names = (_RESNET_ARGS if cls == "ResNetV2" else _EVA_ARGS if cls == "Eva" else _BEIT_ARGS if cls == "Beit" else
+             timm_relpos.NAMES if cls == "VisionTransformerRelPos" else
+             timm_sam.ARGS if cls == "VisionTransformerSAM" else
              (set(timm.registered_archs()[arch]["kwargs"]) | {"img_size", "in_chans", "num_classes"}) - _NOT_ARCH
              if cls == "NaFlexVit" else _VIT_ARGS)
     model_args, rest = {}, {}
@@ -157,8 +151,7 @@ def split_kwargs(arch: str, kwargs: dict) -> tuple[dict, dict]:
 def config_fields(name: str, model_args: dict | None = None) -> tuple[str, dict]:
     """("vit" or "resnetv2", vitkit config fields) of timm's `name` (a tag selects the classes and preprocessing
     its weights have, as in timm) built with `model_args`, or a UsageError naming why vitkit does not build it (a
-    refused name by its family, unless the keywords change what vitkit lacks: Sapiens2 with
-    attn_only_layer_scale=False)."""
+    refused name by its family, unless the keywords change what vitkit lacks)."""
     arch, tag = split(name) or (None, None)
     if arch is None:
         raise unknown(name)

@@ -21,7 +21,7 @@ class PackedForward:
         if c.hybrid_layers is not None:
             raise UsageError("a hybrid's ResNet reads whole images: packed batches of patches are for plain ViTs "
                              "(run a hybrid on one size per batch, or one image at a time)")
-        if c.pos_embed == "relative":
+        if c.pos_embed in ("relative", "relative_mlp"):
             raise UsageError("packed batches need an absolute position embedding, not the relative bias")
 
     def embed_packed(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:

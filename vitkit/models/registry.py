@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .resnet import ResNetV2, ResNetV2Config
+from .samvit import SamViTConfig, SamVisionTransformer
 from .swin import SwinConfig, SwinTransformer
 from .vit import VisionTransformer
 from .vit_config import ViTConfig
@@ -19,7 +20,8 @@ from ..errors import UsageError
 from ..safety import check_alloc
 
 # arch -> (config class, model class)
-ARCHS = {"vit": (ViTConfig, VisionTransformer), "resnetv2": (ResNetV2Config, ResNetV2), "swin": (SwinConfig, SwinTransformer)}
+ARCHS = {"vit": (ViTConfig, VisionTransformer), "resnetv2": (ResNetV2Config, ResNetV2), "swin": (SwinConfig, SwinTransformer),
+         "samvit": (SamViTConfig, SamVisionTransformer)}  # SAM's image encoder: built by timm's names (samvit_*)
 
 # Table 1: width D, depth L, MLP size, heads.
 VIT_SIZES: dict[str, dict[str, int]] = {

@@ -41,7 +41,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .layers import Attention, Linear, RelativePositionBias
+from .layers import Attention, Linear, RelativePositionBias, RelativePositionMlp
 from .layers.attention import check_impl
 from .layers.block import Block
 from .layers.mlp import lecun_normal_
@@ -55,6 +55,7 @@ from .vit_config import ViTConfig
 from .vit_layers import (
     make_attn_pool,
     make_block,
+    make_shared_rel_pos,
     make_patch_embed,
     make_pos_embed,
     make_prefix_tokens,
@@ -126,7 +127,8 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         self.rope = make_rope(c)  # None without rotary embeddings
         self.pos_drop = nn.Dropout(c.drop_rate)
         self.norm_pre = norm_or_identity(c, c.pre_norm)  # CLIP's ln_pre
-        self.blocks = nn.ModuleList(make_block(c, i) for i in range(c.depth))  # Eq. 2-3
+        self.shared_rel_pos = make_shared_rel_pos(c)  # None unless one relative position MLP serves every block
+        self.blocks = nn.ModuleList(make_block(c, i, self.shared_rel_pos) for i in range(c.depth))  # Eq. 2-3
         self.norm = norm_or_identity(c, c.final_norm and not c.fc_norm)  # Eq. 4
         self.fc_norm = norm_or_identity(c, c.fc_norm)  # after the mean instead (fc_norm)
         self.attn_pool = make_attn_pool(c)  # classifier 'map'
@@ -412,11 +414,12 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         for s, p in zip(new, c.patch_size):
             if s % p:
                 raise UsageError(f"img_size {new} is not divisible by patch_size {c.patch_size}")
-        rel = [m for m in self.modules() if isinstance(m, RelativePositionBias)]
-        if rel:  # each block's (T, T) int64 index (and its (2, N, N) offsets while built) and resampled table
-            (nh, nw), heads = (s // p for s, p in zip(new, c.patch_size)), rel[0].table.shape[1]
+        rel = [m for m in self.modules() if isinstance(m, (RelativePositionBias, RelativePositionMlp))]
+        if rel:  # each block's (T, T) int64 index (and its (2, N, N) offsets while built) and resampled table (or
+            # the MLP's (2gh - 1, 2gw - 1, 2) offsets)
+            (nh, nw), heads = (s // p for s, p in zip(new, c.patch_size)), c.num_heads
             n, t = nh * nw, nh * nw + rel[0].num_prefix_tokens
-            nbytes = len(rel) * (t * t * 8 + (2 * nh - 1) * (2 * nw - 1) * heads * 4) + 2 * n * n * 8
+            nbytes = len(rel) * (t * t * 8 + (2 * nh - 1) * (2 * nw - 1) * max(heads, 2) * 4) + 2 * n * n * 8
             check_alloc(nbytes, f"the relative position tables of {len(rel)} block(s) at img_size {new}", UsageError)
         c.img_size = new
         self.patch_embed.img_size = new
@@ -425,8 +428,8 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         self.pos_embed.resample(c.grid_size, method)
         if self.rope is not None:
             self.rope.resample(c.grid_size)
-        for rel_pos in (m for m in self.modules() if isinstance(m, RelativePositionBias)):  # one per block
-            rel_pos.resample(c.grid_size, method)
+        for rel_pos in (m for m in self.modules() if isinstance(m, (RelativePositionBias, RelativePositionMlp))):
+            rel_pos.resample(c.grid_size, method)  # one per block (or the model's one, shared)
 
     def set_attention_impl(self, impl: str = "auto") -> None:
         """How every attention layer of this model computes softmax(q k^T) v: "auto" (picked per call), "sdpa" (the

@@ -35,7 +35,8 @@ MLP_LAYERS = ("mlp", "swiglu")
 ROPES = (None, *ROPE_KINDS)
 ROPE_INDEXING = ("ij", "xy")
 # fields newer than the previous vitkit release, with their defaults: `to_dict` leaves them out when at the default
-_LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0,
+_LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0, "rel_pos_dim": 128,
+                 "rel_pos_shared": False, "attn_only_layer_scale": False,
                  "conv_stem": None, "conv_stem_kernels": (), "conv_stem_strides": ()}
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
@@ -43,6 +44,7 @@ POS_EMBEDS = {
     "sincos_2d": SinCosPosEmbed2d,
     "none": NoPosEmbed,
     "relative": NoPosEmbed,  # the relative bias lives in every attention layer instead
+    "relative_mlp": NoPosEmbed,  # so does the MLP that computes it (or in the model, shared by the blocks)
 }
 
 # The groups of `ViTConfig`'s fields, in the class's order: name -> (heading, fields). Checked at import
@@ -55,13 +57,14 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "stem": ("convolutional stem (MobileCLIP's MCi)", ("conv_stem", "conv_stem_kernels", "conv_stem_strides")),
     "position": ("position and rotary embeddings",
                  ("pos_embed", "no_embed_class", "pos_resample", "pos_resample_square", "dynamic_img_size", "rope",
-                  "rope_ref_grid", "rope_temperature", "rope_indexing", "rope_offset", "rope_half")),
+                  "rope_ref_grid", "rope_temperature", "rope_indexing", "rope_offset", "rope_half", "rel_pos_dim",
+                  "rel_pos_shared")),
     "tokens": ("extra tokens", ("class_token", "distilled", "reg_tokens")),
     "pooling": ("pooling and head", ("fc_norm", "pool_heads", "pool_mlp_dim", "pool_prefix", "mpp")),
     "norms": ("norms", ("norm", "pre_norm", "patch_norm", "final_norm", "qk_norm", "attn_norm", "mlp_norm",
                         "res_post_norm")),
     "variants": ("attention and MLP variants", ("k_bias", "proj_bias", "patch_bias", "mlp_layer", "init_values",
-                                                "num_kv_heads", "kv_full_blocks")),
+                                                "attn_only_layer_scale", "num_kv_heads", "kv_full_blocks")),
     "facts": ("what the weights carry", ("mean", "std", "interpolation", "crop_pct", "class_names", "naflex", "arch")),
 }
 
@@ -101,7 +104,10 @@ class ViTConfig:
             (kernel - stride + 1) // 2 keeps H / stride exact.
 
     Position and rotary embeddings:
-        pos_embed: "learned_1d" (the paper's) | "learned_2d" | "sincos_2d" | "none" | "relative" (App. D.4).
+        pos_embed: "learned_1d" (the paper's) | "learned_2d" | "sincos_2d" | "none" | "relative" (App. D.4: a
+            learned bias per head and relative offset in every block's attention, BEiT's) | "relative_mlp" (that bias
+            computed by an MLP from the offsets' log-spaced coordinates, Swin V2's continuous bias: timm's
+            ViT-RelPos, `layers.attention.RelativePositionMlp`; no table to resample at another grid).
         no_embed_class: the position embedding covers the patches only (DeiT-III, DINOv2 with registers, big_vision);
             False: it covers the prefix tokens too, as in the paper.
         pos_resample: how a packed batch (images of other sizes, `forward` on a list of images) resamples the
@@ -120,6 +126,8 @@ class ViTConfig:
             rope_temperature: the base of the frequencies (DINOv3's periods). rope_indexing: "ij" (the first half
             of the angles from the row) or "xy" (from the column: ROPE-ViT, PE). rope_offset: added to the patch
             indices (PE: 1). rope_half: the rotate-half channel layout (DINOv3) instead of adjacent pairs.
+        rel_pos_dim, rel_pos_shared ("relative_mlp"): the MLP's hidden width; one MLP for all blocks (timm's
+            vit_srelpos) instead of one each.
 
     Extra tokens:
         class_token: prepend a class token; None means "only when classifier == 'token'".
@@ -144,7 +152,7 @@ class ViTConfig:
             none).
         qk_norm: a norm on every head's queries and keys.
         attn_norm: a norm on the attention heads' output before the projection (EVA-02 CLIP's sub-LN).
-        mlp_norm: a norm on the SwiGLU's hidden units (EVA-02's `scale_mlp`).
+        mlp_norm: a norm on the MLP's hidden units (EVA-02's `scale_mlp` in its SwiGLU; BEiT-3's sub-LN in the GELU MLP).
         res_post_norm: residual post-norm: each branch reads the un-normed tokens and its output is normed before
             the residual add, x + ls(norm1(attn(x))), x + ls(norm2(mlp(x))) (timm's Eva `use_post_norm`:
             EVA-02-CLIP-E "enormous"; Swin V2's res-post-norm); the norms keep their names (norm1, norm2).
@@ -156,7 +164,7 @@ class ViTConfig:
         mlp_layer: "mlp" (the paper's) or "swiglu" (fc2(SiLU(W_g x) * W_x x): EVA-02, DINOv2-g); with "swiglu",
             mlp_dim is the width of the gated hidden layer.
         init_values: LayerScale (CaiT, DeiT-III, DINOv2): a learned per-channel scale on both residual branches,
-            initialised to this value; None: none.
+            initialised to this value; None: none. attn_only_layer_scale: on the attention branch alone (Sapiens2).
         num_kv_heads: grouped-query attention (Sapiens2): this many key/value heads, each shared by
             num_heads // num_kv_heads query heads (head h reads key/value head h // that); None: one per query
             head. The fused qkv's rows are q (D), k and v (num_kv_heads x head width each).
@@ -209,6 +217,8 @@ class ViTConfig:
     rope_indexing: str = "ij"
     rope_offset: float = 0.0
     rope_half: bool = False
+    rel_pos_dim: int = 128
+    rel_pos_shared: bool = False
     # ---- extra tokens ----
     class_token: bool | None = None
     distilled: bool = False
@@ -234,6 +244,7 @@ class ViTConfig:
     patch_bias: bool = True
     mlp_layer: str = "mlp"
     init_values: float | None = None
+    attn_only_layer_scale: bool = False
     num_kv_heads: int | None = None
     kv_full_blocks: int = 0
     # ---- what the weights carry ----
@@ -270,12 +281,13 @@ class ViTConfig:
             raise UsageError(f"act must be one of {ACTIVATIONS}, got {self.act!r}")
         if self.mlp_layer not in MLP_LAYERS:
             raise UsageError(f"mlp_layer must be one of {MLP_LAYERS}, got {self.mlp_layer!r}")
-        if self.mlp_norm and self.mlp_layer != "swiglu":
-            raise UsageError("mlp_norm (a LayerNorm inside the MLP) is implemented for mlp_layer='swiglu' only")
         if self.pos_resample not in RESAMPLE_METHODS:
             raise UsageError(f"pos_resample must be one of {RESAMPLE_METHODS}, got {self.pos_resample!r}")
         if self.pos_resample == "geometric" and self.pos_embed != "relative":
             raise UsageError("pos_resample='geometric' resamples a relative position table (timm's BEiT); "
+                             f"pos_embed={self.pos_embed!r} has none")
+        if self.pos_embed != "relative_mlp" and (self.rel_pos_dim != 128 or self.rel_pos_shared):
+            raise UsageError("rel_pos_dim and rel_pos_shared are the MLP relative bias's (pos_embed='relative_mlp'); "
                              f"pos_embed={self.pos_embed!r} has none")
         if self.rope not in ROPES:
             raise UsageError(f"rope must be one of {ROPES}, got {self.rope!r}")
@@ -303,6 +315,8 @@ class ViTConfig:
             raise UsageError(f"reg_tokens must be >= 0, got {self.reg_tokens}")
         if self.reg_tokens and self.distilled:
             raise UsageError("register tokens beside DeiT's distillation token: no published model has both")
+        if self.attn_only_layer_scale and self.init_values is None:
+            raise UsageError("attn_only_layer_scale puts LayerScale on the attention branch alone: it needs init_values")
         if self.embed_dim % self.num_heads:
             raise UsageError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         if self.num_kv_heads is not None and (self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads):
@@ -434,12 +448,14 @@ class ViTConfig:
 
     def options(self) -> list[str]:
         """The later-ViT options this config turns on, in words (for a run's one-line model description)."""
-        on = [f"LayerScale {self.init_values:g}" if self.init_values is not None else "",
+        on = [f"LayerScale {self.init_values:g}{' (attention only)' if self.attn_only_layer_scale else ''}"
+              if self.init_values is not None else "",
               f"{self.reg_tokens} registers" if self.reg_tokens else "",
               "position embedding over the patches only" if self.no_embed_class else "",
               "pre-norm" if self.pre_norm else "", "qk-norm" if self.qk_norm else "",
               "attention sub-norm" if self.attn_norm else "",
-              ("SwiGLU with a norm" if self.mlp_norm else "SwiGLU") if self.mlp_layer == "swiglu" else "",
+              ("SwiGLU with a norm" if self.mlp_norm else "SwiGLU") if self.mlp_layer == "swiglu" else
+              "a norm inside the MLP" if self.mlp_norm else "",
               {"eva": "2-D RoPE", "mixed": "2-D RoPE, learned frequencies", "dinov3": "DINOv3 RoPE"}.get(self.rope, ""),
               "no key bias" if not self.k_bias else "", "RMSNorm" if self.norm == "rmsnorm" else "",
               "patch norm" if self.patch_norm else "", "no projection biases" if not self.proj_bias else "",
@@ -447,6 +463,9 @@ class ViTConfig:
               "MAP head" if self.classifier == "map" else "", "quick GELU" if self.act == "quick_gelu" else "",
               "distillation token" if self.distilled else "",
               "residual post-norm" if self.res_post_norm else "",
+              "relative position bias" if self.pos_embed == "relative" else "",
+              (f"relative position MLP{' shared by the blocks' if self.rel_pos_shared else ''}"
+               if self.pos_embed == "relative_mlp" else ""),
               f"conv stem {self.conv_stem}" if self.conv_stem else "",
               f"grouped-query attention ({self.num_kv_heads} key/value heads)" if self.num_kv_heads else ""]
         return [o for o in on if o]

@@ -20,6 +20,8 @@ from .layers import (
     Mlp,
     PatchEmbed,
     RelativePositionBias,
+    RelativePositionMlp,
+    Shared,
     RotaryEmbedding2d,
     SwiGLU,
     make_norm,
@@ -81,14 +83,30 @@ def make_rope(c: ViTConfig) -> RotaryEmbedding2d | None:
                              depth=c.depth, num_heads=c.num_heads)
 
 
-def make_block(c: ViTConfig, index: int) -> Block:
+def make_rel_pos(c: ViTConfig) -> RelativePositionBias | RelativePositionMlp | None:
+    """A block's relative position bias: BEiT's learned table ("relative"), the MLP of the offsets ("relative_mlp"),
+    or None."""
+    if c.pos_embed == "relative":
+        rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens)
+        rel.method = c.pos_resample
+        return rel
+    if c.pos_embed == "relative_mlp":
+        return RelativePositionMlp(c.grid_size, c.num_heads, c.rel_pos_dim, c.num_prefix_tokens)
+    return None
+
+
+def make_shared_rel_pos(c: ViTConfig) -> RelativePositionMlp | None:
+    """The relative position MLP all blocks share (`rel_pos_shared`: timm's `shared_rel_pos`), or None."""
+    return make_rel_pos(c) if c.rel_pos_shared else None
+
+
+def make_block(c: ViTConfig, index: int, shared_rel_pos: nn.Module | None = None) -> Block:
     """Encoder block `index` of the config `c`: its layers built here and handed to `Block` (or `ResPostBlock`,
     res_post_norm), in this order (the random initialisation of a seeded model follows it). Stochastic depth grows
-    linearly over the blocks, from 0 to drop_path_rate."""
+    linearly over the blocks, from 0 to drop_path_rate. `shared_rel_pos`: the model's relative position MLP, read by
+    every block (`rel_pos_shared`)."""
     drop_path = c.drop_path_rate * index / max(c.depth - 1, 1)
-    rel = RelativePositionBias(c.grid_size, c.num_heads, c.num_prefix_tokens) if c.pos_embed == "relative" else None
-    if rel is not None:
-        rel.method = c.pos_resample
+    rel = Shared(shared_rel_pos) if shared_rel_pos is not None else make_rel_pos(c)
     d = c.embed_dim
     norm1 = norm_layer(c)(d)
     attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,
@@ -100,8 +118,9 @@ def make_block(c: ViTConfig, index: int) -> Block:
     if c.mlp_layer == "swiglu":
         mlp = SwiGLU(d, c.mlp_dim, norm=c.mlp_norm, drop=c.drop_rate, bias=c.proj_bias, norm_layer=norm_layer(c))
     else:
-        mlp = Mlp(d, c.mlp_dim, act=c.act, drop=c.drop_rate, bias=c.proj_bias)
-    ls2 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
+        mlp = Mlp(d, c.mlp_dim, act=c.act, drop=c.drop_rate, bias=c.proj_bias,
+                  norm_layer=norm_layer(c) if c.mlp_norm else None)
+    ls2 = LayerScale(d, c.init_values) if c.init_values is not None and not c.attn_only_layer_scale else nn.Identity()
     block = ResPostBlock if c.res_post_norm else Block
     return block(norm1, attn, ls1, DropPath(drop_path), norm2, mlp, ls2, DropPath(drop_path))
 

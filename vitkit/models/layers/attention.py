@@ -30,6 +30,16 @@ _CPU_BF16_NATIVE = bf16_native()
 _CPU_HAS_AMX = amx_usable()
 
 
+def offset_index(grid: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
+    """(N, N): for every pair of a grid's N patches, the row of their offset (dy, dx) in a (2gh - 1) x (2gw - 1)
+    table of offsets, (0, 0) at its centre."""
+    gh, gw = grid
+    ys, xs = torch.meshgrid(torch.arange(gh, device=device), torch.arange(gw, device=device), indexing="ij")
+    coords = torch.stack([ys, xs]).flatten(1)  # (2, N)
+    rel = coords[:, :, None] - coords[:, None, :]  # (2, N, N)
+    return (rel[0] + gh - 1) * (2 * gw - 1) + (rel[1] + gw - 1)  # (N, N)
+
+
 class RelativePositionBias(nn.Module):
     """A learned bias per head for every relative offset (dy, dx) between two patches.
 
@@ -56,10 +66,7 @@ class RelativePositionBias(nn.Module):
 
     def _build_index(self, grid: tuple[int, int], device: torch.device) -> torch.Tensor:
         gh, gw = grid
-        ys, xs = torch.meshgrid(torch.arange(gh, device=device), torch.arange(gw, device=device), indexing="ij")
-        coords = torch.stack([ys, xs]).flatten(1)  # (2, N)
-        rel = coords[:, :, None] - coords[:, None, :]  # (2, N, N)
-        idx = (rel[0] + gh - 1) * (2 * gw - 1) + (rel[1] + gw - 1)  # (N, N)
+        idx = offset_index(grid, device)  # (N, N)
         if not self.num_prefix_tokens:
             return idx
         p, base = self.num_prefix_tokens, (2 * gh - 1) * (2 * gw - 1)
@@ -95,6 +102,71 @@ class RelativePositionBias(nn.Module):
         return table[index.flatten()].view(t, t, -1).permute(2, 0, 1)  # (T, T, H) -> (H, T, T)
 
 
+def log_offsets(grid: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
+    """(2gh - 1, 2gw - 1, 2): every relative offset (dy, dx) of a grid, log-spaced, sign(d) * ln(1 + |d|) (the
+    continuous position bias's input: Swin V2's log-spaced coordinates, timm's 'cr' mode)."""
+    gh, gw = grid
+    dy = torch.arange(-(gh - 1), gh, device=device, dtype=torch.float32)
+    dx = torch.arange(-(gw - 1), gw, device=device, dtype=torch.float32)
+    d = torch.stack(torch.meshgrid(dy, dx, indexing="ij"), dim=-1)  # (2gh - 1, 2gw - 1, 2)
+    return torch.sign(d) * torch.log1p(d.abs())
+
+
+class RelativePositionMlp(nn.Module):
+    """A bias per head for every relative offset between two patches, computed by a small MLP from the offset's
+    log-spaced coordinates (Swin V2's continuous position bias, as timm's ViT-RelPos uses it: `RelPosMlp`, mode 'cr'):
+    2 -> hidden (ReLU, dropout 0.125 in training) -> heads. The MLP holds no grid, so one set of weights serves any
+    resolution: another grid only recomputes the offsets. The prefix tokens (a class token) get no bias.
+
+    One module per block, or one for the whole model (`rel_pos_shared`, timm's `vit_srelpos_*`): the model owns it
+    and every block reads it through `Shared`."""
+
+    def __init__(self, grid_size: tuple[int, int], num_heads: int, hidden: int = 128, num_prefix_tokens: int = 0) -> None:
+        super().__init__()
+        self.grid_size = tuple(grid_size)
+        self.num_heads, self.num_prefix_tokens = num_heads, num_prefix_tokens
+        self.mlp = nn.Module()  # timm's names: rel_pos.mlp.fc1, rel_pos.mlp.fc2
+        self.mlp.fc1 = nn.Linear(2, hidden)
+        self.mlp.drop = nn.Dropout(0.125)
+        self.mlp.fc2 = nn.Linear(hidden, num_heads)
+        self.register_buffer("offsets", log_offsets(self.grid_size, self.mlp.fc1.weight.device), persistent=False)
+        self.register_buffer("index", offset_index(self.grid_size, self.mlp.fc1.weight.device), persistent=False)
+        self._cache = None
+
+    def resample(self, new_grid: tuple[int, int], method: str | None = None) -> None:
+        """Lay the offsets out for another patch grid (the weights are the same at every grid; `method` unused)."""
+        self.grid_size = tuple(new_grid)
+        self.offsets = log_offsets(self.grid_size, self.index.device)
+        self.index = offset_index(self.grid_size, self.index.device)
+
+    def forward(self, grid: tuple[int, int] | None = None) -> torch.Tensor:
+        """(H, T, T): the bias between every pair of tokens (zero on the prefix tokens' rows and columns), for the
+        model's grid or another (dynamic_img_size)."""
+        if _same_grid(grid, self.grid_size):
+            offsets, index = self.offsets, self.index
+        else:
+            self._cache = self._cache or _GridCache()
+            offsets, index = self._cache.get(tuple(grid), [], lambda: (
+                log_offsets(grid, self.index.device), offset_index(grid, self.index.device)))
+        m = self.mlp
+        table = m.fc2(m.drop(F.relu(m.fc1(offsets.to(m.fc1.weight.dtype)))))  # (2gh - 1, 2gw - 1, H)
+        n = index.shape[0]
+        bias = table.reshape(-1, self.num_heads)[index.flatten()].view(n, n, -1).permute(2, 0, 1)  # (H, N, N)
+        p = self.num_prefix_tokens
+        return F.pad(bias, (p, 0, p, 0)) if p else bias  # (H, T, T)
+
+
+class Shared:
+    """A module every block reads and the model owns (not a submodule of the blocks: its weights are the model's
+    `shared_rel_pos.*` alone, once in the state dict, once in the optimizer)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
 # how an Attention computes softmax(q k^T) v: "auto" picks per call (`Attention._explicit_is_faster`); "sdpa" (the
 # fused kernel) and "explicit" (matmul + softmax) force a path (tests, benchmarks). Per instance: the constructor's
 # `impl`, or for a whole model `VisionTransformer.set_attention_impl`.
@@ -126,7 +198,7 @@ class Attention(nn.Module):
         qkv_bias: bool = True,
         attn_drop: float = 0.0,
         proj_drop: float = 0.0,
-        rel_pos: RelativePositionBias | None = None,
+        rel_pos: RelativePositionBias | RelativePositionMlp | Shared | None = None,
         qk_norm: bool = False,
         inner_norm: bool = False,
         norm_eps: float = 1e-6,

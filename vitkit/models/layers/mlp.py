@@ -35,12 +35,17 @@ def make_act(act: str) -> nn.Module:
 
 
 class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int, *, act: str = "gelu", drop: float = 0.0, bias: bool = True) -> None:
+    """fc2(norm(act(fc1 x))): the paper's MLP; `norm_layer` puts a norm on the hidden units (BEiT-3's sub-LN, timm's
+    `scale_mlp_norm`), None: none."""
+
+    def __init__(self, dim: int, hidden: int, *, act: str = "gelu", drop: float = 0.0, bias: bool = True,
+                 norm_layer=None) -> None:
         super().__init__()
         self.fc1 = Linear(dim, hidden, bias=bias)
         self.act = make_act(act)
         self.act_name = act
         self.drop1 = nn.Dropout(drop)
+        self.norm = norm_layer(hidden) if norm_layer is not None else None
         self.fc2 = Linear(hidden, dim, bias=bias)
         self.drop2 = nn.Dropout(drop)
         self.reset_parameters()
@@ -53,8 +58,10 @@ class Mlp(nn.Module):
                 nn.init.normal_(fc.bias, std=1e-6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1.forward_act(x, self.act_name, self.act)  # (B, T, M); inference on oneDNN: GELU in the GEMM
-        return self.drop2(self.fc2(self.drop1(h)))
+        h = self.drop1(self.fc1.forward_act(x, self.act_name, self.act))  # (B, T, M); oneDNN: GELU in the GEMM
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.drop2(self.fc2(h))
 
 
 class SwiGLU(nn.Module):

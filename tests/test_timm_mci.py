@@ -290,3 +290,21 @@ def test_a_release_key_the_table_does_not_know_is_refused(tmp_path):
     torch.save({**raw, "image_encoder.model.extra_norm.weight": torch.ones(3)}, tmp_path / "odd.pt")
     with pytest.raises(CheckpointError, match="extra_norm"):
         vitkit.load(tmp_path / "odd.pt", num_heads=2)
+
+
+def test_a_frozen_stem_keeps_its_batchnorm_statistics():
+    """A linear probe or LoRA freezes the stem: in train mode it then normalises by the running statistics it was
+    loaded with (timm's logits in eval mode, the fixture's) and never moves them; unfrozen, it follows the batch."""
+    case = "mci_3x3"
+    model = vitkit.load(FIX / case)
+    before = {k: v.clone() for k, v in model.state_dict().items() if ".bn." in k}
+    for p in model.patch_embed.backbone.parameters():
+        p.requires_grad = False
+    model.train()
+    assert model.training and model.blocks[0].training and not model.patch_embed.backbone[0].bn.training
+    # the blocks train (dropout 0 here), the stem does not: timm's eval-mode logits
+    assert _worst(model, case) <= TOL
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if ".bn." in k)
+    for p in model.patch_embed.backbone.parameters():
+        p.requires_grad = True
+    assert _worst(model.train(), case, "logits_train") <= TOL

@@ -65,3 +65,13 @@ class ConvStem(nn.Sequential):
             in_chs = out_chs
         self.num_features = in_chs
         self.stride = math.prod(strides)
+
+    def train(self, mode: bool = True) -> ConvStem:
+        """As nn.Module's, but a frozen stem (no parameter requires a gradient: a linear probe, LoRA) stays in eval
+        mode, so that its BatchNorm keeps the running statistics it was loaded with instead of following the batches
+        (timm freezes BatchNorm the same way when it freezes a backbone)."""
+        super().train(mode)
+        if mode and not any(p.requires_grad for p in self.parameters()):
+            for m in self.modules():
+                m.training = False
+        return self

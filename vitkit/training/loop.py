@@ -6,6 +6,7 @@ drives them over the steps of a run.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -187,8 +188,11 @@ def _evaluate_mpp(run: Run, module: nn.Module, data) -> EvalResult:
     return EvalResult(top1 / n, top5 / n, loss / n, int(n), 0, [], np.zeros((0, 0), dtype=np.int64), [])
 
 
-def evaluate_and_keep_best(run: Run, data, step: int, best: float, logger: MetricsLog, bar: Progress) -> tuple[float, dict]:
-    """Evaluate the weights (and the EMA's) on `data` (the split "test" or "val"); best.safetensors keeps the better."""
+def evaluate_and_keep_best(run: Run, data, step: int, best: float, logger: MetricsLog, bar: Progress,
+                           clock: Callable[[], float] | None = None) -> tuple[float, dict]:
+    """Evaluate the weights (and the EMA's) on `data` (the split "test" or "val"); best.safetensors keeps the better.
+    `clock`: the run's training time in seconds, recorded with the evaluation when it is done (`time`: the time to
+    accuracy)."""
     ep = step / run.steps_per_epoch
     res = evaluate_on(run, run.model, data)
     rec = {"split": run.split, "step": step, "epoch": ep, "acc1": res.acc1, "acc5": res.acc5, "loss": res.loss}
@@ -206,6 +210,8 @@ def evaluate_and_keep_best(run: Run, data, step: int, best: float, logger: Metri
         fs = fewshot(run.model, train_fs, test_fs, shots=tuple(r.fewshot_shots), draws=r.fewshot_draws, seed=r.seed,
                      replicate_to=replicate, device=run.device)
         rec.update({f"fewshot_{k}": fs.mean[k] for k in fs.shots})
+    if clock is not None:
+        rec["time"] = clock()
     logger.log(rec)
     bar.message(f"epoch {ep:.2f}: {run.split} top-1 {res.acc1:.4f} top-5 {res.acc5:.4f}" +
                 (f" (EMA {rec['ema_acc1']:.4f})" if run.ema is not None else "") +

@@ -188,7 +188,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                     t_log, loss_log, correct_log, seen_log = now, 0.0, 0.0, 0.0
                 if due(step, eval_steps) or step == limit:  # eval_every may be a fraction of an epoch
                     data = run.data.test if run.data.val is None else run.data.val
-                    best, evaluated = evaluate_and_keep_best(run, data, step, best, logger, bar)
+                    best, evaluated = evaluate_and_keep_best(run, data, step, best, logger, bar,
+                                                             clock=lambda: elapsed + time.perf_counter() - t_start)
                     last_eval = (step, evaluated)
                 stopping = dist.any(stop.asked is not None)  # every rank stops at the same step
                 if due(step, r.ckpt_every) or step % run.steps_per_epoch == 0 or step == limit or stopping:
@@ -203,7 +204,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
         if run.data.val is not None:
             test_eval = evaluate_on(run, run.ema if run.ema is not None else run.model, run.data.test)
             logger.log({"split": "test", "step": step, "epoch": step / run.steps_per_epoch, "acc1": test_eval.acc1,
-                        "acc5": test_eval.acc5, "loss": test_eval.loss})
+                        "acc5": test_eval.acc5, "loss": test_eval.loss,
+                        "time": elapsed + time.perf_counter() - t_start})
     finally:
         logger.close()
         stop.restore(old_handlers)

@@ -115,6 +115,34 @@ def test_naflex_exports_back_to_timm_as_timm_wrote_it(tmp_path):
     assert cfg["architecture"] == "naflexvit_base_patch16_siglip" and cfg["model_args"]["pos_embed_interp_mode"] == "bilinear"
 
 
+REG = Path(__file__).parent / "fixtures" / "registry" / "timm"
+
+
+@pytest.mark.parametrize("name, method", [("naflexvit_base_patch16_radio_v3", "bilinear"),
+                                          ("naflexvit_large_patch16_radio_v3", "bilinear_noaa")])
+def test_radio_naflexvit_reads_and_exports_its_resampling_and_no_final_norm(name, method, tmp_path):
+    """RADIO's NaFlexVits (timm's registry sweep folders: a 3x3 learned grid, plain bilinear with or without aligned
+    corners, aspect preserving, no final norm): timm's logits at the native and the wide size; the timm export spells
+    the resampling and final_norm=False out, the same tensors, and reads back to timm's logits (timm reads these
+    exports to 9e-8 / 3e-7: benchmarks/NOTES.md section 42)."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "model.safetensors").symlink_to(REG / name / "model.safetensors")
+    (d / "config.json").write_text((REG / name / "configs" / f"{name}.json").read_text())
+    model = vitkit.load(d)
+    assert (model.config.pos_resample, model.config.pos_resample_square, model.config.final_norm) == (method, True, False)
+    out = vitkit.export(model, tmp_path / "export", to="timm")
+    args = json.loads((out / "config.json").read_text())["model_args"]
+    assert args["final_norm"] is False and args["pos_embed_align_corners"] == (method == "bilinear")
+    theirs, ours = load_file(REG / name / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    back = vitkit.load(out)
+    for x, y in (("input", "logits"), ("input_wide", "logits_wide")):
+        with torch.no_grad():
+            got = back(torch.from_numpy(np.load(REG / f"{x}.npy"))).numpy()
+        assert np.abs(got - np.load(REG / name / f"{y}.npy")).max() <= TOL
+
+
 def test_packed_input_errors_are_clear():
     m = vitkit.create_model("vit_ti16", depth=1, img_size=32, num_classes=2)
     with pytest.raises(UsageError, match="multiples of the patch size"):

@@ -27,7 +27,7 @@ TOL = 1e-4
 # What vitkit does not implement, by timm's architecture name: refused with a CheckpointError naming the argument,
 # never loaded. Every other registered architecture must load and give timm's outputs.
 REFUSED = re.compile(
-    r"^(naflexvit_.*_(parfac|radio)|resnetv2_\d+(d|t|d_\w+)?$)|"
+    r"^(naflexvit_.*_parfac|resnetv2_\d+(d|t|d_\w+)?$)|"
     r"_xp_|_(dlittle|dpwee|dwee|pwee)_|_18x2_|"
     r"_resnet\d+d_")
 

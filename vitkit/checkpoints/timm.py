@@ -23,6 +23,7 @@ model timm registers has it, with the 16x16 reference grid, so an EVA-style file
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -138,7 +139,9 @@ def naflex_to_vitkit(w: dict[str, torch.Tensor], in_chans: int = 3) -> tuple[dic
 def naflex_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """vitkit weights -> timm NaFlexVit names (the inverse of `naflex_to_vitkit`)."""
     out = {}
-    for k, v in vit_from_vitkit(sd, config).items():
+    # (no final norm is a NaFlexVit argument, RADIO's, not an Eva's: timm's ViT names)
+    plain = dataclasses.replace(config, final_norm=True) if not config.final_norm else config
+    for k, v in vit_from_vitkit(sd, plain).items():
         if k == "patch_embed.proj.weight":
             out["embeds.proj.weight"] = v.permute(0, 2, 3, 1).flatten(1)  # (D, C, ph, pw) -> (D, ph*pw*C)
         elif k.startswith("patch_embed.proj."):
@@ -432,13 +435,15 @@ def folder_config(c) -> dict:
 
 
 _NAFLEX_MODES = {"bicubic": ("bicubic", True, False), "bilinear_aa": ("bilinear", True, False),
-                 "bilinear": ("bilinear", False, True), "bicubic_noaa": ("bicubic", False, False)}
+                 "bilinear": ("bilinear", False, True), "bicubic_noaa": ("bicubic", False, False),
+                 "bilinear_noaa": ("bilinear", False, False)}
 
 
 def naflex_folder_config(c) -> dict:
     """The config.json of a timm hub folder holding a vitkit model as timm's NaFlexVit (every constructor argument
     that matters spelled out in model_args, so the architecture's own defaults do not)."""
-    if c.hybrid_layers is not None or c.distilled or c.pos_embed != "learned_1d" or eva_style(c) or c.qk_norm:
+    eva = c.rope or c.mlp_layer == "swiglu" or c.attn_norm or c.mlp_norm or c.pool_prefix  # (no final norm: RADIO's)
+    if c.hybrid_layers is not None or c.distilled or c.pos_embed != "learned_1d" or eva or c.qk_norm:
         raise CheckpointError("timm's NaFlexVit holds a plain ViT with a learned position grid: no hybrid, "
                               "distillation token, rotary embeddings, SwiGLU or inner norms")
     if c.act not in ("gelu", "gelu_tanh") or c.norm_eps != 1e-6 or c.pre_norm != (not c.patch_bias):
@@ -459,6 +464,8 @@ def naflex_folder_config(c) -> dict:
             "pos_embed_align_corners": corners, "pos_embed_ar_preserving": c.pos_resample_square,
             "global_pool": pool, "fc_norm": c.fc_norm, "pre_norm": c.pre_norm, "act_layer": _TIMM_ACTS[c.act],
             "num_classes": c.num_classes}
+    if not c.final_norm:  # RADIO's NaFlexVits (written only where set: other exports' config.json as before)
+        args["final_norm"] = False
     if int(c.embed_dim * args["mlp_ratio"]) != c.mlp_dim:
         raise CheckpointError(f"timm computes the MLP width as int(D * mlp_ratio), which cannot give {c.mlp_dim}")
     cfg = {"architecture": arch, "num_classes": c.num_classes, "num_features": c.embed_dim, "global_pool": pool,
@@ -593,7 +600,7 @@ def _arch_facts(arch: str) -> dict:
     return facts
 
 
-_UNSUPPORTED_NAMES = re.compile(r"naflexvit_.*(parfac|radio)")
+_UNSUPPORTED_NAMES = re.compile(r"naflexvit_.*parfac")
 # timm's rope_type -> vitkit's rope (`layers/rope.py`) and back; 'base' (a pixel grid and bands) and 'mrope' are others
 _ROPE_TYPES = {"cat": "eva", "mixed": "mixed", "dinov3": "dinov3"}
 # timm constructor arguments -> vitkit config fields (VisionTransformer's, Eva's and NaFlexVit's names)
@@ -724,7 +731,8 @@ def folder_facts(cfg: dict) -> dict:
         mode = (args.get("pos_embed_interp_mode", "bicubic"), args.get("pos_embed_antialias", True),
                 args.get("pos_embed_align_corners", False))
         method = {("bicubic", True, False): "bicubic", ("bilinear", True, False): "bilinear_aa",
-                  ("bilinear", False, True): "bilinear", ("bicubic", False, False): "bicubic_noaa"}.get(tuple(mode))
+                  ("bilinear", False, True): "bilinear", ("bicubic", False, False): "bicubic_noaa",
+                  ("bilinear", False, False): "bilinear_noaa"}.get(tuple(mode))
         if method is None:
             raise CheckpointError(f"timm's {arch} resamples positions as {mode} (mode, antialias, align_corners), "
                                   f"which vitkit does not implement")

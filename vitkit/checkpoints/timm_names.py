@@ -42,7 +42,7 @@ _VITKIT_VALUES = {"pos_embed": ("learned_1d", "learned_2d", "sincos_2d", "relati
 # timm's architectures of its ViT modules that vitkit refuses, by family: the translation refuses each (a
 # CheckpointError naming the argument or the model class); this names the family for the message and the table.
 REFUSED_FAMILIES = [
-    (r"^naflexvit_.*_(parfac|radio)", "NaFlexVit with factorized positions (RADIO, parfac)"),
+    (r"^naflexvit_.*_parfac", "NaFlexVit with factorized positions (a row and a column table, summed)"),
     (r"^resnetv2_\d+(d|t|d_\w+)?$", "ResNetV2 other than BiT: BatchNorm, EvoNorm, FRN, deep or tiered stems"),
     (r"_(xp|pwee)_", "parallel attention and MLP (ParallelScalingBlock)"),
     (r"_18x2_", "two parallel blocks per layer (ParallelThingsBlock)"),

@@ -189,3 +189,32 @@ def test_attention_only_layer_scale_needs_a_layer_scale_and_saves():
     assert "attn_only_layer_scale" not in ViTConfig().to_dict()  # written only where set (older vitkit reads the rest)
     with torch.device("meta"):
         assert sum(p.numel() for p in vitkit.create_model("vit_base_patch16_sapiens2").parameters()) == 113_993_472
+
+
+def test_differential_attention_paths_agree_and_train():
+    """Differential attention (attn_layer='diff'; timm's parity: the registry sweep's vit_dwee/vit_dlittle folders):
+    the fused path, the explicit one (the maps forward_intermediates returns: the difference of two softmax maps, rows
+    summing to 1 - lambda), the class-token-only last block and a packed batch give the same outputs; gradients reach
+    the lambdas."""
+    torch.manual_seed(0)
+    cfg = ViTConfig(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=64, num_classes=3,
+                    attn_layer="diff", qk_norm=True)
+    m = build_model(cfg).eval()
+    with torch.no_grad():
+        m.head.weight.normal_()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        out = m(x)
+        m.last_block_cls_only = False
+        torch.testing.assert_close(m(x), out, rtol=0, atol=1e-5)
+        inter = m.forward_intermediates(x, attention=True)
+        attn = inter["attention"][1]  # (B, H, T, T)
+        lam = m.blocks[1].attn.lambda_full()
+        torch.testing.assert_close(attn.sum(-1), (1 - lam).expand_as(attn.sum(-1)), rtol=0, atol=1e-5)
+        torch.testing.assert_close(m([x[0], x[1, :, :8, :]])[0], out[0], rtol=0, atol=1e-4)  # packed
+    assert m.blocks[1].attn.lambda_init == pytest.approx(0.8 - 0.6 * np.exp(-0.3))
+    m.train()
+    torch.nn.functional.cross_entropy(m(x), torch.tensor([0, 2])).backward()
+    assert m.blocks[0].attn.lambda_q1.grad.abs().sum() > 0
+    with pytest.raises(UsageError, match="attn_layer='diff'"):
+        ViTConfig(embed_dim=32, num_heads=2, attn_layer="diff", rope="eva")

@@ -28,7 +28,7 @@ TOL = 1e-4
 # never loaded. Every other registered architecture must load and give timm's outputs.
 REFUSED = re.compile(
     r"^(naflexvit_.*_parfac|resnetv2_\d+(d|t|d_\w+)?$)|"
-    r"_xp_|_(dlittle|dpwee|dwee|pwee)_|_18x2_|"
+    r"_xp_|_(dpwee|pwee)_|_18x2_|"
     r"_resnet\d+d_")
 
 

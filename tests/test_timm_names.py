@@ -29,7 +29,7 @@ DOC = Path(__file__).parents[1] / "docs" / "timm.md"
 REFUSED = {
     r"^naflexvit_.*_parfac": "factorized",
     r"^resnetv2_\d+(d|t|d_\w+)?$": "other than BiT", r"_(xp|pwee)_": "ParallelScalingBlock",
-    r"_18x2_": "ParallelThingsBlock", r"_(dlittle|dwee|dpwee)_": "differential attention",
+    r"_18x2_": "ParallelThingsBlock", r"_dpwee_": "DiffParallelScalingBlock",
     r"_resnet\d+d": "ResNet-D",
 }
 # The names people type most (timm's download counts): all build, with timm's count.
@@ -83,8 +83,8 @@ def test_every_timm_name_builds_with_timms_count_or_is_refused_by_family():
                 wrong[name] = (got, want)
             built.append(name)
     assert not wrong
-    assert len(built) == 289  # 246 of the six modules vitkit read first, the 2 res-post-norm ones, BEiT's 7,
-    # ViT-RelPos's 14, Sapiens2's 5, BEiT-3's 4, SAM's 4, MCi and RADIO's 6 NaFlexVits
+    assert len(built) == 291  # 246 of the six modules vitkit read first, the 2 res-post-norm ones, BEiT's 7,
+    # ViT-RelPos's 14, Sapiens2's 5, BEiT-3's 4, SAM's 4, MCi, RADIO's 6 NaFlexVits and 2 differential
 
 
 @pytest.mark.parametrize("name", COMMON)
@@ -122,7 +122,7 @@ def test_timm_names_with_timms_keywords_take_timms_weights():
     idx = json.loads((reg / "index.json").read_text())["archs"]
     x = torch.from_numpy(np.load(reg / "input.npy"))
     names = _registry_cases()
-    assert len(names) == 243  # (BEiT-3's 4 and RADIO's 6 NaFlexVits among them)
+    assert len(names) == 245  # (BEiT-3's 4, RADIO's 6 NaFlexVits and 2 differential among them)
     weights: dict[str, dict] = {}
     worst = 0.0
     threads = torch.get_num_threads()
@@ -222,8 +222,8 @@ def test_models_cli_lists_timms_names(capsys):
     assert main(["models", "--timm", "--pattern", "vit_base_patch16_224*"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"vit_base_patch16_224\s+86\.57 M\s+builds", out)
-    main(["models", "--timm", "--pattern", "vit_dwee*"])
-    assert "refused: differential attention" in capsys.readouterr().out
+    main(["models", "--timm", "--pattern", "vit_dpwee*"])
+    assert "refused: parallel attention and MLP with differential attention" in capsys.readouterr().out
 
 
 BLOCK_OPTIONS = FIXTURES / "block_options"

@@ -68,6 +68,8 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     stated_init = hints.pop("init_values", None)
     cfg["init_values"] = (stated_init or 1e-5) if "blocks.0.ls1.gamma" in sd else None
     cfg["attn_only_layer_scale"] = "blocks.0.ls1.gamma" in sd and "blocks.0.ls2.gamma" not in sd  # (Sapiens2)
+    if "blocks.0.attn.lambda_q1" in sd:  # differential attention (timm's DiffAttention)
+        cfg["attn_layer"] = "diff"
     cfg["class_token"] = "cls_token" in sd
     cfg["distilled"] = "dist_token" in sd  # DeiT's distillation token (timm's names)
     cfg["reg_tokens"] = sd["reg_token"].shape[1] if "reg_token" in sd else 0

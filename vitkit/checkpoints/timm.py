@@ -266,6 +266,10 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
         return timm_beit.from_vitkit(sd, config)
     if config.pos_embed == "relative_mlp":  # timm's VisionTransformerRelPos, its MLP
         return timm_relpos.from_vitkit(sd, config)
+    if getattr(config, "attn_layer", "standard") != "standard" and (eva_style(config) or config.naflex
+                                                                    or config.norm == "rmsnorm"):
+        raise CheckpointError("timm holds differential attention in its VisionTransformer alone: this model's other "
+                              "options (rotary embeddings, SwiGLU, RMSNorm, NaFlex) are another class's")
     if getattr(config, "attn_only_layer_scale", False) and not eva_style(config):
         raise CheckpointError("timm holds LayerScale on the attention branch alone (attn_only_layer_scale) in its Eva "
                               "only, whose blocks this model's other options do not fit: export to vitkit")
@@ -391,6 +395,8 @@ def folder_config(c) -> dict:
                   "global_pool": "token" if c.classifier == "token" else "avg", "act_layer": _TIMM_ACTS[c.act]}
     if c.classifier == "gap":
         args["fc_norm"] = c.fc_norm
+    if c.attn_layer != "standard":  # differential attention (written only where set)
+        args["attn_layer"] = c.attn_layer
     if c.classifier == "map":
         args["global_pool"] = "map"
     modern = {"init_values": c.init_values, "reg_tokens": c.reg_tokens, "no_embed_class": c.no_embed_class,
@@ -626,7 +632,8 @@ _EVA_ONLY = {"rope_type": "cat", "rope_grid_offset": 0.0, "rope_grid_indexing": 
 _SAME = {"pos_embed": ("learn", "learned", "none"), "rope_type": ("cat", ""), "attn_pool_mlp_ratio": (None,), "attn_type": ("eva", "standard", "rope"),
          "weight_init": ("", "skip"),
          # read into vitkit's res_post_norm (`_block_facts`)
-         "block_fn": ("ResPostBlock", "ResPostRelPosBlock"), "use_post_norm": (True,)}
+         "block_fn": ("ResPostBlock", "ResPostRelPosBlock"), "use_post_norm": (True,),
+         "attn_layer": ("diff",)}  # differential attention: read into vitkit's attn_layer (`folder_facts`)
 # timm's MLP layers that are the paper's MLP or a SwiGLU vitkit reads from the tensors
 _MLP_LAYERS = {None, "Mlp", "SwiGLUPacked", "SwiGLU"}
 
@@ -763,6 +770,11 @@ def folder_facts(cfg: dict) -> dict:
         facts.update(timm_beit.arg_facts(arch, args))
     if cls == "VisionTransformerRelPos":  # its relative position MLP, tokens and pooling (timm_relpos)
         facts.update(timm_relpos.arg_facts(arch, args))
+    if args.get("attn_layer") == "diff":
+        if eva or naflex:
+            raise CheckpointError(f"timm's {arch} asks for differential attention in a {cls}: timm builds it in its "
+                                  f"VisionTransformer alone")
+        facts["attn_layer"] = "diff"
     for key, default in only_default.items():
         value = args.get(key, default)
         if value != default and value not in _SAME.get(key, ()):

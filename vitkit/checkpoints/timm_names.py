@@ -46,7 +46,7 @@ REFUSED_FAMILIES = [
     (r"^resnetv2_\d+(d|t|d_\w+)?$", "ResNetV2 other than BiT: BatchNorm, EvoNorm, FRN, deep or tiered stems"),
     (r"_(xp|pwee)_", "parallel attention and MLP (ParallelScalingBlock)"),
     (r"_18x2_", "two parallel blocks per layer (ParallelThingsBlock)"),
-    (r"_(dlittle|dwee|dpwee)_", "differential attention"),
+    (r"_dpwee_", "parallel attention and MLP with differential attention (DiffParallelScalingBlock)"),
     (r"_resnet\d+d", "hybrids on a ResNet-D (vitkit's hybrids have BiT's ResNetV2)"),
 ]
 # timm's ViT-like families outside the modules vitkit reads: refused by name, with what they add

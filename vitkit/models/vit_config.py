@@ -32,12 +32,13 @@ from ..safety import check_sizes, check_types
 
 CLASSIFIERS = ("token", "gap", "map")
 MLP_LAYERS = ("mlp", "swiglu")
+ATTN_LAYERS = ("standard", "diff")
 ROPES = (None, *ROPE_KINDS)
 ROPE_INDEXING = ("ij", "xy")
 # fields newer than the previous vitkit release, with their defaults: `to_dict` leaves them out when at the default
 _LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0, "rel_pos_dim": 128,
                  "rel_pos_shared": False, "attn_only_layer_scale": False,
-                 "conv_stem": None, "conv_stem_kernels": (), "conv_stem_strides": ()}
+                 "conv_stem": None, "conv_stem_kernels": (), "conv_stem_strides": (), "attn_layer": "standard"}
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
@@ -64,7 +65,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "norms": ("norms", ("norm", "pre_norm", "patch_norm", "final_norm", "qk_norm", "attn_norm", "mlp_norm",
                         "res_post_norm")),
     "variants": ("attention and MLP variants", ("k_bias", "proj_bias", "patch_bias", "mlp_layer", "init_values",
-                                                "attn_only_layer_scale", "num_kv_heads", "kv_full_blocks")),
+                                                "attn_only_layer_scale", "num_kv_heads", "kv_full_blocks",
+                                                "attn_layer")),
     "facts": ("what the weights carry", ("mean", "std", "interpolation", "crop_pct", "class_names", "naflex", "arch")),
 }
 
@@ -170,6 +172,8 @@ class ViTConfig:
             head. The fused qkv's rows are q (D), k and v (num_kv_heads x head width each).
         kv_full_blocks: with num_kv_heads, the first and the last this many blocks keep one key/value head per query
             head (Sapiens2: 8); 0: every block is grouped.
+        attn_layer: "standard" or "diff" (differential attention: each head the difference of two softmax maps,
+            `layers/diff_attention.py`; timm's `vit_*_d*_reg1_gap_256`).
 
     What the weights carry:
         mean, std, interpolation, crop_pct: the preprocessing the weights expect.
@@ -247,6 +251,7 @@ class ViTConfig:
     attn_only_layer_scale: bool = False
     num_kv_heads: int | None = None
     kv_full_blocks: int = 0
+    attn_layer: str = "standard"
     # ---- what the weights carry ----
     mean: tuple[float, ...] = (0.5, 0.5, 0.5)
     std: tuple[float, ...] = (0.5, 0.5, 0.5)
@@ -315,6 +320,12 @@ class ViTConfig:
             raise UsageError(f"reg_tokens must be >= 0, got {self.reg_tokens}")
         if self.reg_tokens and self.distilled:
             raise UsageError("register tokens beside DeiT's distillation token: no published model has both")
+        if self.attn_layer not in ATTN_LAYERS:
+            raise UsageError(f"attn_layer must be one of {ATTN_LAYERS}, got {self.attn_layer!r}")
+        if self.attn_layer == "diff" and (self.rope or self.num_kv_heads or self.pos_embed in ("relative", "relative_mlp")
+                                          or self.embed_dim % (2 * self.num_heads)):
+            raise UsageError("attn_layer='diff' (differential attention) splits each head in two (embed_dim divisible "
+                             "by 2 x num_heads) and has no rotary embedding, relative bias or grouped key/value heads")
         if self.attn_only_layer_scale and self.init_values is None:
             raise UsageError("attn_only_layer_scale puts LayerScale on the attention branch alone: it needs init_values")
         if self.embed_dim % self.num_heads:
@@ -467,7 +478,8 @@ class ViTConfig:
               (f"relative position MLP{' shared by the blocks' if self.rel_pos_shared else ''}"
                if self.pos_embed == "relative_mlp" else ""),
               f"conv stem {self.conv_stem}" if self.conv_stem else "",
-              f"grouped-query attention ({self.num_kv_heads} key/value heads)" if self.num_kv_heads else ""]
+              f"grouped-query attention ({self.num_kv_heads} key/value heads)" if self.num_kv_heads else "",
+              "differential attention" if self.attn_layer == "diff" else ""]
         return [o for o in on if o]
 
 

@@ -27,6 +27,7 @@ from .layers import (
     make_norm,
 )
 from .layers.block import Block, ResPostBlock
+from .layers.diff_attention import DiffAttention
 from .resnet import ResNetBackbone
 from .vit_config import POS_EMBEDS, ViTConfig
 
@@ -109,10 +110,15 @@ def make_block(c: ViTConfig, index: int, shared_rel_pos: nn.Module | None = None
     rel = Shared(shared_rel_pos) if shared_rel_pos is not None else make_rel_pos(c)
     d = c.embed_dim
     norm1 = norm_layer(c)(d)
-    attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,
-                     rel_pos=rel, qk_norm=c.qk_norm, inner_norm=c.attn_norm, norm_eps=c.norm_eps,
-                     rope_prefix=c.num_prefix_tokens, k_bias=c.k_bias, proj_bias=c.proj_bias, rope_half=c.rope_half,
-                     norm_layer=norm_layer(c), num_kv_heads=c.kv_heads(index))
+    if c.attn_layer == "diff":
+        attn = DiffAttention(d, c.num_heads, index, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, inner_norm=c.attn_norm,
+                             proj_bias=c.proj_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,
+                             norm_layer=norm_layer(c))
+    else:
+        attn = Attention(d, c.num_heads, qkv_bias=c.qkv_bias, attn_drop=c.attn_drop_rate, proj_drop=c.drop_rate,
+                         rel_pos=rel, qk_norm=c.qk_norm, inner_norm=c.attn_norm, norm_eps=c.norm_eps,
+                         rope_prefix=c.num_prefix_tokens, k_bias=c.k_bias, proj_bias=c.proj_bias,
+                         rope_half=c.rope_half, norm_layer=norm_layer(c), num_kv_heads=c.kv_heads(index))
     ls1 = LayerScale(d, c.init_values) if c.init_values is not None else nn.Identity()
     norm2 = norm_layer(c)(d)
     if c.mlp_layer == "swiglu":

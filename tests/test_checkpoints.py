@@ -242,6 +242,9 @@ def test_exports_refuse_what_the_format_cannot_hold(tmp_path):
         (dict(norm_eps=1e-12), "timm", "dir", "timm's ViTs use LayerNorm eps 1e-6 (1e-5 for the CLIP ones), not 1e-12"),
         (dict(classifier="gap"), "hf", "hf", "class-token ViT"),
         (dict(hybrid_layers=(1, 1), hybrid_width=0.5, img_size=64, patch_size=16), "timm", "dir", "timm registers hybrids"),
+        # a norm after the pooling (BEiT-3, any fc_norm ViT): the official format's encoder_norm is before it (was a
+        # KeyError: 'norm.weight'; red team N7)
+        (dict(classifier="gap", fc_norm=True, act="gelu_tanh"), "npz", "m.npz", "a norm after the pooling (fc_norm)"),
     ]
     for kw, fmt, name, msg in cases:
         m = _random_vit(**kw)

@@ -180,3 +180,27 @@ def test_a_relpos_model_trains_and_its_shared_mlp_is_one_set_of_weights():
     loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.tensor([0, 1, 2, 0]))
     loss.backward()
     assert model.shared_rel_pos.mlp.fc1.weight.grad.abs().sum() > 0
+
+
+def test_red_team_cases_are_refused_by_name(tmp_path):
+    """Issue 53's red team (benchmarks/NOTES.md section 42): a bare _rpn_ file (the names of pre-norm blocks) is
+    refused unless named or told; a folder whose config.json's patch contradicts the tensors is refused (timm refuses
+    it); a size of 0 is a UsageError; the bias at an absurd grid (dynamic_img_size) is refused before allocating."""
+    f = FIX / "rpn_3x3" / "model.safetensors"
+    with pytest.raises(CheckpointError, match="without LayerScale: the residual post-norm blocks"):
+        vitkit.load(f, img_size=12)
+    assert _worst(vitkit.load(f, img_size=12, res_post_norm=True, num_heads=2), "rpn_3x3") <= TOL
+    d = tmp_path / "patch"
+    shutil.copytree(FIX / "small_3x3", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_args"]["patch_size"] = 8
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"patch_size 8 but the patch embedding's kernel is \(4, 4\)"):
+        vitkit.load(d)
+    model = vitkit.load(FIX / "small_3x3")
+    with pytest.raises(UsageError, match="not a positive multiple of patch_size"):
+        model.set_img_size(0)
+    assert tuple(model.config.img_size) == (12, 12)  # left as it was
+    dyn = vitkit.load(FIX / "small_3x3", dynamic_img_size=True)  # the bias a block asks for at a 4096 x 4096 grid
+    with pytest.raises(UsageError, match="relative position bias at a 4096x4096 grid needs .* refused before allocating"):
+        dyn.blocks[0].attn.rel_pos((4096, 4096))

@@ -251,6 +251,14 @@ def _read_checkpoint(path: Path, *, img_size_if_unknown=None, **hints) -> Checkp
                 f"does not record (DINOv3, ROPE-ViT, the Perception Encoder, timm's ROPE ViTs). Name the architecture "
                 f"as timm does, architecture='vit_base_patch16_dinov3' say, or give rope=... (pos_embed='none': "
                 f"a model without positions)")
+        elif facts.get("pos_embed") == "relative_mlp" and "blocks.0.ls1.gamma" not in sd \
+                and "res_post_norm" not in hints:
+            # timm's ViT-RelPos without LayerScale: its _rpn_ models (post-norm blocks, the same names) or a pre-norm
+            # one built with init_values=None; every registered pre-norm one has LayerScale
+            raise CheckpointError(
+                f"{path}: a timm ViT-RelPos state dict without LayerScale: the residual post-norm blocks of timm's "
+                f"vit_relpos_*_rpn_* models have the same names as pre-norm ones. Name the architecture as timm does "
+                f"(architecture='vit_relpos_small_patch16_rpn_224' say), or give res_post_norm=True or False")
     if architecture is not None and kind in ("dir", "npz"):
         raise UsageError(f"architecture={architecture!r} is for a bare timm state dict; {path} records its own")
     notes = facts.pop("notes", [])
@@ -290,6 +298,12 @@ def _convert_folder(path: Path, raw: dict[str, torch.Tensor], hub_config: dict):
                                   f"arguments timm's Beit does not take")
     stated = fmt.facts(path, hub_config) if fmt.facts else {}  # what the folder states, or why it is refused, first
     sd, facts, unused = fmt.read(raw, hub_config)
+    if timm.is_timm_folder(hub_config):  # timm builds the patch conv its config.json says, and refuses another file
+        patch, w = timm.timm_args(hub_config)[1].get("patch_size"), sd.get("patch_embed.proj.weight")
+        plain = w is not None and w.ndim == 4 and not any(k.startswith("patch_embed.backbone.") for k in sd)
+        if plain and isinstance(patch, (int, list, tuple)) and tuple(w.shape[-2:]) != timm.pair(patch):
+            raise CheckpointError(f"{path}: config.json's patch_size {patch} but the patch embedding's kernel is "
+                                  f"{tuple(w.shape[-2:])}: the tensors are not that model's")
     return fmt.name, sd, {**facts, **stated}, unused
 
 

@@ -114,6 +114,8 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
         (f"{getattr(config, 'norm', 'layernorm')!r} norms", getattr(config, "norm", "layernorm") != "layernorm"),
         ("bias-free layers (qkv_bias/k_bias/proj_bias/patch_bias False)",
          not all(getattr(config, b, True) for b in ("qkv_bias", "k_bias", "proj_bias", "patch_bias"))),
+        ("a norm after the pooling (fc_norm) or no final norm: its encoder_norm is before the pooling",
+         getattr(config, "fc_norm", False) or not getattr(config, "final_norm", True)),
     ) if has]
     if cannot:
         raise CheckpointError(f"the official format cannot hold {', '.join(cannot)}; export to vitkit or timm")

@@ -733,7 +733,7 @@ def folder_facts(cfg: dict) -> dict:
     if "img_size" in facts and isinstance(patch, (int, list, tuple)) and "embed_layer" not in args:
         # timm's patch conv drops what is left over (384 px in patches of 14: a 27x27 grid, 6 px unread); vitkit
         # takes the size the grid reads
-        facts["img_size"] = tuple(s - s % p for s, p in zip(_pair(facts["img_size"]), _pair(patch)))
+        facts["img_size"] = tuple(s - s % p for s, p in zip(pair(facts["img_size"]), pair(patch)))
     if naflex:
         mode = (args.get("pos_embed_interp_mode", "bicubic"), args.get("pos_embed_antialias", True),
                 args.get("pos_embed_align_corners", False))
@@ -952,14 +952,15 @@ def _vit_sizes(arch: str, cls: str | None, args: dict, facts: dict) -> dict:
     if naflex:  # the learned grid's own size (pos_embed_grid_size, else the image size's)
         grid = args.get("pos_embed_grid_size")
         size = args.get("img_size")
-        grid = tuple(grid) if grid else tuple(s // p for s, p in zip(_pair(size), patch)) if size else (16, 16)
+        grid = tuple(grid) if grid else tuple(s // p for s, p in zip(pair(size), patch)) if size else (16, 16)
         out["img_size"] = tuple(g * p for g, p in zip(grid, patch))
     elif "img_size" not in facts:
-        out["img_size"] = _pair(args.get("img_size", 224))
+        out["img_size"] = pair(args.get("img_size", 224))
     return out
 
 
-def _pair(v) -> tuple[int, int]:
+def pair(v) -> tuple[int, int]:
+    """timm's size argument (an int or a pair) as a pair."""
     return tuple(v) if isinstance(v, (list, tuple)) else (v, v)
 
 

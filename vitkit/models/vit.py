@@ -412,8 +412,8 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         method = method or c.pos_resample
         new = to_2tuple(img_size)
         for s, p in zip(new, c.patch_size):
-            if s % p:
-                raise UsageError(f"img_size {new} is not divisible by patch_size {c.patch_size}")
+            if isinstance(s, bool) or not isinstance(s, int) or s < p or s % p:
+                raise UsageError(f"img_size {new} is not a positive multiple of patch_size {c.patch_size}")
         rel = [m for m in self.modules() if isinstance(m, (RelativePositionBias, RelativePositionMlp))]
         if rel:  # each block's (T, T) int64 index (and its (2, N, N) offsets while built) and resampled table (or
             # the MLP's (2gh - 1, 2gw - 1, 2) offsets)

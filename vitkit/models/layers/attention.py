@@ -20,7 +20,8 @@ from .norm import LayerNorm
 from .rope import apply_rope
 from .tracing import is_fx_tracing
 from ...errors import UsageError
-from .pos_embed import _GridCache, _same_grid
+from ...safety import check_alloc
+from .pos_embed import _GridCache, _same_grid, tracing
 from .pos_embed import resample_offset_table
 
 
@@ -28,6 +29,18 @@ from .pos_embed import resample_offset_table
 # kernel's bf16 forward the faster one for inference (see `_explicit_is_faster`)
 _CPU_BF16_NATIVE = bf16_native()
 _CPU_HAS_AMX = amx_usable()
+
+
+def check_bias_size(grid: tuple[int, int], num_heads: int, prefix: int) -> None:
+    """A relative bias at another grid (dynamic_img_size) is an (H, T, T) tensor beside its (N, N) int64 index,
+    where the fused attention itself holds nothing of size T x T: refused before allocating what the process does not
+    have (a 1024 x 1024 image in patches of 4 would need 64 GiB per head group)."""
+    if tracing():  # (sizes are symbols while torch.export or dynamo traces: checked when the traced model runs eager)
+        return
+    n = grid[0] * grid[1]
+    t = n + prefix
+    check_alloc(n * n * 8 + num_heads * t * t * 4, f"the relative position bias at a {grid[0]}x{grid[1]} grid",
+                UsageError)
 
 
 def offset_index(grid: tuple[int, int], device: torch.device | None = None) -> torch.Tensor:
@@ -95,6 +108,7 @@ class RelativePositionBias(nn.Module):
         if _same_grid(grid, self.grid_size):
             table, index = self.table, self.index
         else:
+            check_bias_size(tuple(grid), self.table.shape[1], self.num_prefix_tokens)
             self._cache = self._cache or _GridCache()
             table, index = self._cache.get(tuple(grid), [self.table], lambda: (
                 self._table_for(grid, self.method), self._build_index(grid, self.index.device)))
@@ -145,6 +159,7 @@ class RelativePositionMlp(nn.Module):
         if _same_grid(grid, self.grid_size):
             offsets, index = self.offsets, self.index
         else:
+            check_bias_size(tuple(grid), self.num_heads, self.num_prefix_tokens)
             self._cache = self._cache or _GridCache()
             offsets, index = self._cache.get(tuple(grid), [], lambda: (
                 log_offsets(grid, self.index.device), offset_index(grid, self.index.device)))

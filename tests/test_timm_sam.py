@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import vitkit
+import vitkit.safety
 from vitkit.checkpoints import layouts, timm_sam
 from vitkit.checkpoints.io import CheckpointError, read_safetensors
 from vitkit.errors import UsageError
@@ -255,3 +256,65 @@ def test_full_size_timm_files_tell_their_model(name):
     if not model.config.use_abs_pos:
         with pytest.raises(CheckpointError, match="windows do not show"):
             timm_sam.infer_config(sd, {}, img_size_if_unknown=224)
+
+
+def _bare(tmp_path, sd, name="bare.safetensors"):
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / name))
+    return tmp_path / name
+
+
+def test_an_absurd_window_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """Red team N1: window_size 1024 on a 5x5 grid (config.json, or a bare file's 2047-row tables) padded the map to a
+    million tokens: the forward hung or asked for 17 GB. The window is bounded against the grid and the attention's
+    scores (batch 1, per head) checked against the memory at config time; SAM's own window larger than a small
+    grid (padded to one window) still builds and runs."""
+    d = tmp_path / "n1"
+    shutil.copytree(FIX / "base_5x5", d)
+    w, _ = read_safetensors(d / "model.safetensors")
+    _bare(d, {k: v for k, v in w.items() if ".rel_pos_" not in k}, "model.safetensors")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_args"].update(window_size=1024, use_rel_pos=False)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UsageError, match="window_size 1024 on the 5x5 patch grid"):
+        vitkit.load(d)
+    tables = {f"blocks.{i}.attn.rel_pos_{a}": torch.zeros(2047, 12) for i in (0, 2) for a in "hw"}
+    with pytest.raises(UsageError, match="window_size 1024 on the 5x5 patch grid"):
+        vitkit.load(_bare(tmp_path, {**w, **tables}))
+    small = dict(img_size=20, patch_size=4, embed_dim=24, depth=2, num_heads=2, neck_chans=8, global_attn_indexes=(1,))
+    model = SamVisionTransformer(SamViTConfig(window_size=14, **small)).eval()  # SAM's 14 on a 5x5 grid: padded
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 20, 20)).shape == (1, 8)
+    monkeypatch.setattr(vitkit.safety, "memory_budget", lambda: 1 << 20)
+    with pytest.raises(UsageError, match=r"window_size 64 on the 5x5 patch grid \(padded to 64x64.*refused before"):
+        SamViTConfig(window_size=64, **small)
+    with pytest.raises(UsageError, match="global attention on the 24x24 patch grid.*refused before"):
+        SamViTConfig(**{**small, "img_size": 96}, window_size=None)
+
+
+@pytest.mark.parametrize("value", ["1", ["a"], None, [[1]]])
+def test_a_malformed_global_attn_indexes_is_named(tmp_path, value):
+    """Red team W1: a config.json's or the caller's global_attn_indexes that is no list of integers."""
+    with pytest.raises(CheckpointError, match=r"global_attn_indexes=.*must be a list of block indexes"):
+        vitkit.load(FIX / "base_5x5" / "model.safetensors", global_attn_indexes=value)
+    d = tmp_path / "w1"
+    shutil.copytree(FIX / "base_5x5", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_args"]["global_attn_indexes"] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"global_attn_indexes=.*must be a list of block indexes"):
+        vitkit.load(d)
+
+
+def test_missing_blocks_and_malformed_tables_are_named(tmp_path):
+    """Red team W2, W3: blocks 0, 1, 5; a block without its tables; a table of head dim 0 or of one dimension."""
+    w, _ = read_safetensors(FIX / "base_5x5" / "model.safetensors")
+    cases = [({k.replace("blocks.2.", "blocks.5."): v for k, v in w.items()},
+              r"blocks are \[0, 1, 5\]: blocks 2, 3, 4 are missing"),
+             ({k: v for k, v in w.items() if not k.startswith("blocks.1.attn.rel_pos")},
+              "tables are missing .*blocks.1.attn.rel_pos_h, blocks.1.attn.rel_pos_w"),
+             ({**w, "blocks.0.attn.rel_pos_h": torch.zeros(3, 0)}, r"blocks.0.attn.rel_pos_h has shape \(3, 0\)"),
+             ({**w, "blocks.1.attn.rel_pos_w": torch.zeros(9)}, r"blocks.1.attn.rel_pos_w has shape \(9,\)")]
+    for i, (sd, words) in enumerate(cases):
+        with pytest.raises(CheckpointError, match=words):
+            vitkit.load(_bare(tmp_path, sd, f"{i}.safetensors"))

@@ -113,13 +113,52 @@ def _check_held(arch: str, args: dict) -> None:
 
 
 def _window(v) -> int | None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        raise CheckpointError(f"SAM ViT window_size={v!r}: must be a non-negative integer (0: every block global)")
     return v or None  # timm's 0: no windows, every block global
+
+
+def _indexes(v) -> tuple[int, ...]:
+    """global_attn_indexes as a tuple of block indexes, or a CheckpointError naming the field."""
+    if not isinstance(v, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in v):
+        raise CheckpointError(f"SAM ViT global_attn_indexes={v!r}: must be a list of block indexes (integers), e.g. "
+                              f"[2, 5, 8, 11]")
+    return tuple(v)
 
 
 def _global_blocks(a: dict) -> tuple[int, ...]:
     """timm's global_attn_indexes of blocks that exist (timm asks `i in global_attn_indexes` of each block: an index
     past the depth names none, as the registered (2, 5, 8, 11) in a shallower model)."""
-    return tuple(i for i in a["global_attn_indexes"] if 0 <= i < a["depth"])
+    depth = a["depth"]
+    if isinstance(depth, bool) or not isinstance(depth, int):
+        raise CheckpointError(f"SAM ViT depth={depth!r}: must be an integer")
+    return tuple(i for i in _indexes(a["global_attn_indexes"]) if 0 <= i < depth)
+
+
+def _tables(sd: dict[str, torch.Tensor], d: int) -> tuple[int, dict[int, tuple[int, int]]]:
+    """The blocks' count and, where the model has decomposed relative positions, each block's table lengths; a
+    CheckpointError naming the missing blocks or tables, or a table of another shape than (2n - 1, head dim)."""
+    found = sorted({int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))})
+    missing = sorted(set(range(len(found) and found[-1] + 1)) - set(found))
+    if missing:
+        raise CheckpointError(f"the SAM ViT's blocks are {found}: block{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(str, missing))} {'are' if len(missing) > 1 else 'is'} missing")
+    depth = len(found)
+    names = [f"blocks.{i}.attn.rel_pos_{a}" for i in range(depth) for a in "hw"]
+    if not any(n in sd for n in names):
+        return depth, {}
+    absent = [n for n in names if n not in sd]
+    if absent:
+        raise CheckpointError(f"the SAM ViT's relative position tables are missing from {len(absent)} of its "
+                              f"{len(names)} places: {', '.join(absent[:4])}{' ...' if len(absent) > 4 else ''}")
+    hd = sd[names[0]].shape[-1] if sd[names[0]].ndim == 2 else None
+    for n in names:
+        t = sd[n]
+        if t.ndim != 2 or not t.shape[0] or not t.shape[1] or t.shape[1] != hd or d % t.shape[1]:
+            raise CheckpointError(f"{n} has shape {tuple(t.shape)}: a SAM ViT's relative table is (2n - 1, head dim) "
+                                  f"with one head dim for every table, a divisor of the width {d}")
+    return depth, {i: (sd[f"blocks.{i}.attn.rel_pos_h"].shape[0], sd[f"blocks.{i}.attn.rel_pos_w"].shape[0])
+                   for i in range(depth)}
 
 
 def _pair(v) -> tuple[int, int]:
@@ -192,10 +231,14 @@ def infer_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unknown=N
     the position embedding; the windows from the tables where they tell them (a table of the grid's is a global
     block's), else from `hints` (a config.json's, or the caller's: window_size, global_attn_indexes, img_size)."""
     hints = dict(hints)
+    if "global_attn_indexes" in hints:
+        hints["global_attn_indexes"] = _indexes(hints["global_attn_indexes"])
+    if "window_size" in hints:
+        hints["window_size"] = _window(hints["window_size"])
     w = sd["patch_embed.proj.weight"]
     d, patch = w.shape[0], tuple(w.shape[2:])
-    depth = len({m.group(1) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))})
-    rel = "blocks.0.attn.rel_pos_h" in sd
+    depth, tables = _tables(sd, d)
+    rel = bool(tables)
     cfg: dict = {"embed_dim": d, "depth": depth, "patch_size": patch, "in_chans": w.shape[1],
                  "qkv_bias": "blocks.0.attn.qkv.bias" in sd, "use_abs_pos": "pos_embed" in sd, "use_rel_pos": rel,
                  "neck_chans": sd["neck.conv1.weight"].shape[0] if "neck.conv1.weight" in sd else 0,
@@ -207,8 +250,6 @@ def infer_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unknown=N
     elif "num_heads" not in hints:
         raise CheckpointError("a SAM ViT without relative positions: its tensors do not tell its heads; pass "
                               "num_heads=")
-    tables = {i: (sd[f"blocks.{i}.attn.rel_pos_h"].shape[0], sd[f"blocks.{i}.attn.rel_pos_w"].shape[0])
-              for i in range(depth)} if rel else {}
     img, stated = hints.get("img_size"), [i for i in hints.get("global_attn_indexes", ()) if i in tables]
     if "pos_embed" in sd:
         grid = tuple(sd["pos_embed"].shape[1:3])

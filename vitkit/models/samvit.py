@@ -32,7 +32,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..errors import UsageError
-from ..safety import check_sizes, check_types
+from ..safety import check_alloc, check_sizes, check_types
 from .layers import DropPath, LayerNorm, Linear, Mlp
 from .layers.patch_embed import to_2tuple
 from .layers.pos_embed import resample_pos_embed_grid
@@ -107,6 +107,27 @@ class SamViTConfig:
             raise UsageError(f"mlp_ratio {self.mlp_ratio}: the MLP of width int({self.embed_dim} * ratio) has no units")
         if self.class_names is not None and self.num_classes and len(self.class_names) != self.num_classes:
             raise UsageError(f"{len(self.class_names)} class names for {self.num_classes} classes")
+        self._check_attention_memory()
+
+    def _check_attention_memory(self) -> None:
+        """The attention's scores at batch 1, per head, refused before the model is built when this process cannot
+        hold them: a windowed block's (the map zero-padded to multiples of M: Hp x Wp queries, M x M keys each), a
+        global block's ((gh gw)^2). A window larger than the grid is SAM's own case (14 at a small image: the map
+        padded to one window); a window of 1024 on a 5x5 grid pads to a million tokens."""
+        gh, gw = self.grid_size
+        if self.window_size is not None and self.window_size > max(gh, gw, 64):
+            raise UsageError(f"window_size {self.window_size} on the {gh}x{gw} patch grid: a window can be at most "
+                             f"{max(gh, gw, 64)} patches wide, the grid's longer side or 64 (SAM's is 14, the map "
+                             f"padded to one window where the grid is smaller)")
+        if self.window_size is not None and len(self.global_attn_indexes) < self.depth:
+            m = self.window_size
+            hp, wp = -(-gh // m) * m, -(-gw // m) * m
+            check_alloc(hp * wp * m * m * 4, f"SAM ViT window_size {m} on the {gh}x{gw} patch grid (padded to "
+                        f"{hp}x{wp}: attention scores {hp * wp} x {m * m} per head)", UsageError)
+        if self.window_size is None or self.global_attn_indexes:
+            n = gh * gw
+            check_alloc(n * n * 4, f"SAM ViT global attention on the {gh}x{gw} patch grid (attention scores {n} x "
+                        f"{n} per head)", UsageError)
 
     @property
     def grid_size(self) -> tuple[int, int]:

@@ -308,3 +308,101 @@ def test_a_frozen_stem_keeps_its_batchnorm_statistics():
     for p in model.patch_embed.backbone.parameters():
         p.requires_grad = True
     assert _worst(model.train(), case, "logits_train") <= TOL
+
+
+def _release(tmp_path, name, **changed):
+    from vitkit.checkpoints.io import read_torch
+
+    raw = read_torch(FIX / "mci_3x3" / "mobileclip_release.pt")
+    raw.update({"image_encoder.model." + k: v(raw["image_encoder.model." + k] if "image_encoder.model." + k in raw
+                                              else None) for k, v in changed.items()})
+    torch.save(raw, tmp_path / f"{name}.pt")
+    return tmp_path / f"{name}.pt"
+
+
+def test_a_release_of_another_width_does_not_get_timms_twelve_heads():
+    """Red team N2: vit_base_mci_224's 12 heads were applied to a 24-wide release (3 heads): wrong logits. At another
+    size than timm's architecture the heads are asked for (the tensors cannot tell them)."""
+    f = FIX / "mci_2x4" / "mobileclip_release.pt"
+    with pytest.raises(CheckpointError, match="width 24 is not a standard size: pass num_heads="):
+        vitkit.load(f, img_size=(32, 64))
+    assert _worst(vitkit.load(f, img_size=(32, 64), num_heads=3), "mci_2x4", "logits_release") <= TOL
+
+
+def test_a_release_position_embedding_not_one_by_one_is_refused(tmp_path):
+    """Red team N3: a (3, 1, N, D) position embedding was read as its first slice, the rest dropped; the transform
+    itself refuses any leading shape but (1, 1)."""
+    from vitkit.checkpoints import layouts
+
+    f = _release(tmp_path, "pos", **{"pos_embed.pos_embed.pos_embed": lambda t: torch.cat([t, t, t])})
+    with pytest.raises(CheckpointError, match=r"pos_embed.pos_embed.pos_embed has shape \(3, 1, 9, 32\)"):
+        vitkit.load(f, num_heads=2)
+    read = layouts.TRANSFORMS["lead_one"][0]
+    assert read(torch.zeros(1, 1, 4, 8), {}).shape == (1, 4, 8)
+    for shape in [(3, 1, 4, 8), (1, 4, 8), (1, 2, 4, 8)]:
+        with pytest.raises(CheckpointError, match=rf"position embedding of shape \({', '.join(map(str, shape))}\)"):
+            read(torch.zeros(shape), {})
+
+
+def test_a_stem_batchnorm_with_a_negative_variance_is_refused(tmp_path):
+    """Red team N4: running_var < 0 loaded and gave NaN probabilities. Refused by name in the release, in timm's
+    names, and in any state dict a conv stem is loaded from (vitkit's own files too)."""
+    from vitkit.models.layers.conv_stem import check_batchnorm_stats
+
+    f = _release(tmp_path, "var", **{"patch_emb.0.block.norm.running_var": lambda t: -t})
+    with pytest.raises(CheckpointError, match="patch_emb.0.block.norm.running_var has .* negative or non-finite"):
+        vitkit.load(f, num_heads=2)
+    w, _ = read_safetensors(FIX / "mci_3x3" / "model.safetensors")
+    bad = {**w, "patch_embed.backbone.1.bn.running_var": w["patch_embed.backbone.1.bn.running_var"].clone()}
+    bad["patch_embed.backbone.1.bn.running_var"][0] = float("nan")
+    with pytest.raises(CheckpointError, match="patch_embed.backbone.1.bn.running_var has 1 negative or non-finite"):
+        check_batchnorm_stats(bad)
+    model = vitkit.load(FIX / "mci_3x3")
+    with pytest.raises(CheckpointError, match="backbone.1.bn.running_var has 1 negative"):
+        model.load_state_dict({**model.state_dict(), "patch_embed.backbone.1.bn.running_var": bad[
+            "patch_embed.backbone.1.bn.running_var"].nan_to_num(-1.0)})
+    check_batchnorm_stats(w)  # the fixture's own statistics pass
+
+
+def test_a_bare_stem_of_overlapping_convs_asks_for_its_strides(tmp_path):
+    """Red team N6: timm's default ConvStem (3x3 kernels, stride 2) was read as patchify convs (stride 3: a 27-pixel
+    patch), no note. Odd kernels are refused unless conv_stem_strides= says the strides; MCi's 4, 2, 2 still load."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    sd = {}
+    for i, (cin, cout) in enumerate([(3, 12), (12, 16)]):
+        sd[f"patch_embed.backbone.{i}.conv.weight"] = torch.randn(cout, cin, 3, 3)
+        sd.update({f"patch_embed.backbone.{i}.bn.{n}": torch.ones(cout) for n in ("weight", "bias", "running_var")})
+        sd[f"patch_embed.backbone.{i}.bn.running_mean"] = torch.zeros(cout)
+    sd.update({"patch_embed.backbone.2.conv.weight": torch.randn(24, 16, 3, 3), "patch_embed.backbone.2.conv.bias":
+               torch.zeros(24), "pos_embed": torch.zeros(1, 64, 24), "cls_token": torch.zeros(1, 1, 24)})
+    for name, shape in [("norm1.weight", (24,)), ("norm1.bias", (24,)), ("attn.qkv.weight", (72, 24)),
+                        ("attn.qkv.bias", (72,)), ("attn.proj.weight", (24, 24)), ("attn.proj.bias", (24,)),
+                        ("norm2.weight", (24,)), ("norm2.bias", (24,)), ("mlp.fc1.weight", (96, 24)),
+                        ("mlp.fc1.bias", (96,)), ("mlp.fc2.weight", (24, 96)), ("mlp.fc2.bias", (24,))]:
+        sd[f"blocks.0.{name}"] = torch.randn(shape)
+    sd.update({"norm.weight": torch.ones(24), "norm.bias": torch.zeros(24)})
+    save_file(sd, str(tmp_path / "convstem.safetensors"))
+    with pytest.raises(CheckpointError, match=r"conv stem kernels \(3, 3\) with a 3x3 patch embedding.*pass "
+                                              r"conv_stem_strides="):
+        vitkit.load(tmp_path / "convstem.safetensors", num_heads=3)
+    model = vitkit.load(tmp_path / "convstem.safetensors", num_heads=3, conv_stem_strides=(2, 2))
+    assert model.config.stem_strides == (2, 2) and model.config.patch_size == (12, 12)
+    for case in CASES:  # MCi's patchify kernels: no strides needed
+        row = CASES[case]
+        assert _worst(vitkit.load(FIX / case / "model.safetensors", num_heads=row["model_args"]["num_heads"],
+                                  img_size=tuple(row["input"]), no_embed_class=True), case) <= TOL
+
+
+def test_a_release_with_a_malformed_stem_or_projection_is_refused_by_name(tmp_path):
+    """Red team W4: an extra patch_emb.3 conv, a 0x0 kernel, a 3-D projection (a KeyError, a ZeroDivisionError, a
+    RuntimeError before)."""
+    cases = [("extra", {"patch_emb.3.block.conv.weight": lambda t: torch.zeros(32, 32, 1, 1)},
+              r"stem layers \[0, 1, 2, 3\] \(image_encoder.model.patch_emb.3.block.conv.weight\)"),
+             ("k0", {"patch_emb.1.block.conv.weight": lambda t: torch.zeros(*t.shape[:2], 0, 0)},
+              r"patch_emb.1.block.conv.weight has shape \(8, 8, 0, 0\)"),
+             ("proj", {"classifier.proj": lambda t: t[None]}, r"classifier.proj has shape \(1, 32, 5\)")]
+    for name, changed, words in cases:
+        with pytest.raises(CheckpointError, match=words):
+            vitkit.load(_release(tmp_path, name, **changed), num_heads=2)

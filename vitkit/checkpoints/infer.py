@@ -98,10 +98,21 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
     elif "patch_embed.backbone.0.conv.weight" in sd:  # a conv stem (MobileCLIP's MCi): each layer's channels, kernel
         n = _count(sd, r"patch_embed\.backbone\.(\d+)\.conv\.weight")
         convs = [sd[f"patch_embed.backbone.{i}.conv.weight"] for i in range(n)]
-        if any(c.ndim != 4 or c.shape[2] != c.shape[3] for c in convs):
-            raise CheckpointError(f"conv stem kernels {[tuple(c.shape) for c in convs]}: vitkit's are square")
+        if any(c.ndim != 4 or c.shape[2] != c.shape[3] or not c.shape[2] for c in convs) or 0 in k:
+            raise CheckpointError(f"conv stem kernels {[tuple(c.shape) for c in convs]} and patch embedding "
+                                  f"{tuple(w.shape)}: vitkit's are square, at least 1x1")
         kernels = tuple(c.shape[2] for c in convs)
-        strides = tuple(hints.pop("conv_stem_strides", None) or kernels)  # the file cannot tell: patchify, as MCi
+        stated = hints.pop("conv_stem_strides", None)
+        # A file does not record a conv's stride. Patchify convs (stride = kernel, padding 0: MCi's 4, 2 and the
+        # 2x2 embedding) have power-of-two kernels; odd ones are overlapping convs (timm's default ConvStem: 3x3,
+        # stride 2, padding 1), whose strides vitkit will not guess.
+        if not stated and any(n & (n - 1) for n in (*kernels, *k)):
+            raise CheckpointError(f"conv stem kernels {kernels} with a {k[0]}x{k[1]} patch embedding: a file does not "
+                                  f"record its strides, and these are not patchify kernels (stride = kernel, as "
+                                  f"MobileCLIP's MCi, 4, 2 and 2) but overlapping ones such as timm's default ConvStem "
+                                  f"(3x3, stride 2); pass conv_stem_strides= (vitkit's last conv, the patch "
+                                  f"embedding, always has stride = kernel)")
+        strides = tuple(stated or kernels)  # the file cannot tell: patchify, as MCi
         strides = () if strides == kernels else strides
         cfg.update(conv_stem=tuple(c.shape[0] for c in convs), conv_stem_kernels=kernels, conv_stem_strides=strides,
                    in_chans=convs[0].shape[1])

@@ -83,7 +83,10 @@ TRANSFORMS: dict[str, tuple[Callable, Callable]] = {
     "linear_patches": (lambda t, ctx: _linear_to_conv(t, ctx.get("in_chans", 3), ctx.get("patch_size")),
                        lambda t, ctx: t.permute(0, 2, 3, 1).reshape(t.shape[0], -1)),
     # MobileCLIP's position embedding (1, 1, N, D) <-> vitkit's (1, N, D)
-    "lead_one": (lambda t, ctx: t[0] if t.ndim == 4 else t, lambda t, ctx: t[None]),
+    # (only a leading (1, 1): any other shape refused by name, never sliced)
+    "lead_one": (lambda t, ctx: t[0] if t.ndim == 4 and tuple(t.shape[:2]) == (1, 1) else (_ for _ in ()).throw(
+        CheckpointError(f"a position embedding of shape {tuple(t.shape)}: MobileCLIP's is (1, 1, N, D)")),
+        lambda t, ctx: t[None]),
     # a projection stored (in, out) (MobileCLIP's `classifier.proj`) <-> a Linear's weight (out, in)
     "transposed": (lambda t, ctx: t.t(), lambda t, ctx: t.t()),
 }

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import UsageError
+from ...errors import CheckpointError, UsageError
 
 BN_EPS = 1e-5  # torch's and timm's BatchNorm2d default
 
@@ -38,6 +38,26 @@ def check_stem(channels: tuple[int, ...], kernels: tuple[int, ...], strides: tup
                          f"the size with symmetric padding")
 
 
+def check_batchnorm_stats(sd: dict[str, torch.Tensor], prefix: str = "patch_embed.backbone.") -> None:
+    """A CheckpointError naming the tensor where a conv stem BatchNorm's running variance (`...running_var` under
+    `prefix`: vitkit's and timm's `patch_embed.backbone.{i}.bn.`, MobileCLIP's `image_encoder.model.patch_emb.`) has a negative or non-finite entry, or its running mean a non-finite one: the
+    norm divides by sqrt(var + eps), so the model would give NaN. Call it on a state dict before building a model;
+    `ConvBnAct` also checks what it is loaded with."""
+    for k, t in sd.items():
+        if k.startswith(prefix) and k.endswith((".running_var", ".running_mean")):
+            _check_stat(k, t)
+
+
+def _check_stat(name: str, t: torch.Tensor) -> None:
+    if not torch.is_tensor(t) or not t.is_floating_point():
+        return
+    bad = ~torch.isfinite(t) | (t < 0 if name.endswith("running_var") else torch.zeros_like(t, dtype=torch.bool))
+    if bad.any():
+        raise CheckpointError(f"{name} has {int(bad.sum())} {'negative or ' if name.endswith('var') else ''}non-finite "
+                              f"entr{'y' if int(bad.sum()) == 1 else 'ies'} (min {float(t.min()):g}): a BatchNorm's "
+                              f"running statistics must be finite, the variance >= 0; the file is damaged")
+
+
 class ConvBnAct(nn.Module):
     """conv (no bias) -> BatchNorm2d -> exact GELU. In eval mode the norm uses its running statistics."""
 
@@ -48,6 +68,12 @@ class ConvBnAct(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(self.bn(self.conv(x)))  # (B, C, H, W) -> (B, C', H/s, W/s)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        for stat in ("running_mean", "running_var"):  # every path that loads a stem: refused before NaN outputs
+            if prefix + "bn." + stat in state_dict:
+                _check_stat(prefix + "bn." + stat, state_dict[prefix + "bn." + stat])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class ConvStem(nn.Sequential):

@@ -318,3 +318,21 @@ def test_missing_blocks_and_malformed_tables_are_named(tmp_path):
     for i, (sd, words) in enumerate(cases):
         with pytest.raises(CheckpointError, match=words):
             vitkit.load(_bare(tmp_path, sd, f"{i}.safetensors"))
+
+
+def test_the_windows_advice_names_what_load_takes(tmp_path):
+    """vitkit.load takes window_size= for a Swin only (it lays the windows out anew after loading): SAM's messages
+    point to what the file's model is read from instead (its tables, config.json, global_attn_indexes=)."""
+    w, _ = read_safetensors(FIX / "base_5x5" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="without relative position tables.*config.json's model_args window_size") as e:
+        vitkit.load(_bare(tmp_path, {k: v for k, v in w.items() if ".rel_pos_" not in k}), global_attn_indexes=[1],
+                    num_heads=2)
+    assert "window_size=" not in str(e.value)
+    d = tmp_path / "win3"
+    shutil.copytree(FIX / "base_5x5", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_args"]["window_size"] = 3
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="relative tables have .*pass the model's own img_size=") as e:
+        vitkit.load(d)
+    assert "window_size=" not in str(e.value)

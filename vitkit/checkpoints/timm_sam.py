@@ -271,7 +271,11 @@ def infer_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unknown=N
                                   f"the model's own global_attn_indexes=")
         windowed = {i: t for i, t in tables.items() if (i not in stated if stated is not None else t != on_grid)}
         sides = set(windowed.values())
-        if not tables or len(sides) > 1 or any(h != w for h, w in sides) or (not sides and stated is None):
+        if not tables:  # vitkit.load takes window_size= for a Swin only: the window comes with timm's config.json
+            raise CheckpointError("a SAM ViT without relative position tables: its window's side does not show in "
+                                  "its tensors; load it from its timm folder (config.json's model_args window_size and "
+                                  "global_attn_indexes)")
+        if len(sides) > 1 or any(h != w for h, w in sides) or (not sides and stated is None):
             raise CheckpointError("the SAM ViT's windows do not show in its tensors (which blocks attend globally, "
                                   "and the window's side): pass global_attn_indexes= (or, for a bare timm file, its "
                                   "architecture='samvit_base_patch16' ...)")
@@ -289,5 +293,6 @@ def infer_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unknown=N
         if t != want:
             where = f"{win}x{win} windows" if win else f"the {config.grid_size[0]}x{config.grid_size[1]} patch grid"
             raise CheckpointError(f"block {i}'s relative tables have {t} rows, not those of {where} {want}: pass the "
-                                  f"model's own img_size=, window_size= and global_attn_indexes=")
+                                  f"model's own img_size= and global_attn_indexes= (the window's side: its tables', or "
+                                  f"config.json's model_args window_size)")
     return config

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vitkit
+from vitkit.errors import UsageError
 from vitkit.models.registry import build_config, build_model
 from vitkit.models.stats import count_flops, count_params
 
@@ -214,8 +215,8 @@ def test_hf_exports_refuse_what_the_tower_cannot_hold(tmp_path):
 
 
 def test_timm_architectures_vitkit_does_not_implement_are_refused(tmp_path):
-    """An Eva argument vitkit does not implement (MRoPE's temporal sections, LayerScale on the attention branch alone)
-    is refused by name."""
+    """An Eva argument vitkit does not implement (MRoPE's temporal sections) is refused by name; one it reads that the
+    file contradicts (LayerScale on the attention branch alone, Sapiens2's, in a file without LayerScale) too."""
     d = tmp_path / "eva"
     d.mkdir()
     src = F / "timm_eva02"
@@ -227,7 +228,8 @@ def test_timm_architectures_vitkit_does_not_implement_are_refused(tmp_path):
         vitkit.load(d)
     cfg["model_args"].update(rope_type="cat", attn_only_layer_scale=True)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(vitkit.CheckpointError, match="attn_only_layer_scale"):
+    with pytest.raises(UsageError, match="attn_only_layer_scale puts LayerScale on the attention branch alone: it "
+                                         "needs init_values"):
         vitkit.load(d)
 
 

@@ -56,9 +56,8 @@ def final_top1(points: list[dict]) -> float:
 def one_run(preset: str, seed: int, out: Path, extra: list[str], smoke: bool) -> dict:
     """`vitkit train PRESET run.seed=SEED run.out_dir=OUT ...` in a child process: its wall time, the precision it
     took, and its test evaluations (top-1, the EMA's, the run's clock)."""
-    cmd = [*_vitkit(), "train", preset, f"run.seed={seed}", f"run.out_dir={out}", "run.progress=false", *extra]
-    if smoke:
-        cmd.insert(3, "--smoke")
+    cmd = [*_vitkit(), "train", preset, *(["--smoke"] if smoke else []), "--no-resume", f"run.seed={seed}",
+           f"run.out_dir={out}", "run.progress=false", *extra]  # a fresh run: its time is the whole command's
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t
@@ -84,7 +83,8 @@ def run(args: argparse.Namespace) -> None:
         for seed in args.seeds:
             if any(r["preset"] == preset and r["seed"] == seed for r in doc["runs"]):
                 continue  # done in an earlier call: the file keeps it
-            r = one_run(preset, seed, Path(args.out_dir) / f"{preset}-s{seed}", args.extra, args.smoke)
+            r = one_run(preset, seed, Path(args.out_dir) / f"{args.tag}-{preset}-s{seed}", args.extra, args.smoke)
+            r["cpu"] = doc["cpu"]
             doc["runs"].append(r)
             print(f"{preset} seed {seed}: {r['top1']:.4f} in {r['seconds']:.0f} s ({r['precision']})", flush=True)
             if not args.smoke:
@@ -100,7 +100,8 @@ def table(doc: dict) -> str:
         acc, sec = [100 * r["top1"] for r in rs], [r["seconds"] for r in rs]
         sd = f" +- {statistics.stdev(acc):.2f}" if len(acc) > 1 else ""
         sd_s = f" +- {statistics.stdev(sec):.0f}" if len(sec) > 1 else ""
-        lines.append(f"| {preset} | {doc['cpu']} | {'/'.join(sorted({r['precision'] for r in rs}))} | {len(rs)} | "
+        cpu = " / ".join(sorted({r.get("cpu", doc["cpu"]) for r in rs}))
+        lines.append(f"| {preset} | {cpu} | {'/'.join(sorted({r['precision'] for r in rs}))} | {len(rs)} | "
                      f"{statistics.mean(sec):.0f}{sd_s} | {statistics.mean(acc):.2f}{sd} |")
     return "\n".join(lines)
 

@@ -218,3 +218,10 @@ def test_differential_attention_paths_agree_and_train():
     assert m.blocks[0].attn.lambda_q1.grad.abs().sum() > 0
     with pytest.raises(UsageError, match="attn_layer='diff'"):
         ViTConfig(embed_dim=32, num_heads=2, attn_layer="diff", rope="eva")
+
+
+def test_differential_attention_takes_lora_and_refuses_what_it_has_not():
+    m = vitkit.create_model("vit_dwee_patch16_reg1_gap_256", depth=2, img_size=32)
+    assert apply_lora(m, 2) == ["blocks.0.attn.qkv", "blocks.1.attn.qkv"]
+    with pytest.raises(UsageError, match="separate query and value biases"):
+        ViTConfig(embed_dim=32, num_heads=2, attn_layer="diff", k_bias=False)

@@ -406,3 +406,22 @@ def test_a_release_with_a_malformed_stem_or_projection_is_refused_by_name(tmp_pa
     for name, changed, words in cases:
         with pytest.raises(CheckpointError, match=words):
             vitkit.load(_release(tmp_path, name, **changed), num_heads=2)
+
+
+def test_a_conv_stem_model_in_the_other_paths():
+    """Review of issue 53: FSDP2's units leave the conv stem to the root (it has no ResNet stages), Fig. 7's filters
+    are its first conv's, a packed batch is refused up front by name, LoRA adapts its attention."""
+    from vitkit.analysis.embeddings import embedding_filters
+    from vitkit.errors import UsageError
+    from vitkit.models.lora import apply_lora
+    from vitkit.models.registry import build_model
+    from vitkit.models.vit_config import ViTConfig
+    from vitkit.training.distributed import shard_units
+
+    m = build_model(ViTConfig(img_size=32, patch_size=16, embed_dim=48, depth=2, num_heads=2, mlp_dim=96,
+                              conv_stem=(8, 8), conv_stem_kernels=(4, 2)))
+    assert shard_units(m) == list(m.blocks)
+    assert tuple(embedding_filters(m).shape) == (8, 3, 4, 4)
+    with pytest.raises(UsageError, match=r"conv stem\) reads whole images"):
+        m([torch.randn(3, 32, 32)])
+    assert apply_lora(m, 2) == ["blocks.0.attn.qkv", "blocks.1.attn.qkv"]

@@ -145,9 +145,10 @@ def inspect_model(model: nn.Module, out: str | Path, *, data: str | None = None,
     res: dict = {}
     arrays: dict = {}
     pcs, ratio = filter_principal_components(embedding_filters(model), components)
-    hybrid = model.patch_embed.backbone is not None
+    bb = model.patch_embed.backbone
+    which = "embedding" if bb is None else "ResNet stem" if hasattr(bb, "stem") else "conv stem's first"
     res["filters_png"] = str(plots.save_filters(pcs, out / "filters.png",
-                                                title=f"{name} {'ResNet stem' if hybrid else 'embedding'} filters: top {len(pcs)} principal components"))
+                                                title=f"{name} {which} filters: top {len(pcs)} principal components"))
     arrays["filter_components"], arrays["filter_variance_ratio"] = pcs.numpy(), ratio.numpy()
     try:
         sim = position_similarity(model)

@@ -8,11 +8,17 @@ from ..errors import UsageError
 
 
 def embedding_filters(model: nn.Module) -> torch.Tensor:
-    """(D, C, P, P) filters that see the pixels: the patch embedding's conv, or for a hybrid the ResNet stem's."""
+    """(D, C, P, P) filters that see the pixels: the patch embedding's conv, for a hybrid the ResNet stem's, for a
+    convolutional stem (MobileCLIP's) its first conv's."""
     if not hasattr(model, "patch_embed"):
         raise UsageError(f"{type(model).__name__} has no patch embedding: this analysis needs a ViT or a hybrid")
     bb = model.patch_embed.backbone
-    w = bb.stem.conv.standardized_weight() if bb is not None else model.patch_embed.proj.weight
+    if bb is None:
+        w = model.patch_embed.proj.weight
+    elif hasattr(bb, "stem"):
+        w = bb.stem.conv.standardized_weight()
+    else:  # ConvStem: conv + BatchNorm + GELU layers
+        w = bb[0].conv.weight
     return w.detach().float().cpu()
 
 

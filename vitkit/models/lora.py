@@ -26,6 +26,8 @@ from torch import nn
 
 from ..errors import UsageError
 from .layers import Attention, AttentionPool, Linear, Mlp, SwiGLU
+from .layers.diff_attention import DiffAttention
+from .samvit import SamAttention
 from .layers.tracing import is_fx_tracing
 from .swin import WindowAttention
 
@@ -37,6 +39,8 @@ _QKV = {"qkv": ("q", "k", "v"), "proj": ("proj",)}
 LAYOUTS: dict[type, dict[str, tuple[str, ...]]] = {
     Attention: _QKV,
     WindowAttention: _QKV,
+    DiffAttention: _QKV,  # (its fused qkv: q, k, v of D rows each, as Attention's)
+    SamAttention: _QKV,
     AttentionPool: {"q": ("q",), "kv": ("k", "v"), "proj": ("proj",)},
     Mlp: {"fc1": ("mlp",), "fc2": ("mlp",)},
     SwiGLU: {"fc1_g": ("mlp",), "fc1_x": ("mlp",), "fc2": ("mlp",)},

@@ -18,8 +18,8 @@ class PackedForward:
 
     def _check_packable(self) -> None:
         c = self.config
-        if c.hybrid_layers is not None:
-            raise UsageError("a hybrid's ResNet reads whole images: packed batches of patches are for plain ViTs "
+        if c.hybrid_layers is not None or getattr(c, "conv_stem", None):
+            raise UsageError("a hybrid's ResNet (or a conv stem) reads whole images: packed batches of patches are for plain ViTs "
                              "(run a hybrid on one size per batch, or one image at a time)")
         if c.pos_embed in ("relative", "relative_mlp"):
             raise UsageError("packed batches need an absolute position embedding, not the relative bias")

@@ -323,9 +323,10 @@ class ViTConfig:
         if self.attn_layer not in ATTN_LAYERS:
             raise UsageError(f"attn_layer must be one of {ATTN_LAYERS}, got {self.attn_layer!r}")
         if self.attn_layer == "diff" and (self.rope or self.num_kv_heads or self.pos_embed in ("relative", "relative_mlp")
-                                          or self.embed_dim % (2 * self.num_heads)):
+                                          or self.embed_dim % (2 * self.num_heads) or not self.k_bias):
             raise UsageError("attn_layer='diff' (differential attention) splits each head in two (embed_dim divisible "
-                             "by 2 x num_heads) and has no rotary embedding, relative bias or grouped key/value heads")
+                             "by 2 x num_heads) and has no rotary embedding, relative bias, grouped key/value heads or "
+                             "separate query and value biases (k_bias=False)")
         if self.attn_only_layer_scale and self.init_values is None:
             raise UsageError("attn_only_layer_scale puts LayerScale on the attention branch alone: it needs init_values")
         if self.embed_dim % self.num_heads:

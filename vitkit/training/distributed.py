@@ -122,10 +122,10 @@ def resolve_strategy(strategy: str, dist: Dist) -> str:
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one (each gathers its parameters when it runs): the transformer blocks, or
-    the residual blocks of a CNN, and a hybrid's ResNet stages."""
+    the residual blocks of a CNN, and a hybrid's ResNet stages (a conv stem is left to the root's unit)."""
     units = list(getattr(model, "blocks", []))  # a ViT's, or a Swin's (its stages' blocks, in order)
     backbone = getattr(getattr(model, "patch_embed", None), "backbone", None)
-    stages = backbone.stages if backbone is not None else getattr(model, "stages", [])
+    stages = getattr(backbone, "stages", []) if backbone is not None else getattr(model, "stages", [])
     for stage in stages:
         units += list(stage.blocks)
     return units

@@ -34,7 +34,8 @@ _CPU_HAS_AMX = amx_usable()
 def check_bias_size(grid: tuple[int, int], num_heads: int, prefix: int) -> None:
     """A relative bias at another grid (dynamic_img_size) is an (H, T, T) tensor beside its (N, N) int64 index,
     where the fused attention itself holds nothing of size T x T: refused before allocating what the process does not
-    have (a 1024 x 1024 image in patches of 4 would need 64 GiB per head group)."""
+    have (a 1024 x 1024 image in patches of 4 would need 64 GiB per head group). Checked when a grid's index is
+    built, not on every forward that finds it cached."""
     if tracing():  # (sizes are symbols while torch.export or dynamo traces: checked when the traced model runs eager)
         return
     n = grid[0] * grid[1]
@@ -108,10 +109,10 @@ class RelativePositionBias(nn.Module):
         if _same_grid(grid, self.grid_size):
             table, index = self.table, self.index
         else:
-            check_bias_size(tuple(grid), self.table.shape[1], self.num_prefix_tokens)
             self._cache = self._cache or _GridCache()
             table, index = self._cache.get(tuple(grid), [self.table], lambda: (
-                self._table_for(grid, self.method), self._build_index(grid, self.index.device)))
+                check_bias_size(tuple(grid), self.table.shape[1], self.num_prefix_tokens),
+                self._table_for(grid, self.method), self._build_index(grid, self.index.device))[1:])
         t = index.shape[0]
         return table[index.flatten()].view(t, t, -1).permute(2, 0, 1)  # (T, T, H) -> (H, T, T)
 
@@ -159,10 +160,10 @@ class RelativePositionMlp(nn.Module):
         if _same_grid(grid, self.grid_size):
             offsets, index = self.offsets, self.index
         else:
-            check_bias_size(tuple(grid), self.num_heads, self.num_prefix_tokens)
             self._cache = self._cache or _GridCache()
             offsets, index = self._cache.get(tuple(grid), [], lambda: (
-                log_offsets(grid, self.index.device), offset_index(grid, self.index.device)))
+                check_bias_size(tuple(grid), self.num_heads, self.num_prefix_tokens),
+                log_offsets(grid, self.index.device), offset_index(grid, self.index.device))[1:])
         m = self.mlp
         table = m.fc2(m.drop(F.relu(m.fc1(offsets.to(m.fc1.weight.dtype)))))  # (2gh - 1, 2gw - 1, H)
         n = index.shape[0]

@@ -109,11 +109,13 @@ class DistillConfig:
 @dataclass
 class OptimConfig:
     """Args:
-    name: "adamw" or "sgd" (momentum 0.9, as the paper's fine-tuning).
+    name: "adamw", "sgd" (momentum 0.9, as the paper's fine-tuning) or "muon" (orthogonalised updates for the hidden
+        matrices and conv kernels, AdamW with `betas` for the rest, one learning rate: `training/muon.py`).
     lr: peak learning rate.
     weight_decay: not applied to norms, biases, position embeddings and tokens.
     layer_decay: layer-wise LR decay for fine-tuning (e.g. 0.75); None: off.
     clip_grad: clip the global gradient norm (the paper: 1); None: off.
+    muon_momentum: Muon's Nesterov momentum.
     """
 
     name: str = "adamw"
@@ -121,6 +123,7 @@ class OptimConfig:
     weight_decay: float = 0.05
     betas: tuple[float, float] = (0.9, 0.999)
     momentum: float = 0.9
+    muon_momentum: float = 0.95
     layer_decay: float | None = None
     clip_grad: float | None = 1.0
 
@@ -248,7 +251,7 @@ NUMBER_BOUNDS = {
     "run.accumulate": (1, 1 << 16), "run.threads": (1, 4096), "run.eval_every": (0.0, 1e6), "run.ckpt_every": (0, None),
     "run.log_every": (0, None), "run.fewshot_draws": (1, 10_000), "run.ema": (0.0, 1.0), "distill.alpha": (0.0, 1.0),
     "distill.tau": (1e-6, 1e6), "run.seed": (0, 2**32 - 1), "run.fewshot_shots": (1, 1 << 20),
-    "data.max_patches": (1, 1 << 20), "optim.momentum": (0.0, 1.0), "optim.betas": (0.0, 0.999999),
+    "data.max_patches": (1, 1 << 20), "optim.momentum": (0.0, 1.0), "optim.muon_momentum": (0.0, 0.999999), "optim.betas": (0.0, 0.999999),
     "aug.pad": (0, 4096), "aug.scale": (1e-6, 1.0), "aug.ratio": (1e-6, 1e6), "aug.mixup": (0.0, 1e6),
     "aug.cutmix": (0.0, 1e6), "aug.mix_prob": (0.0, 1.0), "aug.label_smoothing": (0.0, 1.0),
     "aug.random_erasing": (0.0, 1.0),

@@ -309,7 +309,8 @@ def test_config_overrides_files_and_errors(tmp_path):
     assert c2.optim.lr == 0.005 and c2.schedule.epochs == 1.0
     from vitkit.training.presets import PRESETS
 
-    assert {"fashion-mnist", "fashion-mnist-long", "fashion-mnist-mpp", "cifar10-scratch", "cifar10-finetune"} <= set(PRESETS)
+    assert {"fashion-mnist", "fashion-mnist-long", "fashion-mnist-fast", "fashion-mnist-mpp", "cifar10-scratch",
+            "cifar10-finetune"} <= set(PRESETS)
     for name in PRESETS:
         smoke = get_preset(name, smoke=True)
         assert smoke.data.subset and smoke.schedule.epochs <= 2

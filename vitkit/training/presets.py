@@ -63,6 +63,26 @@ def fashion_mnist_long() -> TrainConfig:
 
 
 @preset
+def fashion_mnist_fast() -> TrainConfig:
+    """Fashion-MNIST in 30 minutes on a 2-core CPU (issue 55's budget; its goal, 94%, is not reached yet): the long
+    preset's model and augmentation trained with Muon (`optim.name=muon`: orthogonalised updates for the hidden
+    matrices and conv kernels, AdamW for the rest) at batch 128 for 15 epochs, raw weights (no EMA: at this length it
+    lags), one evaluation at the end over 10 views (flips and one-pixel shifts). 93.46% in 1795 s for the whole
+    command (seed 0) on a 2-core Intel Xeon (CPU family 6, model 207) in fp32. The choices, made on a held-out split
+    of the training images: benchmarks/NOTES.md, section 44; `python benchmarks/time_to_accuracy.py run --presets
+    fashion-mnist-fast`."""
+    cfg = fashion_mnist_long()
+    cfg.preset = "fashion-mnist-fast"
+    cfg.data.batch_size = 128
+    cfg.optim = OptimConfig(name="muon", lr=4e-3, weight_decay=0.05, clip_grad=1.0)
+    cfg.schedule = ScheduleConfig(epochs=15, warmup_epochs=0.5, decay="linear")
+    cfg.run.ema = None
+    cfg.run.eval_every = 15
+    cfg.run.out_dir = "runs/fashion-mnist-fast"
+    return cfg
+
+
+@preset
 def fashion_mnist_mpp() -> TrainConfig:
     """Masked patch prediction (Sec. 4.6) on Fashion-MNIST's images, no labels: a plain ViT on 4x4 patches (D 96,
     4 layers) predicts the 3-bit mean grey of each of the 50% corrupted patches, 4 epochs (about 2 minutes on a

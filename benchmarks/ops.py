@@ -1,8 +1,9 @@
-"""Single-op choices on a CPU (NOTES.md, sections 8 and 20): the patch embedding's op, foreach vs fused AdamW, the
-GEMM paths for the Linear shapes, and attention's fused kernel against explicit matmuls.
+"""Single-op choices on a CPU (NOTES.md, sections 8, 20 and 44): the patch embedding's op, foreach vs fused AdamW,
+Muon's cost in a step, the GEMM paths for the Linear shapes, and attention's fused kernel against explicit matmuls.
 
     python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
     python benchmarks/ops.py adamw         # one AdamW step over ViT-S/16 and ViT-B/16 parameters: single-tensor, foreach, fused
+    python benchmarks/ops.py muon          # the fashion-mnist presets' training step (batch 128) with AdamW and with Muon
     python benchmarks/ops.py gemm          # GFLOP/s of every GEMM path (vitkit.machine.gemm) on S/16 and B/16 shapes
     python benchmarks/ops.py attention     # fp32/bf16 attention core: F.scaled_dot_product_attention vs matmul-softmax-matmul
 
@@ -83,6 +84,31 @@ def adamw() -> None:
               f"{res['single']:.1f} ms, foreach {res['foreach']:.1f} ms, fused {res['fused']:.1f} ms", flush=True)
 
 
+def muon() -> None:
+    """The whole training step (forward, backward, optimizer) of the fashion-mnist presets' model at batch 128, with
+    the long preset's fused AdamW and with fashion-mnist-fast's Muon: what Muon's Newton-Schulz iterations cost."""
+    import vitkit
+    from vitkit.training.config import OptimConfig
+    from vitkit.training.optim import build_optimizer
+    from vitkit.training.presets import get_preset
+
+    o = {**get_preset("fashion-mnist-fast").model.overrides, "img_size": 28, "in_chans": 1, "num_classes": 10}
+    x, y = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
+    steps = {}
+    for name, lr in (("adamw", 2e-3), ("muon", 4e-3)):
+        model = vitkit.create_model("r26_vit_s32", **o)
+        opt = build_optimizer(model, OptimConfig(name=name, lr=lr))
+
+        def step(model=model, opt=opt):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        steps[name] = step
+    res = compare(steps, rounds=6, n=10)
+    print(f"training step, batch 128: AdamW {res['adamw']:.1f} ms ({128e3 / res['adamw']:.0f} img/s), Muon "
+          f"{res['muon']:.1f} ms ({128e3 / res['muon']:.0f} img/s): Muon's step {res['adamw'] / res['muon']:.2f}x")
+
+
 def gemm_paths() -> None:
     """Every path for the Linear shapes of S/16 and B/16 (qkv, proj, fc1, fc2) at batch 1 and 8 (197 tokens), and for
     a training step's dW at batch 16: GFLOP/s, best of interleaved rounds (`gemm.measure`)."""
@@ -128,9 +154,9 @@ def attention() -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["patch-embed", "adamw", "gemm", "attention"])
+    ap.add_argument("what", choices=["patch-embed", "adamw", "muon", "gemm", "attention"])
     args = ap.parse_args()
     from vitkit.machine.cpu import cpu_model
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}")
-    {"patch-embed": patch_embed, "adamw": adamw, "gemm": gemm_paths, "attention": attention}[args.what]()
+    {"patch-embed": patch_embed, "adamw": adamw, "muon": muon, "gemm": gemm_paths, "attention": attention}[args.what]()

@@ -7,7 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 import vitkit
-from vitkit.training import train
+from vitkit.errors import UsageError
+from vitkit.training import get_preset, train
+from vitkit.training.checkpoint import config_differences
 from vitkit.training.config import OptimConfig
 from vitkit.training.muon import Muon, orthogonalize
 from vitkit.training.optim import build_optimizer, muon_names
@@ -109,3 +111,46 @@ def test_a_muon_run_learns_and_resumes_to_identical_weights(tmp_path):
     assert resumed["step"] == whole["step"]
     a, b = load_file(tmp_path / "whole" / "final.safetensors"), load_file(tmp_path / "cut" / "final.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_outputs_of_masked_patch_prediction_and_foreign_models_are_not_muons():
+    m = vitkit.create_model("vit_ti16", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
+    m.add_mpp()
+    assert "mpp_head.weight" not in muon_names(m) and "blocks.0.mlp.fc1.weight" in muon_names(m)
+    with pytest.raises(UsageError, match="input layer and classifier"):
+        muon_names(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(7200, 10)))
+
+
+def test_bad_arguments_and_vectors_are_refused():
+    w, b = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match="matrices"):
+        Muon([{"params": [b], "muon": True}])
+    opt = Muon([{"params": [w], "muon": True}])
+    with pytest.raises(ValueError, match="matrices"):
+        opt.add_param_group({"params": [b], "muon": True})
+    for kw in ({"ns_steps": 0}, {"ns_steps": 2.5}, {"momentum": 1.0}, {"betas": (1.0, 0.999)}, {"eps": 0.0}):
+        with pytest.raises(ValueError):
+            Muon([w], **kw)
+
+
+def test_a_bf16_parameter_resumes_with_its_fp32_momentum():
+    """load_state_dict casts state to each parameter's dtype: the momentum comes back to fp32, unrounded steps."""
+    lin = torch.nn.Linear(8, 8, bias=False).bfloat16()
+    opt = Muon([{"params": [lin.weight], "muon": True}], lr=1e-2)
+    for _ in range(2):
+        lin.weight.grad = torch.randn(8, 8).bfloat16()
+        opt.step()
+    opt.load_state_dict(opt.state_dict())
+    lin.weight.grad = torch.randn(8, 8).bfloat16()
+    opt.step()
+    assert opt.state[lin.weight]["momentum_buffer"].dtype == torch.float32
+
+
+def test_a_run_saved_before_the_option_existed_resumes_without_force():
+    """config.yaml of an earlier vitkit lacks optim.muon_momentum: its default is what that run had."""
+    now = get_preset("fashion-mnist").to_dict()
+    before = copy.deepcopy(now)
+    del before["optim"]["muon_momentum"]
+    assert config_differences(before, now) == []
+    now["optim"]["muon_momentum"] = 0.9
+    assert config_differences(before, now) == ["optim.muon_momentum: 0.95 -> 0.9"]

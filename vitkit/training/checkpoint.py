@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import flatten_config
+from .config import TrainConfig, flatten_config
 from ..models.lora import adapter_keys, merged_state_dict
 from .distributed import Dist
 from ..checkpoints.io import read_meta
@@ -42,13 +42,18 @@ RUN_FILES = (CKPT_DIR, "last.ckpt", "best.safetensors", "final.safetensors", "me
 
 
 def config_differences(before: dict, now: dict) -> list[str]:
-    """'key: before -> now' for every setting that differs and changes what a step means (not RESUME_SAFE)."""
+    """'key: before -> now' for every setting that differs and changes what a step means (not RESUME_SAFE). A
+    setting the saved config lacks (a run from before vitkit had it) counts as its default then: a new option at its
+    default changes no step of an old run."""
     def flat(d: dict) -> dict:
         f = flatten_config(json.loads(json.dumps(d)))  # tuples and lists alike
         f.update({f"model.overrides.{k}": v for k, v in (f.pop("model.overrides", None) or {}).items()})
         return f
 
     a, b = flat(before), flat(now)
+    defaults = flat(TrainConfig().to_dict())
+    for f in (a, b):
+        f.update({k: v for k, v in defaults.items() if k not in f})
     if b.get("run.precision") == "auto" and resolved_precision(before):
         a["run.precision"] = "auto"  # auto resumes in what the saved run computed in: the same steps
     return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b))

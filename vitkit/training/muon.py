@@ -50,13 +50,22 @@ class Muon(torch.optim.Optimizer):
                  eps: float = 1e-8) -> None:
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not (isinstance(ns_steps, int) and 1 <= ns_steps < 100):
+            raise ValueError(f"ns_steps must be an integer in [1, 100), got {ns_steps!r}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if not (lr >= 0.0 and weight_decay >= 0.0 and eps > 0.0):
+            raise ValueError(f"lr and weight_decay must be >= 0 and eps > 0, got {lr}, {weight_decay}, {eps}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         betas=tuple(betas), eps=eps, muon=False)
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if group["muon"] and p.ndim < 2:
-                    raise ValueError(f"Muon updates matrices and conv kernels; got a parameter of shape {tuple(p.shape)}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if group["muon"] and p.ndim < 2:
+                raise ValueError(f"Muon updates matrices and conv kernels; got a parameter of shape {tuple(p.shape)}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -80,6 +89,8 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g)
+            elif state["momentum_buffer"].dtype != torch.float32:  # load_state_dict casts state to a bf16 param's dtype
+                state["momentum_buffer"] = state["momentum_buffer"].float()
             buf = state["momentum_buffer"]
             buf.lerp_(g, 1 - mu)  # buf = mu * buf + (1 - mu) * g
             g = g.lerp(buf, mu) if group["nesterov"] else buf

@@ -43,13 +43,18 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float | Non
 
 def muon_names(model: nn.Module) -> set[str]:
     """The parameters Muon updates: the hidden layers' weight matrices and conv kernels. The input layer (the model's
-    `_first_conv`), the classifier, and the learned tokens and embeddings stay with AdamW, as Muon's authors do."""
-    first = getattr(model, "_first_conv", None)
-    heads = getattr(model, "_classifier_names", lambda: "head")()
-    heads = (heads,) if isinstance(heads, str) else tuple(heads)
+    `_first_conv`), the outputs (the classifier, masked patch prediction's `mpp_head`), and the learned tokens and
+    embeddings stay with AdamW, as Muon's authors do. The fused qkv is one matrix, as timm's and Keller Jordan's
+    ViTs hold it. A model that does not name its input layer and classifier (not one of vitkit's) is refused."""
+    if not (hasattr(model, "_first_conv") and hasattr(model, "_classifier_names")):
+        raise UsageError(f"optim.name=muon needs to know the model's input layer and classifier ({type(model).__name__} "
+                         f"names neither: vitkit's models do); use optim.name=adamw")
+    heads = model._classifier_names()
+    outputs = ((heads,) if isinstance(heads, str) else tuple(heads)) + ("mpp_head",)
+    first = f"{model._first_conv}.weight"
     return {name for name, p in model.named_parameters()
-            if p.ndim >= 2 and not _no_decay(name, p) and name != f"{first}.weight"
-            and not any(name == h or name.startswith(h + ".") for h in heads)}
+            if p.ndim >= 2 and not _no_decay(name, p) and name != first
+            and not any(name == h or name.startswith(h + ".") for h in outputs)}
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -1,5 +1,6 @@
-"""Optimizers and schedules: AdamW / SGD-momentum / Muon (its matrices; AdamW for the rest), no weight decay on norms, biases, position embeddings
-and tokens, layer-wise LR decay, linear warmup then cosine or linear decay (App. B.1 of the paper)."""
+"""Optimizers and schedules: AdamW / SGD-momentum / Muon (its matrices; AdamW for the rest), no weight decay on
+norms, biases, position embeddings and tokens, layer-wise LR decay, linear warmup then cosine or linear decay (App. B.1
+of the paper)."""
 from __future__ import annotations
 
 import math

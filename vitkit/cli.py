@@ -429,7 +429,7 @@ def evaluate(
     data_dir: str | None = None,
     test_dir: str | None = None,
     out: str | None = None,
-    batch_size: int = 500,
+    batch_size: int = 256,
     num_workers: int = 2,
     tta: Literal["none", "flip", "flip-shift"] = "none",
     device: str = "auto",

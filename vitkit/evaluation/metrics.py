@@ -77,7 +77,7 @@ def tta_log_probs(model: nn.Module, x: torch.Tensor, mode: str = "none") -> torc
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data, transform, *, batch_size: int = 1000, device: str | torch.device = "cpu",
+def evaluate(model: nn.Module, data, transform, *, batch_size: int = 256, device: str | torch.device = "cpu",
              precision: str = "fp32", num_workers: int = 0, tta: str = "none", dist=None, lockstep: bool = False) -> EvalResult:
     """Accuracy of `model` on `data` (an in-memory or file dataset); `transform` maps uint8 batches to model inputs.
 

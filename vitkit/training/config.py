@@ -25,7 +25,8 @@ class DataConfig:
     test_dir: a test folder or CSV, when not inside the dataset root.
     batch_size: the global training batch of a micro-step, split over the processes of a distributed run (per
         optimizer step: times run.accumulate).
-    eval_batch_size: evaluation batch.
+    eval_batch_size: evaluation batch (per view of run.tta). 256, not larger: a CPU forward of 1000 images at once
+        runs its activations out of cache (the fashion-mnist presets' model 2.2x slower per image; NOTES 45).
     num_workers: DataLoader workers for folder datasets.
     subset: use only this many training images (smoke runs).
     test_subset: use only this many test images (smoke runs).
@@ -44,7 +45,7 @@ class DataConfig:
     data_dir: str | None = None
     test_dir: str | None = None
     batch_size: int = 256
-    eval_batch_size: int = 1000
+    eval_batch_size: int = 256
     num_workers: int = 2
     subset: int | None = None
     test_subset: int | None = None

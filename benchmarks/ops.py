@@ -1,4 +1,4 @@
-"""Single-op choices on a CPU (NOTES.md, sections 8, 20 and 44): the patch embedding's op, foreach vs fused AdamW,
+"""Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 and 45): the patch embedding's op, foreach vs fused AdamW,
 Muon's cost in a step, the GEMM paths for the Linear shapes, and attention's fused kernel against explicit matmuls.
 
     python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
@@ -6,6 +6,7 @@ Muon's cost in a step, the GEMM paths for the Linear shapes, and attention's fus
     python benchmarks/ops.py muon          # the fashion-mnist presets' training step (batch 128) with AdamW and with Muon
     python benchmarks/ops.py gemm          # GFLOP/s of every GEMM path (vitkit.machine.gemm) on S/16 and B/16 shapes
     python benchmarks/ops.py attention     # fp32/bf16 attention core: F.scaled_dot_product_attention vs matmul-softmax-matmul
+    python benchmarks/ops.py eval-batch    # the fashion-mnist presets' 10-view evaluation at batch 64 to 1000 (NOTES 45)
 
 Rounds alternate between the candidates; each number is the median over rounds, in ms.
 """
@@ -109,6 +110,28 @@ def muon() -> None:
           f"{res['muon']:.1f} ms ({128e3 / res['muon']:.0f} img/s): Muon's step {res['adamw'] / res['muon']:.2f}x")
 
 
+def eval_batch() -> None:
+    """The fashion-mnist presets' model evaluated as the trainer does (`vitkit.evaluation.metrics.tta_log_probs`,
+    10 views: flips and one-pixel shifts, no grad) on 1,000 images, at evaluation batches of 64 to 1000: the
+    default `data.eval_batch_size`."""
+    import vitkit
+    from vitkit.evaluation.metrics import tta_log_probs
+    from vitkit.training.presets import get_preset
+
+    o = {**get_preset("fashion-mnist-fast").model.overrides, "img_size": 28, "in_chans": 1, "num_classes": 10}
+    model, x = vitkit.create_model("r26_vit_s32", **o).eval(), torch.randn(1000, 1, 28, 28)
+
+    def pass_at(bs):
+        def go():
+            with torch.no_grad():
+                for i in range(0, len(x), bs):
+                    tta_log_probs(model, x[i:i + bs], "flip-shift")
+        return go
+    res = compare({bs: pass_at(bs) for bs in (64, 128, 256, 500, 1000)}, rounds=3, n=1)
+    for bs, ms in res.items():
+        print(f"evaluation batch {bs:>4}: {len(x) * 10e3 / ms:6.0f} views/s ({ms / 1e3:.1f} s for 1,000 images x 10 views)")
+
+
 def gemm_paths() -> None:
     """Every path for the Linear shapes of S/16 and B/16 (qkv, proj, fc1, fc2) at batch 1 and 8 (197 tokens), and for
     a training step's dW at batch 16: GFLOP/s, best of interleaved rounds (`gemm.measure`)."""
@@ -154,9 +177,10 @@ def attention() -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["patch-embed", "adamw", "muon", "gemm", "attention"])
+    ap.add_argument("what", choices=["patch-embed", "adamw", "muon", "gemm", "attention", "eval-batch"])
     args = ap.parse_args()
     from vitkit.machine.cpu import cpu_model
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}")
-    {"patch-embed": patch_embed, "adamw": adamw, "muon": muon, "gemm": gemm_paths, "attention": attention}[args.what]()
+    {"patch-embed": patch_embed, "adamw": adamw, "muon": muon, "gemm": gemm_paths, "attention": attention,
+     "eval-batch": eval_batch}[args.what]()

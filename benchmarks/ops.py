@@ -1,14 +1,15 @@
 """Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 and 45): the patch embedding's op, foreach vs fused AdamW,
-Muon's cost in a step, the GEMM paths for the Linear shapes, and attention's fused kernel against explicit matmuls.
+Muon's cost in a step, the GEMM paths for the Linear shapes, attention's fused kernel against explicit matmuls, and
+the evaluation's batch.
 
     python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
     python benchmarks/ops.py adamw         # one AdamW step over ViT-S/16 and ViT-B/16 parameters: single-tensor, foreach, fused
     python benchmarks/ops.py muon          # the fashion-mnist presets' training step (batch 128) with AdamW and with Muon
     python benchmarks/ops.py gemm          # GFLOP/s of every GEMM path (vitkit.machine.gemm) on S/16 and B/16 shapes
     python benchmarks/ops.py attention     # fp32/bf16 attention core: F.scaled_dot_product_attention vs matmul-softmax-matmul
-    python benchmarks/ops.py eval-batch    # the fashion-mnist presets' 10-view evaluation at batch 64 to 1000 (NOTES 45)
+    python benchmarks/ops.py eval-batch    # fashion-mnist-fast's 10-view evaluation at batch 64 to 1000 (NOTES 45)
 
-Rounds alternate between the candidates; each number is the median over rounds, in ms.
+Rounds alternate between the candidates; each number is the median over rounds, in ms (eval-batch: views/s).
 """
 import argparse
 import statistics
@@ -111,9 +112,10 @@ def muon() -> None:
 
 
 def eval_batch() -> None:
-    """The fashion-mnist presets' model evaluated as the trainer does (`vitkit.evaluation.metrics.tta_log_probs`,
-    10 views: flips and one-pixel shifts, no grad) on 1,000 images, at evaluation batches of 64 to 1000: the
-    default `data.eval_batch_size`."""
+    """The fashion-mnist presets' model evaluated as fashion-mnist-fast's trainer does where it computes in fp32
+    (`vitkit.evaluation.metrics.tta_log_probs`, 10 views: flips and one-pixel shifts, no grad), on 1,000 random
+    images (the test set has 10,000) at evaluation batches of 64 to 1000 (1000: `data.eval_batch_size`'s old
+    default, 256 its new)."""
     import vitkit
     from vitkit.evaluation.metrics import tta_log_probs
     from vitkit.training.presets import get_preset

@@ -25,8 +25,10 @@ class DataConfig:
     test_dir: a test folder or CSV, when not inside the dataset root.
     batch_size: the global training batch of a micro-step, split over the processes of a distributed run (per
         optimizer step: times run.accumulate).
-    eval_batch_size: evaluation batch (per view of run.tta). 256, not larger: a CPU forward of 1000 images at once
-        runs its activations out of cache (the fashion-mnist presets' model 2.2x slower per image; NOTES 45).
+    eval_batch_size: evaluation batch, per process and per view of run.tta. 256, not larger: on the fashion-mnist
+        presets' model a CPU forward of 1000 images runs its activations out of cache, 2.2x slower per image
+        (benchmarks/NOTES.md section 45). Masked patch prediction corrupts each evaluation batch from its own seed:
+        its evaluation is the same task at one eval_batch_size and world size.
     num_workers: DataLoader workers for folder datasets.
     subset: use only this many training images (smoke runs).
     test_subset: use only this many test images (smoke runs).

@@ -56,7 +56,7 @@ def fashion_mnist_long() -> TrainConfig:
     cfg.aug = AugConfig(crop="pad", pad=2, hflip=True, label_smoothing=0.1, random_erasing=0.25)
     cfg.schedule = ScheduleConfig(epochs=72, warmup_epochs=2, decay="linear")
     cfg.run.ema = 0.999
-    cfg.run.eval_every = 24  # one evaluation of the weights and the EMA's over 10 views: ~2.5 minutes here
+    cfg.run.eval_every = 24  # one evaluation of the weights and the EMA's over 10 views: ~2.5 minutes at batch 1000
     cfg.run.tta = "flip-shift"
     cfg.run.out_dir = "runs/fashion-mnist-long"
     return cfg

@@ -26,8 +26,8 @@ class DataConfig:
     batch_size: the global training batch of a micro-step, split over the processes of a distributed run (per
         optimizer step: times run.accumulate).
     eval_batch_size: evaluation batch, per process and per view of run.tta. 256, not larger: on the fashion-mnist
-        presets' model a CPU forward of 1000 images runs its activations out of cache, 2.2x slower per image
-        (benchmarks/NOTES.md section 45). Masked patch prediction corrupts each evaluation batch from its own seed:
+        presets' model a CPU forward of 1000 images runs its activations out of cache, 1.4-2.2x slower per image
+        (AVX2 to AVX-512; benchmarks/NOTES.md section 45). Masked patch prediction corrupts each evaluation batch from its own seed:
         its evaluation is the same task at one eval_batch_size and world size.
     num_workers: DataLoader workers for folder datasets.
     subset: use only this many training images (smoke runs).

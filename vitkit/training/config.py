@@ -27,8 +27,8 @@ class DataConfig:
         optimizer step: times run.accumulate).
     eval_batch_size: evaluation batch, per process and per view of run.tta. 256, not larger: on the fashion-mnist
         presets' model a CPU forward of 1000 images runs its activations out of cache, 1.4-2.2x slower per image
-        (AVX2 to AVX-512; benchmarks/NOTES.md section 45). Masked patch prediction corrupts each evaluation batch from its own seed:
-        its evaluation is the same task at one eval_batch_size and world size.
+        (AVX2 to AVX-512; benchmarks/NOTES.md section 45). Masked patch prediction corrupts each evaluation batch
+        from its own seed: its evaluation is the same task at one eval_batch_size and world size.
     num_workers: DataLoader workers for folder datasets.
     subset: use only this many training images (smoke runs).
     test_subset: use only this many test images (smoke runs).

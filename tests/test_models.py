@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import vitkit
 from vitkit.models import get_entry
@@ -430,6 +431,34 @@ def test_config_errors():
         vitkit.create_model("r26_vit_s32", **{**hyb, "hybrid_layers": (2, 2)})
     with pytest.raises(ValueError, match="at least one block"):
         vitkit.create_model("r26_vit_s32", **{**hyb, "hybrid_layers": (2, 0)})
+
+
+def test_hybrid_without_the_stem_pool_keeps_twice_the_resolution(tmp_path):
+    """hybrid_stem_pool=False: the first stage at half the image's size (14x14 for 28 px), the stride halved; a vitkit
+    file keeps the option; timm and the official format, whose hybrids pool, refuse it."""
+    from vitkit.errors import CheckpointError
+    from vitkit.models.resnet import backbone_stride
+
+    assert backbone_stride((1, 2)) == 8 and backbone_stride((1, 2), stem_pool=False) == 4
+    kw = dict(img_size=28, in_chans=1, patch_size=4, hybrid_layers=(1, 2), hybrid_width=0.5, embed_dim=48, depth=1,
+              num_heads=3, mlp_dim=96, num_classes=10)
+    m = vitkit.create_model("r26_vit_s32", hybrid_stem_pool=False, **kw).eval()
+    backbone, x = m.patch_embed.backbone, torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        first = backbone.stages[0](F.relu(backbone.stem.norm(backbone.stem.conv(x))))
+        assert first.shape == (2, 32 * 4, 14, 14) and backbone(x).shape == (2, 32 * 8, 7, 7)
+        assert m.forward_features(x).shape == (2, 1 + 49, 48)
+    with pytest.raises(ValueError, match=r"not a multiple of its ResNet's stride 8"):
+        vitkit.create_model("r26_vit_s32", **kw)  # with the pool, two stages reach 28 / 8
+    with pytest.raises(ValueError, match="set hybrid_layers too"):
+        vitkit.create_model("vit_ti16", img_size=28, in_chans=1, patch_size=4, hybrid_stem_pool=False)
+    back = vitkit.load(vitkit.export(m, tmp_path / "m.safetensors", to="vitkit"))
+    assert back.config.hybrid_stem_pool is False
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), m(x), rtol=0, atol=0)
+    for to in ("timm", "npz"):
+        with pytest.raises(CheckpointError, match="max-pool"):
+            vitkit.export(m, tmp_path / to, to=to)
 
 
 def test_official_initialisation():

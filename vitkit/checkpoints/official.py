@@ -116,6 +116,8 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
          not all(getattr(config, b, True) for b in ("qkv_bias", "k_bias", "proj_bias", "patch_bias"))),
         ("a norm after the pooling (fc_norm) or no final norm: its encoder_norm is before the pooling",
          getattr(config, "fc_norm", False) or not getattr(config, "final_norm", True)),
+        ("a hybrid stem without its max-pool (hybrid_stem_pool=False)",
+         config.hybrid_layers is not None and not getattr(config, "hybrid_stem_pool", True)),
     ) if has]
     if cannot:
         raise CheckpointError(f"the official format cannot hold {', '.join(cannot)}; export to vitkit or timm")

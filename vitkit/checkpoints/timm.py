@@ -283,6 +283,9 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
         raise CheckpointError("timm's ViT has no pre-logits layer (representation_size); export to vitkit or npz")
     if config.mpp:
         raise CheckpointError("timm has no masked-patch-prediction head: call model.drop_mpp() first, or export to vitkit")
+    if config.hybrid_layers is not None and not getattr(config, "hybrid_stem_pool", True):
+        raise CheckpointError("timm's hybrid ResNets keep the stem's max-pool: a hybrid built with "
+                              "hybrid_stem_pool=False has no timm equivalent (export to vitkit)")
     eva = eva_style(config)
     if eva and (config.hybrid_layers is not None or getattr(config, "conv_stem", None) is not None or config.distilled):
         raise CheckpointError("timm's Eva (rotary embeddings, SwiGLU) has no hybrid backbone or distillation token")

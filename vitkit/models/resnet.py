@@ -65,11 +65,12 @@ class _Stage(nn.Module):
         return self.blocks(x)
 
 
-def backbone_stride(layers: tuple[int, ...]) -> int:
-    """The hybrid ResNet's output stride: 4 from the stem, then 2 for each stage after the first.
+def backbone_stride(layers: tuple[int, ...], stem_pool: bool = True) -> int:
+    """The hybrid ResNet's output stride: 4 from the stem (2 without its max-pool), then 2 for each stage after the
+    first.
 
     `layers=()` is the stem alone (AugReg's R+Ti/16, timm's `vit_tiny_r_s16_p8_*`): stride 4."""
-    return 4 * 2 ** max(len(layers) - 1, 0)
+    return (4 if stem_pool else 2) * 2 ** max(len(layers) - 1, 0)
 
 
 class ResNetBackbone(nn.Module):
@@ -82,6 +83,8 @@ class ResNetBackbone(nn.Module):
         padding: "same" (official JAX and timm hybrids) or "symmetric".
         ws_eps, ws_eps_mode: weight standardisation; the official code adds 1e-5 to the std.
         gn_eps: GroupNorm epsilon (flax default 1e-6).
+        stem_pool: the stem's max-pool; False leaves the first stage at half the input's resolution (not the paper's:
+            for small images, where a 28 px image would otherwise reach its first stage at 7x7).
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class ResNetBackbone(nn.Module):
         layers: tuple[int, ...] = (3, 4, 9),
         *,
         width_factor: float = 1.0,
+        stem_pool: bool = True,
         in_chans: int = 3,
         padding: str = "same",
         ws_eps: float = 1e-5,
@@ -101,7 +105,7 @@ class ResNetBackbone(nn.Module):
         def conv(i: int, o: int, k: int, s: int = 1) -> StdConv2d:
             return StdConv2d(i, o, k, s, padding=padding, eps=ws_eps, eps_mode=ws_eps_mode)
 
-        self.same = padding == "same"
+        self.same, self.stem_pool = padding == "same", stem_pool
         self.stem = nn.Module()
         self.stem.conv = conv(in_chans, width, 7, 2)
         self.stem.norm = _gn(width, gn_eps)
@@ -113,14 +117,15 @@ class ResNetBackbone(nn.Module):
             in_chs = out_chs
         self.stages = nn.Sequential(*stages)
         self.num_features = in_chs
-        self.stride = backbone_stride(layers)
+        self.stride = backbone_stride(layers, stem_pool)
         for m in self.modules():
             if isinstance(m, StdConv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.stem.norm(self.stem.conv(x)))  # (B, C, H, W) -> (B, w, H/2, W/2)
-        x = self._max_pool(x)  # (B, w, H/4, W/4)
+        if self.stem_pool:
+            x = self._max_pool(x)  # (B, w, H/4, W/4)
         return self.stages(x)  # (B, C', H/s, W/s)
 
     def _max_pool(self, x: torch.Tensor) -> torch.Tensor:

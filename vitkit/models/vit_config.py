@@ -38,7 +38,8 @@ ROPE_INDEXING = ("ij", "xy")
 # fields newer than the previous vitkit release, with their defaults: `to_dict` leaves them out when at the default
 _LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0, "rel_pos_dim": 128,
                  "rel_pos_shared": False, "attn_only_layer_scale": False,
-                 "conv_stem": None, "conv_stem_kernels": (), "conv_stem_strides": (), "attn_layer": "standard"}
+                 "conv_stem": None, "conv_stem_kernels": (), "conv_stem_strides": (), "attn_layer": "standard",
+                 "hybrid_stem_pool": True}
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
@@ -55,7 +56,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
               ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_dim",
                "classifier", "representation_size", "drop_rate", "attn_drop_rate", "drop_path_rate", "qkv_bias", "act",
                "norm_eps", "hybrid_layers", "hybrid_width", "hybrid_ws_eps", "hybrid_ws_eps_mode", "hybrid_gn_eps")),
-    "stem": ("convolutional stem (MobileCLIP's MCi)", ("conv_stem", "conv_stem_kernels", "conv_stem_strides")),
+    "stem": ("the stem: the hybrid ResNet's max-pool or a convolutional stem (MobileCLIP's MCi)",
+             ("hybrid_stem_pool", "conv_stem", "conv_stem_kernels", "conv_stem_strides")),
     "position": ("position and rotary embeddings",
                  ("pos_embed", "no_embed_class", "pos_resample", "pos_resample_square", "dynamic_img_size", "rope",
                   "rope_ref_grid", "rope_temperature", "rope_indexing", "rope_offset", "rope_half", "rel_pos_dim",
@@ -96,10 +98,14 @@ class ViTConfig:
             (AugReg's R+Ti/16); None: a plain ViT.
         hybrid_width: the ResNet width factor; hybrid_ws_eps/_mode, hybrid_gn_eps: its numerics.
 
-    Convolutional stem (the hybrid's other backbone kind; `layers/conv_stem.py`):
-        conv_stem: the output channels of each conv + BatchNorm + exact GELU layer before the patch embedding,
-            which is the stem's last conv (MobileCLIP's MCi: (192, 192), then the 768-wide 2x2/2 embedding);
-            None: none. patch_size is then the total stride, as for a ResNet hybrid.
+    The stem:
+        hybrid_stem_pool: the hybrid ResNet stem's 3x3/2 max-pool (the paper's); False halves the backbone's stride,
+            for small images (a 28 px image then reaches the first stage at 14x14, not 7x7; not in timm or the
+            official format).
+        conv_stem: a convolutional stem, the hybrid's other backbone kind (`layers/conv_stem.py`): the output
+            channels of each conv + BatchNorm + exact GELU layer before the patch embedding, which is the stem's last
+            conv (MobileCLIP's MCi: (192, 192), then the 768-wide 2x2/2 embedding); None: none. patch_size is then
+            the total stride, as for a ResNet hybrid.
         conv_stem_kernels, conv_stem_strides: each layer's kernel and stride (MCi: kernels (4, 2), strides ()); the
             strides () are the kernels (patchify convs; strides equal to the kernels are stored so, so that a new
             conv_stem_kernels brings its strides along), `stem_strides` the strides in force. Padding
@@ -205,7 +211,8 @@ class ViTConfig:
     hybrid_ws_eps: float = 1e-5
     hybrid_ws_eps_mode: str = "std"
     hybrid_gn_eps: float = 1e-6
-    # ---- convolutional stem ----
+    # ---- the stem ----
+    hybrid_stem_pool: bool = True
     conv_stem: tuple[int, ...] | None = None
     conv_stem_kernels: tuple[int, ...] = ()
     conv_stem_strides: tuple[int, ...] = ()
@@ -350,10 +357,12 @@ class ViTConfig:
                                  f"(() is the ResNet stem alone)")
             if (64 * self.hybrid_width) % 32:  # the ResNet's GroupNorms have 32 groups; its narrowest is 64 * width
                 raise UsageError(f"hybrid_width {self.hybrid_width}: must be a multiple of 0.5 (GroupNorm's 32 groups)")
-            stride = backbone_stride(self.hybrid_layers)
+            stride = backbone_stride(self.hybrid_layers, self.hybrid_stem_pool)
             if any(p % stride for p in self.patch_size):
                 raise UsageError(f"patch_size {self.patch_size} (the hybrid's total stride) is not a multiple of its "
                                  f"ResNet's stride {stride} ({len(self.hybrid_layers)} stage(s))")
+        elif not self.hybrid_stem_pool:
+            raise UsageError("hybrid_stem_pool=False describes a hybrid's ResNet stem: set hybrid_layers too")
         self._check_conv_stem()
         for s, p in zip(self.img_size, self.patch_size):
             if s % p:

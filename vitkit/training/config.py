@@ -138,12 +138,16 @@ class ScheduleConfig:
     warmup_epochs: linear warmup from 0.
     decay: "cosine", "linear" or "constant" after warmup.
     min_lr_ratio: the final LR as a fraction of the peak.
+    time_budget: seconds the whole run may take (the command's wall clock: start-up, data, steps, evaluations);
+        the run measures its step time and trains the most steps that fit, at most `epochs` (vitkit.training.budget:
+        the length is fixed at the warmup's end and again at every epoch's end). None: `epochs`, however long.
     """
 
     epochs: float = 10
     warmup_epochs: float = 1
     decay: str = "cosine"
     min_lr_ratio: float = 0.0
+    time_budget: float | None = None
 
 
 @dataclass
@@ -251,6 +255,7 @@ NUMBER_BOUNDS = {
     "data.subset": (0, None), "data.test_subset": (0, None), "data.val_split": (0.0, 0.99),
     "optim.lr": (0.0, None), "optim.weight_decay": (0.0, None), "optim.layer_decay": (0.0, 1.0), "optim.clip_grad": (0.0, None),
     "schedule.epochs": (0.0, 1e6), "schedule.warmup_epochs": (0.0, 1e6), "schedule.min_lr_ratio": (0.0, 1.0),
+    "schedule.time_budget": (1.0, 1e7),
     "run.accumulate": (1, 1 << 16), "run.threads": (1, 4096), "run.eval_every": (0.0, 1e6), "run.ckpt_every": (0, None),
     "run.log_every": (0, None), "run.fewshot_draws": (1, 10_000), "run.ema": (0.0, 1.0), "distill.alpha": (0.0, 1.0),
     "distill.tau": (1e-6, 1e6), "run.seed": (0, 2**32 - 1), "run.fewshot_shots": (1, 1 << 20),

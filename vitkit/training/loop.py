@@ -131,14 +131,15 @@ def last_good(run: Run) -> str:
     return str(ck) if ck is not None else "none written yet"
 
 
-def write_checkpoint(run: Run, step: int, best: float, elapsed: float) -> None:
-    """The resumable state of step `step`; never over a good checkpoint with non-finite weights."""
+def write_checkpoint(run: Run, step: int, best: float, elapsed: float, extra: dict | None = None) -> None:
+    """The resumable state of step `step` (and `extra` in its meta.json); never over a good checkpoint with
+    non-finite weights."""
     bad = [n for n, p in run.model.named_parameters() if not torch.isfinite(_local(p)).all()]
     if run.dist.any(bool(bad)):
         raise TrainingError(f"the weights became non-finite by step {step} ({bad[:3]} ...); the run stopped and the last "
                             f"good checkpoint is intact: {last_good(run)}. Try a lower optim.lr or optim.clip_grad.")
     meta = {"best": best, "elapsed": elapsed, "config": run.cfg.to_dict(), "model_config": run.model.config.to_dict(),
-            "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None}
+            "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None, **(extra or {})}
     checkpoint.save(run.out, step, run.model, run.opt, run.ema, meta, run.dist)
 
 

@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 import vitkit
 from vitkit.models import get_entry
@@ -459,6 +460,12 @@ def test_hybrid_without_the_stem_pool_keeps_twice_the_resolution(tmp_path):
     for to in ("timm", "npz"):
         with pytest.raises(CheckpointError, match="max-pool"):
             vitkit.export(m, tmp_path / to, to=to)
+    # a bare state dict does not say whether the stem pools (it has no weights): told, it is read as this model
+    save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(tmp_path / "bare.safetensors"))
+    bare = vitkit.load(tmp_path / "bare.safetensors", hybrid_stem_pool=False, num_heads=3)
+    assert (bare.config.patch_size, bare.config.img_size) == ((4, 4), (28, 28))
+    with torch.no_grad():
+        torch.testing.assert_close(bare(x), m(x), rtol=0, atol=0)
 
 
 def test_official_initialisation():

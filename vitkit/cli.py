@@ -29,6 +29,7 @@ from .data.pack import pack
 from .data.splits import feature_splits, test_split
 from .demo import demo
 from .errors import UsageError, VitkitError
+from .training.budget import START_ENV, command_started
 from .evaluation import evaluate as _evaluate
 from .evaluation import fewshot as _fewshot
 from .evaluation import save_confusion_png, write_report
@@ -126,8 +127,8 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
     if c["arch"] == "vit":  # the later ViTs' options that are on (LayerScale, registers, RoPE, ...)
 
         defaults = ViTConfig().to_dict()
-        modern = ["init_values", "reg_tokens", "no_embed_class", "pre_norm", "patch_bias", "qk_norm", "attn_norm",
-                  "mlp_layer", "mlp_norm", "rope", "rope_ref_grid", "k_bias", "fc_norm", "dynamic_img_size"]
+        modern = ["hybrid_stem_pool", "init_values", "reg_tokens", "no_embed_class", "pre_norm", "patch_bias", "qk_norm",
+                  "attn_norm", "mlp_layer", "mlp_norm", "rope", "rope_ref_grid", "k_bias", "fc_norm", "dynamic_img_size"]
         for k in modern:
             if c[k] != defaults[k]:
                 print(f"  {k}: {c[k]}")
@@ -823,6 +824,12 @@ def main(argv: list[str] | None = None) -> int:
     args.pop("command")
     debug = args.pop("debug")
     log.show()  # vitkit's messages on stderr as `vitkit: ...` lines (`vitkit.log`)
+    # when this command started, for the processes it launches (torchrun's keep their launcher's) and for
+    # `schedule.time_budget`; put back as it was when the command returns
+    launched = "TORCHELASTIC_RUN_ID" in os.environ
+    previous_start = os.environ.get(START_ENV)
+    if not launched:
+        os.environ[START_ENV] = command_started()
     try:
         env.check_all()  # every VITKIT_* knob that is set, before any work (`vitkit.env`)
         ret = fn(**args)
@@ -840,6 +847,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vitkit: unexpected error ({type(e).__name__}: {e}); the traceback above shows where. "
               f"Please report it with the command that caused it.", file=sys.stderr)
         return 1
+    finally:
+        if not launched:
+            if previous_start is None:
+                os.environ.pop(START_ENV, None)
+            else:
+                os.environ[START_ENV] = previous_start
     return ret if isinstance(ret, int) else 0
 
 

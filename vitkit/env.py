@@ -90,6 +90,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("VITKIT_HOME", "path", "~/.cache/vitkit", "vitkit's cache: downloads, datasets, machine measurements, "
          "exports"),
     Knob("VITKIT_DATA", "path", None, "where to look for the named datasets (after --data-dir)"),
+    Knob("VITKIT_RUN_START", "float", None, "when the `vitkit` command started (seconds since the epoch): written by "
+         "the command for the processes it launches; where `schedule.time_budget` counts from", lo=0, hi=1e12,
+         unit="seconds"),
     Knob("VITKIT_API_KEY", "secret", None, "`vitkit serve`'s API key when --api-key is not given (requests without "
          "it get 401)"),
 )}

@@ -93,7 +93,9 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         cfg["hybrid_layers"] = tuple(_count(sd, rf"patch_embed\.backbone\.stages\.{s}\.blocks\.(\d+)\.") for s in range(stages))
         cfg["hybrid_width"] = stem.shape[0] / 64
         cfg["in_chans"] = stem.shape[1]
-        stride = backbone_stride(cfg["hybrid_layers"])
+        # a file does not record whether the stem pools (no weights): the paper's does, unless told otherwise
+        cfg["hybrid_stem_pool"] = bool(hints.pop("hybrid_stem_pool", True))
+        stride = backbone_stride(cfg["hybrid_layers"], cfg["hybrid_stem_pool"])
         patch = (k[0] * stride, k[1] * stride)
     elif "patch_embed.backbone.0.conv.weight" in sd:  # a conv stem (MobileCLIP's MCi): each layer's channels, kernel
         n = _count(sd, r"patch_embed\.backbone\.(\d+)\.conv\.weight")

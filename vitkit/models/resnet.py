@@ -3,7 +3,7 @@
 Two networks from the ViT paper live here:
 - `ResNetBackbone`: the hybrid's feature extractor (Sec. 3.1 "Hybrid Architecture", App. D.2): the
   official JAX ResNet, post-activation bottlenecks, 'SAME' padding, no classifier; its feature map
-  (output stride 4 * 2^(stages - 1)) becomes the ViT's patch grid.
+  (output stride 4 * 2^(stages - 1), half that without the stem's max-pool) becomes the ViT's patch grid.
 - `ResNetV2`: the paper's CNN baseline (Sec. 4.1 "BiT"), a pre-activation ResNet-v2 classifier.
 Module names follow timm's so that its state dicts map one to one.
 """

@@ -34,10 +34,11 @@ from ..cache import output_dir
 from ..data.datasets import iterate_batches
 from ..evaluation import save_confusion_png, write_report
 from ..machine.device import resolve_device
-from ..machine.threads import Governor
 from ..evaluation.metrics import tta_views
+from ..machine.threads import Governor
+from . import budget as budgeting
 from . import checkpoint
-from .budget import Budget, budgeted_total
+from .budget import FIRST_TIMED_STEP, Budget, budgeted_total, run_start, saved_state
 from .config import TrainConfig
 from .distributed import Dist
 from .logs import MetricsLog, Progress
@@ -112,40 +113,44 @@ class _StopRequest:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def _budget(run, meta: dict) -> Budget | None:
-    """The clock of a run with `schedule.time_budget` (None without): what one evaluation evaluates (its views, the
-    EMA's too), what a step trains, and the seconds earlier parts of the run took (a resumed run's checkpoint)."""
+def _budget(run, meta: dict, called_at: float) -> tuple[Budget | None, int | None]:
+    """The clock of a run with `schedule.time_budget` (None without) and the length an earlier part of it fixed
+    (None: none, or under another budget or maximum): what one evaluation evaluates (its views, the EMA's too), what
+    a step trains, and the seconds earlier parts of the run took (a resumed run's checkpoint)."""
     cfg = run.cfg
     if cfg.schedule.time_budget is None:
-        return None
+        return None, None
+    seconds = float(cfg.schedule.time_budget)
+    total, spent = saved_state(meta, seconds, run.total) if meta else (None, 0.0)
     views = len(tta_views(torch.zeros(1, 1, 4, 4), cfg.run.tta)) if cfg.model.objective != "mpp" else 1
     periodic = run.data.val if run.data.val is not None else run.data.test
-    spent = meta.get("spent", 0.0)
-    return Budget(float(cfg.schedule.time_budget), float(spent) if isinstance(spent, (int, float)) else 0.0,
-                  eval_views=len(periodic) * views * (2 if run.ema is not None else 1),
-                  images_per_step=cfg.data.batch_size * cfg.run.accumulate)
+    return Budget(seconds, run_start(called_at), spent, eval_views=len(periodic) * views * (2 if run.ema is not None else 1),
+                  images_per_step=cfg.data.batch_size * cfg.run.accumulate), total
 
 
 def _fit_to_budget(run, budget: Budget, step: int, max_total: int, eval_steps: int, logger: MetricsLog,
                    bar: Progress) -> None:
-    """Fix the run's length (run.total) to the most steps that end within the budget, from the step time measured so
-    far; every rank computes it from the same rank-averaged numbers, so all stop at the same step."""
+    """Fix the run's length (run.total) to the most steps that end within the budget, from the step time of the
+    steps since the last fit; every rank computes it from the same rank-averaged numbers, so all stop at the same
+    step (every rank reaches this call at the same steps, and has timed as many)."""
     step_s = budget.step_time(step)
     if step_s is None:
         return
-    step_s, spent = (v / run.dist.world for v in run.dist.sum([step_s, budget.spent()]))
-    eval_s = budget.eval_time(step_s)
+    timed = step - budget.mark[0]
+    step_s, spent, eval_s = (v / run.dist.world for v in run.dist.sum([step_s, budget.spent(), budget.eval_time(step_s)]))
     final_s = eval_s * len(run.data.test) / max(len(run.data.val), 1) / (2 if run.ema is not None else 1) \
         if run.data.val is not None else 0.0  # the test set's one evaluation after the held-out split's
     total = budgeted_total(budget_s=budget.seconds, spent_s=spent, step=step, step_s=step_s, max_total=max_total,
                            eval_steps=eval_steps, eval_s=eval_s, final_s=final_s)
+    budget.begin(step)  # the next fit times the steps from here: a machine's speed of late, not its first minutes
     first, budget.fits = budget.fits == 0, budget.fits + 1
     if first or abs(total - run.total) >= 0.01 * run.total:  # every length is logged; a message where it moved 1%
         end = spent + (total - step) * step_s
-        bar.message(f"time budget {budget.seconds:.0f} s: {step_s * 1e3:.0f} ms a step over {step - budget.mark[0]} "
-                    f"steps, {spent:.0f} s spent; {'training' if first else 'now'} {total} steps "
-                    f"({total / run.steps_per_epoch:.2f} epochs{f', of at most {max_total}' if first else ''}), the last "
-                    f"at ~{end:.0f} s")
+        warm = f"; it ends within the warmup ({run.warmup} steps)" if total < run.warmup else ""
+        bar.message(f"time budget {budget.seconds:.0f} s: {step_s * 1e3:.0f} ms a step over {timed} steps, "
+                    f"{spent:.0f} s spent; {'training' if first else 'now'} {total} steps "
+                    f"({total / run.steps_per_epoch:.2f} epochs{f'; at most {max_total} steps' if first else ''}), the "
+                    f"last at ~{end:.0f} s{warm}")
     if first or total != run.total:  # split "budget": not a training log step (whose readers expect its loss and rate)
         logger.log({"split": "budget", "step": step, "total": total, "step_s": step_s, "spent": spent,
                     "eval_s": eval_s, "budget": budget.seconds})
@@ -154,6 +159,7 @@ def _fit_to_budget(run, budget: Budget, step: int, max_total: int, eval_steps: i
 
 
 def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, force: bool) -> dict:
+    called_at = budgeting.clock()  # a budgeted run started from Python counts from here (vitkit.training.budget)
     r, d = cfg.run, cfg.data
     out = Path(r.out_dir)
     ck = checkpoint.latest(out) if resume else None
@@ -191,9 +197,10 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
 
     per_step = d.batch_size * r.accumulate
     eval_steps = max(1, round(r.eval_every * run.steps_per_epoch)) if r.eval_every > 0 else 0  # and at the last step
-    budget, max_total = _budget(run, meta), run.total
-    if budget is not None and isinstance(meta.get("total"), int):
-        run.total = max(step, min(meta["total"], max_total))  # the length the run fixed before it was stopped
+    max_total = run.total
+    budget, saved_total = _budget(run, meta, called_at)
+    if saved_total is not None:
+        run.total = max(step, min(saved_total, max_total))  # the length the run fixed before it was stopped
     first_fit = max(run.warmup, 32)  # the first length fixed from the step time, at the warmup's end (or step 32)
     limit = min(run.total, max_steps) if max_steps is not None else run.total  # 0 means no step
     logger = MetricsLog(out, resumed_at=step if ck is not None else None, enabled=dist.main)
@@ -223,6 +230,12 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                 loss_s, correct, seen, skipped, lr = train_step(run, batches, step, g)
                 loss_log, correct_log, seen_log, skipped_total = loss_log + loss_s, correct_log + correct, seen_log + seen, skipped_total + skipped
                 step += 1
+                if budget is not None and step < limit:
+                    if budget.mark is None and step >= FIRST_TIMED_STEP:
+                        budget.begin(step)  # the steps before compile and warm the caches (a resumed run's too)
+                    if (budget.fits == 0 and step >= first_fit) or step % run.steps_per_epoch == 0:
+                        _fit_to_budget(run, budget, step, max_total, eval_steps, logger, bar)
+                        limit = min(run.total, max_steps) if max_steps is not None else run.total
                 if due(step, r.log_every) or step == limit:
                     now = time.perf_counter()
                     loss_all, correct_all, seen_all, skipped_all = dist.sum([loss_log, correct_log, seen_log, skipped_total])
@@ -233,24 +246,19 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                     logger.log(rec)
                     bar.update(step, epoch, rec["loss"], rec["train_acc"], ips, (limit - step) * per_step / max(ips, 1e-9), lr)
                     t_log, loss_log, correct_log, seen_log = now, 0.0, 0.0, 0.0
-                if budget is not None and step < limit:
-                    if budget.mark is None and step >= min(first_fit // 2, max(first_fit - 16, 0)) and step >= 2:
-                        budget.begin(step)  # the first steps compile and warm the caches: timed from here on
-                    if step >= first_fit and (step == first_fit or step % run.steps_per_epoch == 0):
-                        _fit_to_budget(run, budget, step, max_total, eval_steps, logger, bar)
-                        limit = min(run.total, max_steps) if max_steps is not None else run.total
                 if due(step, eval_steps) or step == limit:  # eval_every may be a fraction of an epoch
                     data = run.data.test if run.data.val is None else run.data.val
-                    t_eval = time.perf_counter()
+                    t_eval = budgeting.clock()
                     best, evaluated = evaluate_and_keep_best(run, data, step, best, logger, bar,
                                                              clock=lambda: elapsed + time.perf_counter() - t_start)
                     last_eval = (step, evaluated)
                     if budget is not None:
-                        budget.paused += time.perf_counter() - t_eval
+                        budget.evaluated(budgeting.clock() - t_eval)
                 stopping = dist.any(stop.asked is not None)  # every rank stops at the same step
                 if due(step, r.ckpt_every) or step % run.steps_per_epoch == 0 or step == limit or stopping:
                     write_checkpoint(run, step, best, elapsed + time.perf_counter() - t_start,
-                                     {"total": run.total, "spent": budget.spent()} if budget is not None else None)
+                                     None if budget is None else {"total": run.total, "spent": budget.spent(),
+                                                                  "budget": budget.seconds, "max_total": max_total})
                 if stopping:
                     how = {"SIGINT": "Ctrl-C (SIGINT)", None: "a signal to another process"}.get(stop.asked, stop.asked)
                     bar.message(f"stopped by {how} at step {step}: the run is saved in {checkpoint.latest(out) or out}")

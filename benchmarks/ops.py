@@ -1,6 +1,6 @@
-"""Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 and 45): the patch embedding's op, foreach vs fused AdamW,
-Muon's cost in a step, the GEMM paths for the Linear shapes, attention's fused kernel against explicit matmuls, and
-the evaluation's batch.
+"""Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 to 46): the patch embedding's op, foreach vs fused AdamW,
+Muon's cost in a step, the GEMM paths for the Linear shapes, attention's fused kernel against explicit matmuls, the
+evaluation's batch, and the hybrid's ResNet stages at 14x14.
 
     python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
     python benchmarks/ops.py adamw         # one AdamW step over ViT-S/16 and ViT-B/16 parameters: single-tensor, foreach, fused
@@ -8,6 +8,7 @@ the evaluation's batch.
     python benchmarks/ops.py gemm          # GFLOP/s of every GEMM path (vitkit.machine.gemm) on S/16 and B/16 shapes
     python benchmarks/ops.py attention     # fp32/bf16 attention core: F.scaled_dot_product_attention vs matmul-softmax-matmul
     python benchmarks/ops.py eval-batch    # fashion-mnist-fast's 10-view evaluation at batch 64 to 1000 (NOTES 45)
+    python benchmarks/ops.py stem-pool     # fashion-mnist-fast's training step with ResNet stages at 14x14 (NOTES 46)
 
 Rounds alternate between the candidates; each number is the median over rounds, in ms (eval-batch: views/s).
 """
@@ -134,6 +135,42 @@ def eval_batch() -> None:
         print(f"evaluation batch {bs:>4}: {len(x) * 10e3 / ms:6.0f} views/s ({ms / 1e3:.1f} s for 1,000 images x 10 views)")
 
 
+def stem_pool() -> None:
+    """fashion-mnist-fast's training step (batch 128, Muon) with its ResNet stage at 7x7 (the stem's max-pool: the
+    preset) against stages at 14x14 (`hybrid_stem_pool=False`, half the width, a stride-2 stage or a 2x2 embedding
+    down to the same 7x7 token grid)."""
+    import vitkit
+    from vitkit.training.config import OptimConfig
+    from vitkit.training.optim import build_optimizer
+    from vitkit.training.presets import get_preset
+
+    base = {**get_preset("fashion-mnist-fast").model.overrides, "img_size": 28, "in_chans": 1, "num_classes": 10}
+    variants = {
+        "preset: pool, stage (4,) at 7x7": {},
+        "no pool, stages (1, 2), width 0.5": dict(hybrid_stem_pool=False, hybrid_layers=(1, 2), hybrid_width=0.5),
+        "no pool, stages (2, 2), width 0.5": dict(hybrid_stem_pool=False, hybrid_layers=(2, 2), hybrid_width=0.5),
+        "no pool, stages (1, 3), width 0.5": dict(hybrid_stem_pool=False, hybrid_layers=(1, 3), hybrid_width=0.5),
+        "no pool, stage (4,) at 14x14, width 0.5": dict(hybrid_stem_pool=False, hybrid_layers=(4,), hybrid_width=0.5),
+    }
+    x, y = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
+    steps, params = {}, {}
+    for name, o in variants.items():
+        model = vitkit.create_model("r26_vit_s32", **{**base, **o})
+        opt = build_optimizer(model, OptimConfig(name="muon", lr=4e-3))
+        params[name] = sum(p.numel() for p in model.parameters())
+
+        def step(model=model, opt=opt):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        steps[name] = step
+    res = compare(steps, rounds=4, n=5)
+    first = next(iter(res.values()))
+    for name, ms in res.items():
+        print(f"{name:<42} {params[name] / 1e6:.2f}M parameters: {ms:6.1f} ms a step, {128e3 / ms:4.0f} img/s, "
+              f"{first / ms:.2f}x the preset's speed")
+
+
 def gemm_paths() -> None:
     """Every path for the Linear shapes of S/16 and B/16 (qkv, proj, fc1, fc2) at batch 1 and 8 (197 tokens), and for
     a training step's dW at batch 16: GFLOP/s, best of interleaved rounds (`gemm.measure`)."""
@@ -179,10 +216,10 @@ def attention() -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["patch-embed", "adamw", "muon", "gemm", "attention", "eval-batch"])
+    ap.add_argument("what", choices=["patch-embed", "adamw", "muon", "gemm", "attention", "eval-batch", "stem-pool"])
     args = ap.parse_args()
     from vitkit.machine.cpu import cpu_model
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}")
     {"patch-embed": patch_embed, "adamw": adamw, "muon": muon, "gemm": gemm_paths, "attention": attention,
-     "eval-batch": eval_batch}[args.what]()
+     "eval-batch": eval_batch, "stem-pool": stem_pool}[args.what]()

@@ -434,7 +434,7 @@ def test_config_errors():
         vitkit.create_model("r26_vit_s32", **{**hyb, "hybrid_layers": (2, 0)})
 
 
-def test_hybrid_without_the_stem_pool_keeps_twice_the_resolution(tmp_path):
+def test_hybrid_without_the_stem_pool_keeps_twice_the_resolution(tmp_path, capsys):
     """hybrid_stem_pool=False: the first stage at half the image's size (14x14 for 28 px), the stride halved; a vitkit
     file keeps the option; timm and the official format, whose hybrids pool, refuse it."""
     from vitkit.errors import CheckpointError
@@ -455,6 +455,12 @@ def test_hybrid_without_the_stem_pool_keeps_twice_the_resolution(tmp_path):
         vitkit.create_model("vit_ti16", img_size=28, in_chans=1, patch_size=4, hybrid_stem_pool=False)
     back = vitkit.load(vitkit.export(m, tmp_path / "m.safetensors", to="vitkit"))
     assert back.config.hybrid_stem_pool is False
+    from vitkit import cli  # `vitkit info` names the option where it is off, and only there
+    assert cli.main(["info", str(tmp_path / "m.safetensors")]) == 0
+    assert "hybrid_stem_pool: False" in capsys.readouterr().out
+    pooled = vitkit.create_model("r26_vit_s32", **{**kw, "hybrid_layers": (4,)})
+    assert cli.main(["info", str(vitkit.export(pooled, tmp_path / "pooled.safetensors", to="vitkit"))]) == 0
+    assert "hybrid_stem_pool" not in capsys.readouterr().out
     with torch.no_grad():
         torch.testing.assert_close(back(x), m(x), rtol=0, atol=0)
     for to in ("timm", "npz"):
@@ -462,6 +468,8 @@ def test_hybrid_without_the_stem_pool_keeps_twice_the_resolution(tmp_path):
             vitkit.export(m, tmp_path / to, to=to)
     # a bare state dict does not say whether the stem pools (it has no weights): told, it is read as this model
     save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(tmp_path / "bare.safetensors"))
+    with pytest.raises(CheckpointError, match="True or False"):
+        vitkit.load(tmp_path / "bare.safetensors", hybrid_stem_pool="False", num_heads=3)
     bare = vitkit.load(tmp_path / "bare.safetensors", hybrid_stem_pool=False, num_heads=3)
     assert (bare.config.patch_size, bare.config.img_size) == ((4, 4), (28, 28))
     with torch.no_grad():

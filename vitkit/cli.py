@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import os
@@ -129,8 +130,9 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
         defaults = ViTConfig().to_dict()
         modern = ["hybrid_stem_pool", "init_values", "reg_tokens", "no_embed_class", "pre_norm", "patch_bias", "qk_norm",
                   "attn_norm", "mlp_layer", "mlp_norm", "rope", "rope_ref_grid", "k_bias", "fc_norm", "dynamic_img_size"]
+        every = dataclasses.asdict(ViTConfig())  # to_dict leaves out the later fields at their defaults
         for k in modern:
-            if c[k] != defaults[k]:
+            if c.get(k, every[k]) != defaults.get(k, every[k]):
                 print(f"  {k}: {c[k]}")
     print(f"  unused keys: {', '.join(r['unused']) or 'none'}")
     if r["missing"]:
@@ -826,10 +828,10 @@ def main(argv: list[str] | None = None) -> int:
     log.show()  # vitkit's messages on stderr as `vitkit: ...` lines (`vitkit.log`)
     # when this command started, for the processes it launches (torchrun's keep their launcher's) and for
     # `schedule.time_budget`; put back as it was when the command returns
-    launched = "TORCHELASTIC_RUN_ID" in os.environ
     previous_start = os.environ.get(START_ENV)
+    launched = "TORCHELASTIC_RUN_ID" in os.environ and previous_start is not None  # `--nproc N`'s processes
     if not launched:
-        os.environ[START_ENV] = command_started()
+        os.environ[START_ENV] = command_started(process_entry=argv is None)
     try:
         env.check_all()  # every VITKIT_* knob that is set, before any work (`vitkit.env`)
         ret = fn(**args)

@@ -94,7 +94,10 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         cfg["hybrid_width"] = stem.shape[0] / 64
         cfg["in_chans"] = stem.shape[1]
         # a file does not record whether the stem pools (no weights): the paper's does, unless told otherwise
-        cfg["hybrid_stem_pool"] = bool(hints.pop("hybrid_stem_pool", True))
+        pool = hints.pop("hybrid_stem_pool", True)
+        if not isinstance(pool, bool):
+            raise CheckpointError(f"hybrid_stem_pool must be True or False, got {pool!r}")
+        cfg["hybrid_stem_pool"] = pool
         stride = backbone_stride(cfg["hybrid_layers"], cfg["hybrid_stem_pool"])
         patch = (k[0] * stride, k[1] * stride)
     elif "patch_embed.backbone.0.conv.weight" in sd:  # a conv stem (MobileCLIP's MCi): each layer's channels, kernel

@@ -1,11 +1,12 @@
 """A run fitted to a wall-clock budget (`schedule.time_budget`): the longest schedule that ends, evaluations
 included, within the seconds given, on the machine the run finds itself on.
 
-The run times its own steps and fixes its length in optimizer steps (at most `schedule.epochs`): first at the end
-of the warmup (the learning rate before it does not depend on the length; step 32 at the earliest), then again at
-every epoch's end from the steps of the epoch before, so that a machine that slows down (another job, a VM's
-neighbours) shortens the rest of the run rather than overrunning it. A length fixed again moves the learning rate of
-a linear or cosine decay by as much as the length changed (a few percent, where the machine's speed holds).
+The run times its own steps (from its 16th on: the first compile and warm the caches) and fixes its length in
+optimizer steps (at most `schedule.epochs`) as soon as 8 steps are timed, again at the warmup's end (the learning
+rate before it does not depend on the length), then every ~5% of the budget (32 steps at least) from the steps since
+the last fit, so that a machine that slows down (another job, a VM's neighbours) shortens the rest of the run rather
+than overrunning it. A length fixed again moves the learning rate of a linear or cosine decay by as much as the
+length changed (a few percent, where the machine's speed holds).
 
 The clock starts where the command started: the `vitkit` command writes its start into VITKIT_RUN_START (wall
 clock, seconds since the epoch), which `vitkit train --nproc N`'s processes inherit; a run started from Python
@@ -24,7 +25,9 @@ from .. import env
 
 EVAL_VIEW_COST = 1 / 3  # an evaluated view costs about a third of a trained image (the forward alone, no backward)
 MIN_MEASURED_STEPS = 8  # a length is fixed only from at least this many timed steps
-FIRST_TIMED_STEP = 16  # the steps before it compile and warm the caches: not timed
+FIRST_TIMED_STEP = 16  # a process's first steps compile and warm the caches: not timed
+FIT_EVERY = 0.05  # of the budget: how often the length is fixed again (in steps, at the step time measured)
+MIN_FIT_EVERY = 32  # steps
 RESERVE, RESERVE_S = 0.01, 2.0  # kept back for what is not counted (the final weights and report, the clock's noise)
 START_ENV = "VITKIT_RUN_START"
 
@@ -48,9 +51,11 @@ def process_age() -> float:
     return age if 0.0 <= age < 1e7 else 0.0
 
 
-def command_started() -> str:
-    """VITKIT_RUN_START's value for a command starting now: the wall-clock time this process started."""
-    return repr(time.time() - process_age())
+def command_started(process_entry: bool) -> str:
+    """VITKIT_RUN_START's value for a command starting now: the wall-clock time this process started where the
+    command is the process (`vitkit ...`, `python -m vitkit ...`), else now (`vitkit.cli.main([...])` called in a
+    long-lived process)."""
+    return repr(time.time() - (process_age() if process_entry else 0.0))
 
 
 def run_start(called_at: float) -> float:
@@ -105,7 +110,8 @@ def saved_state(meta: dict, budget_s: float, max_total: int) -> tuple[int | None
     spent = number(meta.get("spent"))
     spent = spent if spent is not None else (number(meta.get("elapsed")) or 0.0)
     total = meta.get("total")
-    same = number(meta.get("budget")) == float(budget_s) and meta.get("max_total") == max_total
+    same = number(meta.get("budget")) == float(budget_s) and type(meta.get("max_total")) is int \
+        and meta["max_total"] == max_total
     return (total if type(total) is int and total >= 0 and same else None), spent
 
 
@@ -126,6 +132,14 @@ class Budget:
     paused: float = 0.0  # seconds of evaluation inside the measurement, not step time
     eval_measured: float | None = None  # seconds the latest periodic evaluation took
     fits: int = 0  # how many times the length was fixed
+    fit_every: int = MIN_FIT_EVERY  # steps between fits after the first: ~FIT_EVERY of the budget
+
+    def due(self, step: int, warmup: int) -> bool:
+        """Whether to fix the length at the end of step `step` (the same answer on every rank: it depends on steps
+        alone): as soon as enough steps are timed, at the warmup's end, then every `fit_every` steps."""
+        if self.mark is None or step - self.mark[0] < MIN_MEASURED_STEPS:
+            return False
+        return self.fits == 0 or step == warmup or step - self.mark[0] >= self.fit_every
 
     def spent(self) -> float:
         """Seconds the whole run has taken: earlier parts and this one since its command started."""

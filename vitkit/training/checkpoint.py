@@ -36,7 +36,8 @@ CKPT_DIR = "checkpoints"
 RESUME_SAFE = {"preset", "data.data_dir", "data.num_workers", "data.eval_batch_size", "run.out_dir", "run.device",
                "run.threads", "run.progress", "run.log_every", "run.ckpt_every", "run.eval_every", "run.tta", "run.compile",
                "run.strategy", "run.activation_checkpointing", "run.precision_choice",
-               "run.compile_choice", "model.loaded"}
+               "run.compile_choice", "model.loaded",
+               "schedule.time_budget"}  # a run resumed under another budget fits its length anew
 RUN_FILES = (CKPT_DIR, "last.ckpt", "best.safetensors", "final.safetensors", "metrics.jsonl", "result.json", "config.yaml", "tb",
              "test_report.json", "test_confusion.png")
 

@@ -38,7 +38,7 @@ from ..evaluation.metrics import tta_views
 from ..machine.threads import Governor
 from . import budget as budgeting
 from . import checkpoint
-from .budget import FIRST_TIMED_STEP, Budget, budgeted_total, run_start, saved_state
+from .budget import FIRST_TIMED_STEP, FIT_EVERY, MIN_FIT_EVERY, Budget, budgeted_total, run_start, saved_state
 from .config import TrainConfig
 from .distributed import Dist
 from .logs import MetricsLog, Progress
@@ -143,10 +143,12 @@ def _fit_to_budget(run, budget: Budget, step: int, max_total: int, eval_steps: i
     total = budgeted_total(budget_s=budget.seconds, spent_s=spent, step=step, step_s=step_s, max_total=max_total,
                            eval_steps=eval_steps, eval_s=eval_s, final_s=final_s)
     budget.begin(step)  # the next fit times the steps from here: a machine's speed of late, not its first minutes
+    budget.fit_every = max(MIN_FIT_EVERY, round(FIT_EVERY * budget.seconds / step_s))  # the same on every rank
     first, budget.fits = budget.fits == 0, budget.fits + 1
     if first or abs(total - run.total) >= 0.01 * run.total:  # every length is logged; a message where it moved 1%
         end = spent + (total - step) * step_s
-        warm = f"; it ends within the warmup ({run.warmup} steps)" if total < run.warmup else ""
+        warm = f"; it ends within the warmup ({run.warmup} steps), before the learning rate decays" \
+            if total < run.warmup else ""
         bar.message(f"time budget {budget.seconds:.0f} s: {step_s * 1e3:.0f} ms a step over {timed} steps, "
                     f"{spent:.0f} s spent; {'training' if first else 'now'} {total} steps "
                     f"({total / run.steps_per_epoch:.2f} epochs{f'; at most {max_total} steps' if first else ''}), the "
@@ -201,7 +203,10 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     budget, saved_total = _budget(run, meta, called_at)
     if saved_total is not None:
         run.total = max(step, min(saved_total, max_total))  # the length the run fixed before it was stopped
-    first_fit = max(run.warmup, 32)  # the first length fixed from the step time, at the warmup's end (or step 32)
+    elif budget is None and isinstance(meta.get("budget"), (int, float)) and dist.main:
+        log.warning(f"resuming {out} without the time budget it was fitted to ({meta['budget']} s): it trains to "
+                    f"schedule.epochs ({run.total} steps), and its learning rate follows that length from here")
+    first_step = step
     limit = min(run.total, max_steps) if max_steps is not None else run.total  # 0 means no step
     logger = MetricsLog(out, resumed_at=step if ck is not None else None, enabled=dist.main)
     bar = Progress(run.total, r.progress, dist.main)
@@ -231,9 +236,9 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                 loss_log, correct_log, seen_log, skipped_total = loss_log + loss_s, correct_log + correct, seen_log + seen, skipped_total + skipped
                 step += 1
                 if budget is not None and step < limit:
-                    if budget.mark is None and step >= FIRST_TIMED_STEP:
-                        budget.begin(step)  # the steps before compile and warm the caches (a resumed run's too)
-                    if (budget.fits == 0 and step >= first_fit) or step % run.steps_per_epoch == 0:
+                    if budget.mark is None and step >= first_step + FIRST_TIMED_STEP:
+                        budget.begin(step)  # this process's first steps compile and warm the caches: not timed
+                    if budget.due(step, run.warmup):
                         _fit_to_budget(run, budget, step, max_total, eval_steps, logger, bar)
                         limit = min(run.total, max_steps) if max_steps is not None else run.total
                 if due(step, r.log_every) or step == limit:

@@ -87,6 +87,15 @@ def adamw() -> None:
               f"{res['single']:.1f} ms, foreach {res['foreach']:.1f} ms, fused {res['fused']:.1f} ms", flush=True)
 
 
+def training_step(model, opt, x, y):
+    """One optimizer step of `model` on the batch (x, y), as a function to time."""
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
 def muon() -> None:
     """The whole training step (forward, backward, optimizer) of the fashion-mnist presets' model at batch 128, with
     the long preset's fused AdamW and with fashion-mnist-fast's Muon: what Muon's Newton-Schulz iterations cost."""
@@ -100,13 +109,7 @@ def muon() -> None:
     steps = {}
     for name, lr in (("adamw", 2e-3), ("muon", 4e-3)):
         model = vitkit.create_model("r26_vit_s32", **o)
-        opt = build_optimizer(model, OptimConfig(name=name, lr=lr))
-
-        def step(model=model, opt=opt):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        steps[name] = step
+        steps[name] = training_step(model, build_optimizer(model, OptimConfig(name=name, lr=lr)), x, y)
     res = compare(steps, rounds=6, n=10)
     print(f"training step, batch 128: AdamW {res['adamw']:.1f} ms ({128e3 / res['adamw']:.0f} img/s), Muon "
           f"{res['muon']:.1f} ms ({128e3 / res['muon']:.0f} img/s): Muon's step {res['adamw'] / res['muon']:.2f}x")
@@ -156,14 +159,8 @@ def stem_pool() -> None:
     steps, params = {}, {}
     for name, o in variants.items():
         model = vitkit.create_model("r26_vit_s32", **{**base, **o})
-        opt = build_optimizer(model, OptimConfig(name="muon", lr=4e-3))
         params[name] = sum(p.numel() for p in model.parameters())
-
-        def step(model=model, opt=opt):
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        steps[name] = step
+        steps[name] = training_step(model, build_optimizer(model, OptimConfig(name="muon", lr=4e-3)), x, y)
     res = compare(steps, rounds=4, n=5)
     first = next(iter(res.values()))
     for name, ms in res.items():

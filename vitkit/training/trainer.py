@@ -33,8 +33,8 @@ import yaml
 from ..cache import output_dir
 from ..data.datasets import iterate_batches
 from ..evaluation import save_confusion_png, write_report
-from ..machine.device import resolve_device
 from ..evaluation.metrics import tta_views
+from ..machine.device import resolve_device
 from ..machine.threads import Governor
 from . import budget as budgeting
 from . import checkpoint

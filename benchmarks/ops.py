@@ -1,6 +1,7 @@
-"""Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 to 46): the patch embedding's op, foreach vs fused AdamW,
+"""Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 to 47): the patch embedding's op, foreach vs fused AdamW,
 Muon's cost in a step, the GEMM paths for the Linear shapes, attention's fused kernel against explicit matmuls, the
-evaluation's batch, and the hybrid's ResNet stages at 14x14.
+evaluation's batch, the hybrid's ResNet stages at 14x14, the parts of a training step, and a batch split over two
+Python threads.
 
     python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
     python benchmarks/ops.py adamw         # one AdamW step over ViT-S/16 and ViT-B/16 parameters: single-tensor, foreach, fused
@@ -9,6 +10,8 @@ evaluation's batch, and the hybrid's ResNet stages at 14x14.
     python benchmarks/ops.py attention     # fp32/bf16 attention core: F.scaled_dot_product_attention vs matmul-softmax-matmul
     python benchmarks/ops.py eval-batch    # fashion-mnist-fast's 10-view evaluation at batch 64 to 1000 (NOTES 45)
     python benchmarks/ops.py stem-pool     # fashion-mnist-fast's training step with ResNet stages at 14x14 (NOTES 46)
+    python benchmarks/ops.py step-parts    # fashion-mnist-fast's step: forward+backward, + clipping, + Muon or AdamW (NOTES 47)
+    python benchmarks/ops.py split-batch   # its forward+backward at 1 and 2 threads, and as two Python threads of one (NOTES 47)
 
 Rounds alternate between the candidates; each number is the median over rounds, in ms (eval-batch: views/s).
 """
@@ -168,6 +171,86 @@ def stem_pool() -> None:
               f"{first / ms:.2f}x the preset's speed")
 
 
+def _fast_model():
+    """fashion-mnist-fast's model at 28 px, one random batch of 128 and its labels."""
+    import vitkit
+    from vitkit.training.presets import get_preset
+
+    o = {**get_preset("fashion-mnist-fast").model.overrides, "img_size": 28, "in_chans": 1, "num_classes": 10}
+    torch.manual_seed(0)
+    return vitkit.create_model("r26_vit_s32", **o), torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
+
+
+def step_parts() -> None:
+    """fashion-mnist-fast's training step (batch 128, eager, torch's thread count) built up: forward and backward,
+    then gradient clipping, then Muon's step (with its AdamW half for the vectors) or fused AdamW's; the differences
+    are what each part costs. Not in it: the augmentation, the loss's checks and logging, the compiled step."""
+    from vitkit.training.config import OptimConfig
+    from vitkit.training.optim import build_optimizer
+
+    model, x, y = _fast_model()
+    opts = {name: build_optimizer(model, OptimConfig(name=name, lr=lr, weight_decay=0.05))
+            for name, lr in (("muon", 4e-3), ("adamw", 1e-6))}
+
+    def part(opt_name, clip):
+        def go():
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if opt_name:
+                opts[opt_name].step()
+        return go
+    res = compare({"forward + backward": part(None, False), "+ clipping": part(None, True),
+                   "+ clipping + Muon": part("muon", True), "+ clipping + AdamW": part("adamw", True)}, n=6)
+    for name, ms in res.items():
+        print(f"{name:<20} {ms:6.1f} ms, {128e3 / ms:4.0f} img/s")
+
+
+def split_batch() -> None:
+    """fashion-mnist-fast's forward and backward (batch 128, eager, gradients by `torch.autograd.grad`) at 2 threads,
+    at 1, and as two Python threads of one torch thread each, a half batch each, their gradients summed (checked equal
+    to the whole batch's first): whether the 1.4x of two one-thread processes (NOTES 45) is in the forward and
+    backward. torch's kernels run without the GIL; the modules' Python code takes turns."""
+    import threading
+
+    model, x, y = _fast_model()
+    params = list(model.parameters())
+    halves, out = [(x[:64], y[:64]), (x[64:], y[64:])], [None, None]
+
+    def plain(threads):
+        def go():
+            torch.set_num_threads(threads)
+            torch.autograd.grad(F.cross_entropy(model(x), y), params)
+        return go
+
+    def half(i):
+        torch.set_num_threads(1)  # this Python thread's torch thread count
+        xi, yi = halves[i]
+        out[i] = torch.autograd.grad(F.cross_entropy(model(xi), yi) * 0.5, params)
+
+    def split():
+        out[:] = [None, None]
+        torch.set_num_threads(1)
+        t = threading.Thread(target=half, args=(1,))
+        t.start()
+        half(0)
+        t.join()
+        assert out[1] is not None, "the second thread failed"
+        return torch._foreach_add(list(out[0]), list(out[1]))
+    threads = torch.get_num_threads()
+    try:
+        model.eval()  # no drop-path: the two ways must give the same gradient
+        whole = torch.autograd.grad(F.cross_entropy(model(x), y), params)
+        assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(whole, split()))
+        model.train()
+        res = compare({"2 threads": plain(2), "1 thread": plain(1), "2 Python threads x 1": split}, n=6)
+    finally:
+        torch.set_num_threads(threads)
+    for name, ms in res.items():
+        print(f"{name:<22} {ms:6.1f} ms, {128e3 / ms:4.0f} img/s")
+
+
 def gemm_paths() -> None:
     """Every path for the Linear shapes of S/16 and B/16 (qkv, proj, fc1, fc2) at batch 1 and 8 (197 tokens), and for
     a training step's dW at batch 16: GFLOP/s, best of interleaved rounds (`gemm.measure`)."""
@@ -213,10 +296,11 @@ def attention() -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["patch-embed", "adamw", "muon", "gemm", "attention", "eval-batch", "stem-pool"])
+    ap.add_argument("what", choices=["patch-embed", "adamw", "muon", "gemm", "attention", "eval-batch", "stem-pool",
+                                        "step-parts", "split-batch"])
     args = ap.parse_args()
     from vitkit.machine.cpu import cpu_model
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}")
     {"patch-embed": patch_embed, "adamw": adamw, "muon": muon, "gemm": gemm_paths, "attention": attention,
-     "eval-batch": eval_batch, "stem-pool": stem_pool}[args.what]()
+     "eval-batch": eval_batch, "stem-pool": stem_pool, "step-parts": step_parts, "split-batch": split_batch}[args.what]()

@@ -90,6 +90,13 @@ def adamw() -> None:
               f"{res['single']:.1f} ms, foreach {res['foreach']:.1f} ms, fused {res['fused']:.1f} ms", flush=True)
 
 
+def _fast_overrides() -> dict:
+    """fashion-mnist-fast's model overrides at 28 px, one channel, 10 classes."""
+    from vitkit.training.presets import get_preset
+
+    return {**get_preset("fashion-mnist-fast").model.overrides, "img_size": 28, "in_chans": 1, "num_classes": 10}
+
+
 def training_step(model, opt, x, y):
     """One optimizer step of `model` on the batch (x, y), as a function to time."""
     def step():
@@ -105,9 +112,8 @@ def muon() -> None:
     import vitkit
     from vitkit.training.config import OptimConfig
     from vitkit.training.optim import build_optimizer
-    from vitkit.training.presets import get_preset
 
-    o = {**get_preset("fashion-mnist-fast").model.overrides, "img_size": 28, "in_chans": 1, "num_classes": 10}
+    o = _fast_overrides()
     x, y = torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
     steps = {}
     for name, lr in (("adamw", 2e-3), ("muon", 4e-3)):
@@ -125,9 +131,8 @@ def eval_batch() -> None:
     default, 256 its new)."""
     import vitkit
     from vitkit.evaluation.metrics import tta_log_probs
-    from vitkit.training.presets import get_preset
 
-    o = {**get_preset("fashion-mnist-fast").model.overrides, "img_size": 28, "in_chans": 1, "num_classes": 10}
+    o = _fast_overrides()
     model, x = vitkit.create_model("r26_vit_s32", **o).eval(), torch.randn(1000, 1, 28, 28)
 
     def pass_at(bs):
@@ -148,9 +153,8 @@ def stem_pool() -> None:
     import vitkit
     from vitkit.training.config import OptimConfig
     from vitkit.training.optim import build_optimizer
-    from vitkit.training.presets import get_preset
 
-    base = {**get_preset("fashion-mnist-fast").model.overrides, "img_size": 28, "in_chans": 1, "num_classes": 10}
+    base = _fast_overrides()
     variants = {
         "preset: pool, stage (4,) at 7x7": {},
         "no pool, stages (1, 2), width 0.5": dict(hybrid_stem_pool=False, hybrid_layers=(1, 2), hybrid_width=0.5),
@@ -174,11 +178,9 @@ def stem_pool() -> None:
 def _fast_model():
     """fashion-mnist-fast's model at 28 px, one random batch of 128 and its labels."""
     import vitkit
-    from vitkit.training.presets import get_preset
 
-    o = {**get_preset("fashion-mnist-fast").model.overrides, "img_size": 28, "in_chans": 1, "num_classes": 10}
     torch.manual_seed(0)
-    return vitkit.create_model("r26_vit_s32", **o), torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
+    return vitkit.create_model("r26_vit_s32", **_fast_overrides()), torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
 
 
 def step_parts() -> None:

@@ -1,7 +1,7 @@
-"""Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 to 47): the patch embedding's op, foreach vs fused AdamW,
+"""Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 to 48): the patch embedding's op, foreach vs fused AdamW,
 Muon's cost in a step, the GEMM paths for the Linear shapes, attention's fused kernel against explicit matmuls, the
-evaluation's batch, the hybrid's ResNet stages at 14x14, the parts of a training step, and a batch split over two
-Python threads.
+evaluation's batch, the hybrid's ResNet stages at 14x14, the parts of a training step, a batch split over two
+Python threads, and token dropping.
 
     python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
     python benchmarks/ops.py adamw         # one AdamW step over ViT-S/16 and ViT-B/16 parameters: single-tensor, foreach, fused
@@ -12,6 +12,7 @@ Python threads.
     python benchmarks/ops.py stem-pool     # fashion-mnist-fast's training step with ResNet stages at 14x14 (NOTES 46)
     python benchmarks/ops.py step-parts    # fashion-mnist-fast's step: forward+backward, + clipping, + Muon or AdamW (NOTES 47)
     python benchmarks/ops.py split-batch   # its forward+backward at 1 and 2 threads, and as two Python threads of one (NOTES 47)
+    python benchmarks/ops.py patch-drop    # its whole step with token dropping (patch_drop_rate 0 to 0.75) and at batch 256 (NOTES 48)
 
 Rounds alternate between the candidates; each number is the median over rounds, in ms (eval-batch: views/s).
 """
@@ -253,6 +254,43 @@ def split_batch() -> None:
         print(f"{name:<22} {ms:6.1f} ms, {128e3 / ms:4.0f} img/s")
 
 
+def muon_step(model, x, y, lr: float = 4e-3):
+    """fashion-mnist-fast's whole eager step on (x, y) as a function to time: forward, backward, clipping, Muon."""
+    from vitkit.training.config import OptimConfig
+    from vitkit.training.optim import build_optimizer
+
+    opt = build_optimizer(model, OptimConfig(name="muon", lr=lr, weight_decay=0.05))
+
+    def go():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return go
+
+
+def patch_drop() -> None:
+    """fashion-mnist-fast's whole step (batch 128, eager, Muon) with token dropping (`patch_drop_rate` 0 to 0.75: the
+    one ViT layer sees that share of its 49 tokens fewer; the ResNet stage before it computes every position), and
+    at batch 256 (the step's fixed costs, Muon's above all, over twice the images): img/s and the speed against the
+    preset's."""
+    import vitkit
+
+    x, y = torch.randn(256, 1, 28, 28), torch.randint(0, 10, (256,))
+    steps = {}
+    for rate in (0.0, 0.25, 0.5, 0.75):
+        torch.manual_seed(0)
+        model = vitkit.create_model("r26_vit_s32", **{**_fast_overrides(), "patch_drop_rate": rate})
+        steps[f"patch_drop_rate {rate}"] = (muon_step(model, x[:128], y[:128]), 128)
+    torch.manual_seed(0)
+    steps["batch 256"] = (muon_step(vitkit.create_model("r26_vit_s32", **_fast_overrides()), x, y), 256)
+    res = compare({k: f for k, (f, _) in steps.items()}, n=4)
+    base = 128e3 / res["patch_drop_rate 0.0"]
+    for name, ms in res.items():
+        ips = steps[name][1] * 1e3 / ms
+        print(f"{name:<22} {ms:6.1f} ms a step, {ips:4.0f} img/s, {ips / base:.2f}x")
+
+
 def gemm_paths() -> None:
     """Every path for the Linear shapes of S/16 and B/16 (qkv, proj, fc1, fc2) at batch 1 and 8 (197 tokens), and for
     a training step's dW at batch 16: GFLOP/s, best of interleaved rounds (`gemm.measure`)."""
@@ -299,10 +337,11 @@ def attention() -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["patch-embed", "adamw", "muon", "gemm", "attention", "eval-batch", "stem-pool",
-                                        "step-parts", "split-batch"])
+                                        "step-parts", "split-batch", "patch-drop"])
     args = ap.parse_args()
     from vitkit.machine.cpu import cpu_model
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}")
     {"patch-embed": patch_embed, "adamw": adamw, "muon": muon, "gemm": gemm_paths, "attention": attention,
-     "eval-batch": eval_batch, "stem-pool": stem_pool, "step-parts": step_parts, "split-batch": split_batch}[args.what]()
+     "eval-batch": eval_batch, "stem-pool": stem_pool, "step-parts": step_parts, "split-batch": split_batch,
+     "patch-drop": patch_drop}[args.what]()

@@ -510,7 +510,7 @@ def save(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = N
 
 # Config fields that do not change what the model computes: preprocessing, names, regularisation in training.
 _NOT_COMPUTED = {"mean", "std", "interpolation", "crop_pct", "class_names", "drop_rate", "attn_drop_rate", "drop_path_rate",
-                 "dynamic_img_size", "init_values", "k_bias"}
+                 "patch_drop_rate", "dynamic_img_size", "init_values", "k_bias"}
 TIMM_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
 
 

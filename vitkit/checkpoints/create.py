@@ -31,8 +31,8 @@ def create_model(name: str, /, pretrained: bool = False, **overrides) -> nn.Modu
             `vitkit catalog` lists them.
         pretrained: load the catalog's weights (`vitkit.load(name, **overrides)`) instead of initialising.
         **overrides: any config field by keyword (img_size, patch_size, in_chans, num_classes, num_heads,
-            classifier, pos_embed, representation_size, drop_rate, drop_path_rate, class_token, reg_tokens,
-            dynamic_img_size, ...), and timm's keywords where they map (`translate_create_kwargs`):
+            classifier, pos_embed, representation_size, drop_rate, drop_path_rate, patch_drop_rate, class_token,
+            reg_tokens, dynamic_img_size, ...), and timm's keywords where they map (`translate_create_kwargs`):
             global_pool ('token', 'avg': the mean of the patch tokens with the norm after it as timm's default,
             'map'), mlp_ratio, act_layer (by name), pos_embed='learn', pos_drop_rate/proj_drop_rate (equal to
             drop_rate: vitkit has one dropout rate), checkpoint_path (the named model from a file: `vitkit.load`, its
@@ -145,7 +145,6 @@ _FIXED = {
     "pretrained_cfg_overlay": (None, "vitkit's preprocessing is the config's (mean, std, interpolation, crop_pct, "
                                      "img_size)"),
     "cache_dir": (None, "vitkit's catalog caches in $VITKIT_HOME and the Hugging Face cache (HF_HOME)"),
-    "patch_drop_rate": (0.0, "vitkit has no patch dropout"),
     "dynamic_img_pad": (False, "vitkit has no padding to the patch size: use a size divisible by it"),
     "pool_include_prefix": (False, "vitkit's 'avg' pooling averages the patch tokens alone"),
     "fix_init": (False, "vitkit's initialisation is the official JAX one"),

@@ -41,7 +41,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from .layers import Attention, Linear, RelativePositionBias, RelativePositionMlp
+from .layers import Attention, Linear, PatchDropout, RelativePositionBias, RelativePositionMlp
 from .layers.attention import check_impl
 from .layers.block import Block
 from .layers.mlp import lecun_normal_
@@ -126,6 +126,7 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         self.pos_embed = make_pos_embed(c)  # E_pos
         self.rope = make_rope(c)  # None without rotary embeddings
         self.pos_drop = nn.Dropout(c.drop_rate)
+        self.patch_drop = PatchDropout(c.patch_drop_rate, c.num_prefix_tokens)  # token dropping in training
         self.norm_pre = norm_or_identity(c, c.pre_norm)  # CLIP's ln_pre
         self.shared_rel_pos = make_shared_rel_pos(c)  # None unless one relative position MLP serves every block
         self.blocks = nn.ModuleList(make_block(c, i, self.shared_rel_pos) for i in range(c.depth))  # Eq. 2-3
@@ -241,7 +242,8 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """All tokens after the final norm: (B, C, H, W) -> (B, T, D)."""
-        return self.norm(self._encode(self.embed(x), grid=self.grid_for(x), rope=self.rope_for(x))[0])
+        h = self.patch_drop(self.embed(x))  # (B, T, D); in training with patch_drop_rate (B, p + K, D)
+        return self.norm(self._encode(h, grid=self.grid_for(x), rope=self.rope_for(x))[0])
 
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,7 +294,8 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
             return self.forward_mpp(x, mpp_pixels, mpp_generator)
         if not self._cls_only_last_block():
             return self.forward_head(self.forward_features(x))
-        h = self._encode(self.embed(x), grid=self.grid_for(x), rope=self.rope_for(x), cls_only_last=True)[0]
+        h = self._encode(self.patch_drop(self.embed(x)), grid=self.grid_for(x), rope=self.rope_for(x),
+                         cls_only_last=True)[0]
         return self.forward_head(self.norm(h))  # (B, p, D): the prefix tokens alone
 
     def forward_intermediates(

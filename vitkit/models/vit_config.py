@@ -39,7 +39,7 @@ ROPE_INDEXING = ("ij", "xy")
 _LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0, "rel_pos_dim": 128,
                  "rel_pos_shared": False, "attn_only_layer_scale": False,
                  "conv_stem": None, "conv_stem_kernels": (), "conv_stem_strides": (), "attn_layer": "standard",
-                 "hybrid_stem_pool": True}
+                 "hybrid_stem_pool": True, "patch_drop_rate": 0.0}
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
@@ -62,7 +62,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
                  ("pos_embed", "no_embed_class", "pos_resample", "pos_resample_square", "dynamic_img_size", "rope",
                   "rope_ref_grid", "rope_temperature", "rope_indexing", "rope_offset", "rope_half", "rel_pos_dim",
                   "rel_pos_shared")),
-    "tokens": ("extra tokens", ("class_token", "distilled", "reg_tokens")),
+    "tokens": ("extra tokens, and patch tokens dropped in training",
+               ("class_token", "distilled", "reg_tokens", "patch_drop_rate")),
     "pooling": ("pooling and head", ("fc_norm", "pool_heads", "pool_mlp_dim", "pool_prefix", "mpp")),
     "norms": ("norms", ("norm", "pre_norm", "patch_norm", "final_norm", "qk_norm", "attn_norm", "mlp_norm",
                         "res_post_norm")),
@@ -137,12 +138,16 @@ class ViTConfig:
         rel_pos_dim, rel_pos_shared ("relative_mlp"): the MLP's hidden width; one MLP for all blocks (timm's
             vit_srelpos) instead of one each.
 
-    Extra tokens:
+    Extra tokens, and patch tokens dropped in training:
         class_token: prepend a class token; None means "only when classifier == 'token'".
         distilled: DeiT's distillation token: a second prefix token with its own head, trained against a teacher's
             predictions; at inference the two heads' logits are averaged.
         reg_tokens: register tokens (Darcet et al. 2023, "Vision Transformers Need Registers"): learned tokens after
             the class token that the model may use as scratch space; no head reads them.
+        patch_drop_rate: token dropping in training (FLIP; timm's patch_drop_rate): each image's blocks see a random
+            (1 - rate) of its patch tokens and every prefix token; none dropped in evaluation. With a learned or
+            sin-cos position embedding only (not rotary or relative positions), and not for masked patch
+            prediction or packed (NaFlex) batches.
 
     Pooling and head:
         fc_norm: with "gap", normalise after pooling (timm's 'avg') instead of every token before it.
@@ -234,6 +239,7 @@ class ViTConfig:
     class_token: bool | None = None
     distilled: bool = False
     reg_tokens: int = 0
+    patch_drop_rate: float = 0.0
     # ---- pooling and head ----
     fc_norm: bool = False
     pool_heads: int | None = None
@@ -289,6 +295,13 @@ class ViTConfig:
             raise UsageError("mpp (masked patch prediction) predicts the colour of pixel patches: a plain ViT only")
         if self.fc_norm and self.classifier != "gap":
             raise UsageError("fc_norm applies to classifier='gap' only")
+        if not 0.0 <= self.patch_drop_rate < 1.0:
+            raise UsageError(f"patch_drop_rate must be in [0, 1), got {self.patch_drop_rate}")
+        if self.patch_drop_rate and (self.rope or self.pos_embed in ("relative", "relative_mlp") or self.mpp
+                                     or self.naflex):
+            raise UsageError("patch_drop_rate drops patch tokens before the blocks: not with rotary or relative "
+                             "positions (they are computed for the whole grid), masked patch prediction (its own "
+                             "masking) or a NaFlex model (packed batches)")
         if self.act not in ACTIVATIONS:
             raise UsageError(f"act must be one of {ACTIVATIONS}, got {self.act!r}")
         if self.mlp_layer not in MLP_LAYERS:

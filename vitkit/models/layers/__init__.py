@@ -2,7 +2,7 @@
 from .attention import Attention, RelativePositionBias, RelativePositionMlp, Shared
 from .attention_pool import AttentionPool
 from .conv_stem import ConvStem
-from .drop_path import DropPath
+from .drop_path import DropPath, PatchDropout
 from .layer_scale import LayerScale
 from .linear import Linear
 from .mlp import Mlp, SwiGLU
@@ -19,7 +19,7 @@ from .rope import RotaryEmbedding2d
 from .std_conv import StdConv2d, pad_same
 
 __all__ = [
-    "Attention", "AttentionPool", "RelativePositionBias", "RelativePositionMlp", "Shared", "DropPath", "LayerScale", "SwiGLU", "RotaryEmbedding2d", "LayerNorm", "RMSNorm", "make_norm", "Linear", "Mlp", "PatchEmbed", "LearnedPosEmbed1d",
+    "Attention", "AttentionPool", "RelativePositionBias", "RelativePositionMlp", "Shared", "DropPath", "PatchDropout", "LayerScale", "SwiGLU", "RotaryEmbedding2d", "LayerNorm", "RMSNorm", "make_norm", "Linear", "Mlp", "PatchEmbed", "LearnedPosEmbed1d",
     "LearnedPosEmbed2d", "NoPosEmbed", "SinCosPosEmbed2d", "resample_pos_embed_grid", "StdConv2d", "pad_same",
     "ConvStem",
 ]

@@ -62,7 +62,7 @@ def test_blocks_see_a_random_subset_and_every_prefix_token():
     assert seen[-1].shape == tokens.shape  # none dropped in evaluation
 
 
-def test_hybrid_and_compiled_shapes():
+def test_hybrid_trains():
     model = vitkit.create_model("r26_vit_s32", img_size=28, in_chans=1, num_classes=10, hybrid_layers=(4,),
                                 patch_size=4, embed_dim=32, depth=1, num_heads=2, mlp_dim=64, classifier="gap",
                                 patch_drop_rate=0.5).train()
@@ -71,10 +71,43 @@ def test_hybrid_and_compiled_shapes():
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_keeps_the_count_rounded_down():
+    model = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, num_classes=3, patch_drop_rate=0.4).train()
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda mod, a: seen.append(a[0].shape[1]))
+    model(torch.randn(2, 3, 32, 32))
+    assert seen == [1 + 9]  # int(16 * 0.6) = 9 of 16 patch tokens (rounding would keep 10), and the class token
+
+
 @pytest.mark.parametrize("kw", [dict(patch_drop_rate=1.0), dict(patch_drop_rate=-0.1),
                                 dict(patch_drop_rate=0.5, rope="axial"),
                                 dict(patch_drop_rate=0.5, pos_embed="relative"),
-                                dict(patch_drop_rate=0.5, mpp=True)])
+                                dict(patch_drop_rate=0.5, pos_embed="relative_mlp")])
 def test_refused(kw):
     with pytest.raises(UsageError, match="patch_drop_rate"):
         vitkit.create_model("vit_ti16", img_size=32, patch_size=8, **kw)
+
+
+def test_not_where_every_token_counts(tmp_path):
+    """Masked patch prediction, packed batches and a torch.fx trace in training refuse it; a checkpoint of a model
+    that carries both an mpp head and the rate loads (to fine-tune without the head), and the registry still names
+    the architecture."""
+    from vitkit.models.registry import name_of
+
+    assert name_of(vitkit.create_model("vit_ti16", num_classes=3, patch_drop_rate=0.5).config) == "vit_ti16"
+    m = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, num_classes=3, patch_drop_rate=0.5)
+    with pytest.raises(UsageError, match="patch_drop_rate"):
+        m.add_mpp()
+    m.train()
+    with pytest.raises(UsageError, match="patch_drop_rate"):
+        m([torch.randn(3, 32, 32), torch.randn(3, 16, 32)])  # a packed batch of two sizes
+    with pytest.raises(UsageError, match="evaluation mode"):
+        torch.fx.symbolic_trace(m)
+    torch.fx.symbolic_trace(m.eval())  # no token dropped there: it traces
+    both = vitkit.create_model("vit_ti16", img_size=32, patch_size=8, mpp=True, patch_drop_rate=0.5).train()
+    x = torch.rand(2, 3, 32, 32)
+    with pytest.raises(UsageError, match="patch_drop_rate"):
+        both.forward_mpp(x, x)
+    vitkit.save(both, tmp_path / "mpp.safetensors")
+    back = vitkit.load(tmp_path / "mpp.safetensors")
+    assert back.config.mpp and back.config.patch_drop_rate == 0.5

@@ -50,6 +50,13 @@ def mpp_layers(embed_dim: int, in_chans: int, device=None) -> tuple[nn.Parameter
             Linear(embed_dim, 8 ** in_chans, device=device))
 
 
+def check_no_patch_drop(config) -> None:
+    """Masked patch prediction corrupts and predicts every patch: it cannot train with patch_drop_rate."""
+    if config.patch_drop_rate:
+        raise UsageError(f"masked patch prediction predicts every corrupted patch: it does not train with "
+                         f"patch_drop_rate={config.patch_drop_rate} (set model.overrides.patch_drop_rate=0)")
+
+
 class MaskedPatchPrediction:
     """`VisionTransformer`'s masked-patch-prediction methods (the model has `config`, `patch_embed`, `_add_tokens`,
     `rope_for`, `_encode`, `norm`, and with `config.mpp` the `mask_token` and `mpp_head`)."""
@@ -65,6 +72,8 @@ class MaskedPatchPrediction:
         Returns: (logits (M, 8^C), targets (M,)) for the M corrupted patches of the batch."""
         if not self.config.mpp:
             raise UsageError("this model has no masked-patch-prediction head: create it with mpp=True")
+        if self.training:
+            check_no_patch_drop(self.config)
         tokens = self.patch_embed(x)  # (B, N, D)
         corrupted, how = mpp_corruption(tokens.shape[0], tokens.shape[1], ratio, g, tokens.device)
         b_idx, n_idx = mpp_random_patches(tokens.shape[0], tokens.shape[1], g, tokens.device)
@@ -78,6 +87,7 @@ class MaskedPatchPrediction:
 
     def add_mpp(self) -> None:
         """Add a fresh masked-patch-prediction head (pre-training a loaded checkpoint further)."""
+        check_no_patch_drop(self.config)
         if not self.config.mpp:
             self.config.mpp = True
             self.mask_token, self.mpp_head = mpp_layers(self.config.embed_dim, self.config.in_chans,

@@ -283,8 +283,8 @@ def build_config(name: str, /, **overrides) -> ViTConfig | ResNetV2Config | Swin
 
 # What a name does not fix: the preprocessing, head, resolution, regularisation and how the grid is resampled
 _NOT_ARCHITECTURE = {"img_size", "in_chans", "num_classes", "class_names", "mean", "std", "interpolation", "crop_pct",
-                     "drop_rate", "attn_drop_rate", "drop_path_rate", "dynamic_img_size", "pos_resample",
-                     "pos_resample_square", "naflex"}
+                     "drop_rate", "attn_drop_rate", "drop_path_rate", "patch_drop_rate", "dynamic_img_size",
+                     "pos_resample", "pos_resample_square", "naflex"}
 _SIZE_FIELDS = ("arch", "embed_dim", "depth", "num_heads", "patch_size", "mlp_dim", "hybrid_layers", "layers",
                 "width_factor", "depths", "window_size")
 

@@ -289,6 +289,9 @@ class VisionTransformer(PackedForward, MaskedPatchPrediction, TimmModelApi, nn.M
         With `mpp_pixels` (the images in [0, 1]): masked patch prediction, `forward_mpp` (through forward, so that
         DDP and FSDP2 see the call)."""
         if isinstance(x, (list, tuple, dict, PackedBatch)):
+            if self.training and self.config.patch_drop_rate:
+                raise UsageError(f"patch_drop_rate={self.config.patch_drop_rate} drops tokens from batches of one size: "
+                                 "a packed batch of mixed sizes trains without it (set patch_drop_rate=0)")
             return self.forward_packed(as_packed(x, self.config.patch_size))
         if mpp_pixels is not None and not is_fx_tracing():  # fx traces the classifier; mpp through forward_mpp
             return self.forward_mpp(x, mpp_pixels, mpp_generator)

@@ -145,9 +145,9 @@ class ViTConfig:
         reg_tokens: register tokens (Darcet et al. 2023, "Vision Transformers Need Registers"): learned tokens after
             the class token that the model may use as scratch space; no head reads them.
         patch_drop_rate: token dropping in training (FLIP; timm's patch_drop_rate): each image's blocks see a random
-            (1 - rate) of its patch tokens and every prefix token; none dropped in evaluation. With a learned or
-            sin-cos position embedding only (not rotary or relative positions), and not for masked patch
-            prediction or packed (NaFlex) batches.
+            max(1, int(N * (1 - rate))) of its N patch tokens and every prefix token; none dropped in evaluation
+            or by `forward_intermediates`. Not with rotary or relative positions, and not in training on packed
+            (NaFlex) batches or with masked patch prediction (each refused).
 
     Pooling and head:
         fc_norm: with "gap", normalise after pooling (timm's 'avg') instead of every token before it.
@@ -297,11 +297,9 @@ class ViTConfig:
             raise UsageError("fc_norm applies to classifier='gap' only")
         if not 0.0 <= self.patch_drop_rate < 1.0:
             raise UsageError(f"patch_drop_rate must be in [0, 1), got {self.patch_drop_rate}")
-        if self.patch_drop_rate and (self.rope or self.pos_embed in ("relative", "relative_mlp") or self.mpp
-                                     or self.naflex):
+        if self.patch_drop_rate and (self.rope or self.pos_embed in ("relative", "relative_mlp") or self.naflex):
             raise UsageError("patch_drop_rate drops patch tokens before the blocks: not with rotary or relative "
-                             "positions (they are computed for the whole grid), masked patch prediction (its own "
-                             "masking) or a NaFlex model (packed batches)")
+                             "positions (they are computed for the whole grid) or a NaFlex model (packed batches)")
         if self.act not in ACTIVATIONS:
             raise UsageError(f"act must be one of {ACTIVATIONS}, got {self.act!r}")
         if self.mlp_layer not in MLP_LAYERS:

@@ -326,3 +326,6 @@ def _check_packed(cfg: TrainConfig, model: nn.Module) -> None:
                          "aug.randaugment= aug.random_erasing=0 and aug.crop=rrc or none)")
     if cfg.model.objective != "classify" or cfg.distill.teacher:
         raise UsageError("data.max_patches trains classifiers without a teacher (no mpp, no distillation)")
+    if model.config.patch_drop_rate:
+        raise UsageError("data.max_patches packs images of mixed sizes: patch_drop_rate drops tokens from batches of "
+                         "one size (set model.overrides.patch_drop_rate=0)")

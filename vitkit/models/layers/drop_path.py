@@ -1,8 +1,11 @@
-"""Stochastic depth (Huang et al. 2016), as used by DeiT/AugReg ViT training."""
+"""Stochastic depth (Huang et al. 2016), as used by DeiT/AugReg ViT training, and token dropping (FLIP)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .tracing import is_fx_tracing
+from ...errors import UsageError
 
 
 class DropPath(nn.Module):
@@ -35,6 +38,9 @@ class PatchDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rate == 0.0 or not self.training:
             return x
+        if is_fx_tracing():  # how many tokens to keep is computed from the input's length, unknown to a trace
+            raise UsageError("a model with patch_drop_rate is traced (torch.fx) in evaluation mode (model.eval()), "
+                             "where it drops no token")
         p = self.num_prefix_tokens
         prefix, patches = x[:, :p], x[:, p:]  # (B, p, D), (B, N, D)
         B, N, D = patches.shape

@@ -258,6 +258,15 @@ def test_training_compile_auto_weighs_the_compile_against_the_steps_it_saves(tmp
         monkeypatch.setenv("VITKIT_HOME", str(tmp_path / str(i)))
         c = compile_mod.decide("auto", m, torch.device("cpu"), steps=steps, **kw)
         assert c.on is on and says in c.reason, (record, c)
+    # under a time budget the steps it holds eagerly count, not the schedule's: 100 steps of 1 s in a 30 s budget
+    # are 30, where a 10 s compile at 2x saves 15 s (on: the budget holds 40 compiled steps); in a 15 s budget 15
+    # steps save 7.5 s (off: 2.5 compiled steps); a budget past the schedule's steps changes nothing
+    for i, (budget, on, says) in enumerate([(30.0, True, "the steps a 30 s budget holds"),
+                                            (15.0, False, "15 steps save ~8 s"), (1e6, True, "100 steps save ~50 s")]):
+        monkeypatch.setattr(compile_mod, "measure", lambda *a, **k: {"eager_s": 1.0, "compiled_s": 0.5, "compile_s": 10.0})
+        monkeypatch.setenv("VITKIT_HOME", str(tmp_path / f"b{i}"))
+        c = compile_mod.decide("auto", m, torch.device("cpu"), steps=100, budget_s=budget, **kw)
+        assert c.on is on and says in c.reason, (budget, c)
 
 
 # ---- the trust boundary: a package is native code, so one door checks it before any of it is extracted or run ----

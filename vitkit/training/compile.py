@@ -12,7 +12,8 @@ bf16 0.67x; ViT-S/16 at batch 32 in fp32 at parity. So no setting wins everywher
    machine, COMPILE_S before any), off without compiling: the demo and smoke runs never pay for a compile.
 3. Otherwise the copy is compiled and its steps timed against eager ones in interleaved rounds, and the run
    compiles where the compiled step is at least MARGIN faster and the time it saves over the run's steps exceeds
-   the compile's.
+   the compile's. A run under `schedule.time_budget` counts the steps its budget holds eagerly (at most the
+   schedule's): a compile that repays itself within them lets the budget hold more steps, one that does not fewer.
 
 Each measurement is cached per machine, model architecture, batch, precision and options, in
 $VITKIT_HOME/compile/<machine>.json: a second run decides at once. The choice is printed and recorded in
@@ -92,8 +93,14 @@ def _stepper(model: nn.Module, device: torch.device, batch: int, precision: str)
     return step
 
 
+def budget_steps(steps: int, eager_s: float, budget_s: float | None) -> int:
+    """The run's steps, or under a time budget the fewer that fit it eagerly (a compiled run holds more exactly
+    when the time a compile saves over these exceeds the compile's)."""
+    return steps if budget_s is None else min(steps, int(budget_s / max(eager_s, 1e-9)))
+
+
 def measure(model: nn.Module, device: torch.device, *, batch: int, precision: str, lowp_stream: bool,
-            fast_gemm: bool, steps: int, compile_s: float) -> dict:
+            fast_gemm: bool, steps: int, compile_s: float, budget_s: float | None = None) -> dict:
     """Seconds per eager step of a copy of `model`; and where a compile could pay over `steps` steps (given a
     compile of `compile_s`), the compiled step and the compile's seconds, timed against eager in interleaved rounds.
     The model itself is not touched."""
@@ -115,7 +122,7 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, precision: st
         timed(e_step, 2)
         eager_s = timed(e_step, 3)
         out = {"eager_s": eager_s}
-        if steps * eager_s * (1 - 1 / BEST_SPEEDUP) < compile_s:
+        if budget_steps(steps, eager_s, budget_s) * eager_s * (1 - 1 / BEST_SPEEDUP) < compile_s:
             return out
         other = copy.deepcopy(model).train()
         if hasattr(other, "lowp_stream"):
@@ -139,8 +146,9 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, precision: st
 
 
 def decide(setting, model: nn.Module, device: torch.device, *, batch: int, precision: str, lowp_stream: bool,
-           fast_gemm: bool, steps: int, world: int = 1) -> CompileChoice:
-    """run.compile resolved for this run (see the module's docstring): `steps` optimizer steps of `batch` images."""
+           fast_gemm: bool, steps: int, world: int = 1, budget_s: float | None = None) -> CompileChoice:
+    """run.compile resolved for this run (see the module's docstring): `steps` optimizer steps of `batch` images, or
+    as many of them as `budget_s` seconds hold (`schedule.time_budget`)."""
     setting = normalize(setting)
     if setting != "auto":
         return CompileChoice(setting == "on", f"{setting}: asked for")
@@ -156,14 +164,19 @@ def decide(setting, model: nn.Module, device: torch.device, *, batch: int, preci
     compiles = [v["compile_s"] for v in known.values() if isinstance(v, dict) and "compile_s" in v]
     compile_s = max(compiles) if compiles else COMPILE_S
     m = known.get(key)
-    cached = isinstance(m, dict) and "eager_s" in m and ("compiled_s" in m or "failed" in m
-                                                         or steps * m["eager_s"] * (1 - 1 / BEST_SPEEDUP) < compile_s)
+    cached = isinstance(m, dict) and "eager_s" in m and (
+        "compiled_s" in m or "failed" in m
+        or budget_steps(steps, m["eager_s"], budget_s) * m["eager_s"] * (1 - 1 / BEST_SPEEDUP) < compile_s)
     if not cached:
         m = measure(model, device, batch=batch, precision=precision, lowp_stream=lowp_stream, fast_gemm=fast_gemm,
-                    steps=steps, compile_s=compile_s)
+                    steps=steps, compile_s=compile_s, budget_s=budget_s)
         known[key] = m
         write_json_cache(path, known, indent=1, sort_keys=True)  # a read-only home: measured again next time
     earlier = ", measured earlier" if cached else ""
+    held = budget_steps(steps, m["eager_s"], budget_s)
+    if held < steps:  # the budget, not the schedule, ends this run
+        earlier = f" (the steps a {budget_s:.0f} s budget holds eagerly){earlier}"
+    steps = held
     eager_total = steps * m["eager_s"]
     if "failed" in m:
         return CompileChoice(False, f"auto -> off: the model did not compile here ({m['failed']}){earlier}")

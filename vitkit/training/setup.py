@@ -263,14 +263,15 @@ def _choose_precision(cfg: TrainConfig, model: nn.Module, dist: Dist, resumed: s
 
 
 def _choose_compile(cfg: TrainConfig, model: nn.Module, dist: Dist, precision: str, steps: int) -> bool:
-    """run.compile as asked, or for auto compiled where measured to pay over the run's steps (rank 0 measures, the
-    same for every rank: `vitkit.training.compile`). Printed, and recorded in run.compile_choice (config.yaml)."""
+    """run.compile as asked, or for auto compiled where measured to pay over the run's steps, or those its time budget
+    holds (rank 0 measures, the same for every rank: `vitkit.training.compile`). Printed, and recorded in
+    run.compile_choice (config.yaml)."""
     r = cfg.run
     choice = None
     if dist.main:
         choice = compile_mod.decide(r.compile, model, dist.device, batch=cfg.data.batch_size // dist.world,
                                     precision=precision, lowp_stream=r.lowp_stream, fast_gemm=r.fast_gemm,
-                                    steps=steps, world=dist.world)
+                                    steps=steps, world=dist.world, budget_s=cfg.schedule.time_budget)
     choice = dist.broadcast(choice)
     r.compile_choice = choice.reason
     if dist.main:

@@ -260,14 +260,34 @@ def test_training_compile_auto_weighs_the_compile_against_the_steps_it_saves(tmp
         assert c.on is on and says in c.reason, (record, c)
     # under a time budget the steps it holds eagerly count, not the schedule's: 100 steps of 1 s in a 30 s budget
     # are 30, where a 10 s compile at 2x saves 15 s (on: the budget holds 40 compiled steps); in a 15 s budget 15
-    # steps save 7.5 s (off: 2.5 compiled steps); a budget past the schedule's steps changes nothing
-    for i, (budget, on, says) in enumerate([(30.0, True, "the steps a 30 s budget holds"),
-                                            (15.0, False, "15 steps save ~8 s"), (1e6, True, "100 steps save ~50 s")]):
+    # steps save 7.5 s (off: 10 compiled steps against 15 eager); a budget past the schedule's steps changes nothing
+    for i, (budget, on, says) in enumerate([(30.0, True, "30 steps (those 30 s of budget hold eagerly) save ~15 s"),
+                                            (15.0, False, "15 steps (those 15 s of budget hold eagerly) save ~8 s"),
+                                            (1e6, True, "100 steps save ~50 s")]):
         monkeypatch.setattr(compile_mod, "measure", lambda *a, **k: {"eager_s": 1.0, "compiled_s": 0.5, "compile_s": 10.0})
         monkeypatch.setenv("VITKIT_HOME", str(tmp_path / f"b{i}"))
         c = compile_mod.decide("auto", m, torch.device("cpu"), steps=100, budget_s=budget, **kw)
         assert c.on is on and says in c.reason, (budget, c)
 
+
+
+def test_a_resumed_budgeted_run_weighs_the_compile_against_what_is_left_of_its_budget(tmp_path, monkeypatch):
+    """A run resumed under schedule.time_budget counts the steps the rest of its budget holds, not the whole budget's:
+    100 steps of 1 s with a 10 s compile at 2x pay in a 30 s budget (30 steps save 15 s), not with 20 s of it spent
+    (10 steps save 5 s)."""
+    from vitkit.training import compile as compile_mod
+    from vitkit.training.distributed import Dist
+    from vitkit.training.presets import get_preset
+    from vitkit.training.setup import _choose_compile
+
+    m = vitkit.create_model("vit_ti16", **tiny_kwargs("vit_ti16"))
+    cfg = get_preset("fashion-mnist-fast")
+    cfg.schedule.time_budget = 30
+    monkeypatch.setattr(compile_mod, "measure", lambda *a, **k: {"eager_s": 1.0, "compiled_s": 0.5, "compile_s": 10.0})
+    for i, (spent, on, says) in enumerate([(0.0, True, "30 steps (those 30 s"), (20.0, False, "10 steps (those 10 s")]):
+        monkeypatch.setenv("VITKIT_HOME", str(tmp_path / str(i)))
+        assert _choose_compile(cfg, m, Dist(), "fp32", 100, spent) is on
+        assert says in cfg.run.compile_choice, cfg.run.compile_choice
 
 # ---- the trust boundary: a package is native code, so one door checks it before any of it is extracted or run ----
 

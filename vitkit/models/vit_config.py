@@ -146,8 +146,8 @@ class ViTConfig:
             the class token that the model may use as scratch space; no head reads them.
         patch_drop_rate: token dropping in training (FLIP; timm's patch_drop_rate): each image's blocks see a random
             max(1, int(N * (1 - rate))) of its N patch tokens and every prefix token; none dropped in evaluation
-            or by `forward_intermediates`. Not with rotary or relative positions, and not in training on packed
-            (NaFlex) batches or with masked patch prediction (each refused).
+            or by `forward_intermediates`. Not with rotary or relative positions or in a NaFlex model, and not in
+            training on packed batches or with masked patch prediction (each refused).
 
     Pooling and head:
         fc_norm: with "gap", normalise after pooling (timm's 'avg') instead of every token before it.

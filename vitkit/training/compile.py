@@ -12,8 +12,9 @@ bf16 0.67x; ViT-S/16 at batch 32 in fp32 at parity. So no setting wins everywher
    machine, COMPILE_S before any), off without compiling: the demo and smoke runs never pay for a compile.
 3. Otherwise the copy is compiled and its steps timed against eager ones in interleaved rounds, and the run
    compiles where the compiled step is at least MARGIN faster and the time it saves over the run's steps exceeds
-   the compile's. A run under `schedule.time_budget` counts the steps its budget holds eagerly (at most the
-   schedule's): a compile that repays itself within them lets the budget hold more steps, one that does not fewer.
+   the compile's. A run under `schedule.time_budget` counts the steps what is left of its budget holds eagerly (at
+   most the schedule's): where the budget ends the run, a compile that repays itself within them lets it hold more
+   steps, to first order (start-up, data and evaluations take part of the budget too), and one that does not fewer.
 
 Each measurement is cached per machine, model architecture, batch, precision and options, in
 $VITKIT_HOME/compile/<machine>.json: a second run decides at once. The choice is printed and recorded in
@@ -94,8 +95,8 @@ def _stepper(model: nn.Module, device: torch.device, batch: int, precision: str)
 
 
 def budget_steps(steps: int, eager_s: float, budget_s: float | None) -> int:
-    """The run's steps, or under a time budget the fewer that fit it eagerly (a compiled run holds more exactly
-    when the time a compile saves over these exceeds the compile's)."""
+    """The run's steps, or under a time budget the fewer that fit it eagerly: a compiled run holds more, to first
+    order, where the time a compile saves over these exceeds the compile's ((B - C) / c > B / e)."""
     return steps if budget_s is None else min(steps, int(budget_s / max(eager_s, 1e-9)))
 
 
@@ -174,19 +175,18 @@ def decide(setting, model: nn.Module, device: torch.device, *, batch: int, preci
         write_json_cache(path, known, indent=1, sort_keys=True)  # a read-only home: measured again next time
     earlier = ", measured earlier" if cached else ""
     held = budget_steps(steps, m["eager_s"], budget_s)
-    if held < steps:  # the budget, not the schedule, ends this run
-        earlier = f" (the steps a {budget_s:.0f} s budget holds eagerly){earlier}"
+    count = f"{held} steps" + (f" (those {budget_s:.0f} s of budget hold eagerly)" if held < steps else "")
     steps = held
     eager_total = steps * m["eager_s"]
     if "failed" in m:
         return CompileChoice(False, f"auto -> off: the model did not compile here ({m['failed']}){earlier}")
     if "compiled_s" not in m:
-        return CompileChoice(False, f"auto -> off: the run's {steps} steps take ~{eager_total:.0f} s eagerly; at the "
+        return CompileChoice(False, f"auto -> off: the run's {count} take ~{eager_total:.0f} s eagerly; at the "
                                     f"best speed-up hoped for ({BEST_SPEEDUP:.2f}x) a compile (~{compile_s:.0f} s here) "
                                     f"would not pay{earlier}")
     speedup = m["eager_s"] / m["compiled_s"]
     saved = steps * (m["eager_s"] - m["compiled_s"])
     why = (f"compiled step {speedup:.2f}x eager ({m['compiled_s'] * 1e3:.0f} vs {m['eager_s'] * 1e3:.0f} ms, median of "
-           f"interleaved rounds), {steps} steps save ~{saved:.0f} s against a {m['compile_s']:.0f} s compile{earlier}")
+           f"interleaved rounds), {count} save ~{saved:.0f} s against a {m['compile_s']:.0f} s compile{earlier}")
     on = speedup >= MARGIN and saved > m["compile_s"]
     return CompileChoice(on, f"auto -> {'on' if on else 'off'}: {why}")

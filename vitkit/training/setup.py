@@ -113,11 +113,12 @@ def _build(cfg: TrainConfig, spec: DataSpec, ov: dict, k: int) -> nn.Module:
 
 
 def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = None, *, max_steps: int | None = None,
-                done: int = 0) -> Run:
+                done: int = 0, budget_spent: float = 0.0) -> Run:
     """Data, model (wrapped for the strategy), optimizer, EMA and augmentation of a run, checked on every rank.
     resumed_precision: what the run being resumed computed in (run.precision=auto then keeps it).
     max_steps, done: the step the run stops at (None: the schedule's end) and the steps already done (resumed):
-    how many steps run.compile=auto weighs a compile against."""
+    how many steps run.compile=auto weighs a compile against; budget_spent: the seconds of `schedule.time_budget`
+    its earlier parts took (resumed), which those steps cannot use."""
     r, d = cfg.run, cfg.data
     device = dist.device
     precision_mod.check(r.precision, "run.precision")
@@ -178,7 +179,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     last = total if max_steps is None else min(total, max_steps)
     # a step is `accumulate` forward-backward passes of a batch: what the probe times one of
-    compiled = _choose_compile(cfg, model, dist, precision, max(0, last - done) * r.accumulate)
+    compiled = _choose_compile(cfg, model, dist, precision, max(0, last - done) * r.accumulate, budget_spent)
     if r.fast_gemm and device.type == "cpu" and precision == "fp32" and not compiled:
         pack_linears(model, training=True)  # repacked after every optimizer step (fused ones and FSDP2 included)
     ema = copy.deepcopy(model).eval() if r.ema else None  # before sharding: the EMA is a whole model on every rank
@@ -262,16 +263,18 @@ def _choose_precision(cfg: TrainConfig, model: nn.Module, dist: Dist, resumed: s
     return choice.precision
 
 
-def _choose_compile(cfg: TrainConfig, model: nn.Module, dist: Dist, precision: str, steps: int) -> bool:
+def _choose_compile(cfg: TrainConfig, model: nn.Module, dist: Dist, precision: str, steps: int,
+                    budget_spent: float = 0.0) -> bool:
     """run.compile as asked, or for auto compiled where measured to pay over the run's steps, or those its time budget
-    holds (rank 0 measures, the same for every rank: `vitkit.training.compile`). Printed, and recorded in
-    run.compile_choice (config.yaml)."""
+    holds in what is left of it (rank 0 measures, the same for every rank: `vitkit.training.compile`). Printed, and
+    recorded in run.compile_choice (config.yaml)."""
     r = cfg.run
     choice = None
+    left = None if cfg.schedule.time_budget is None else max(0.0, float(cfg.schedule.time_budget) - budget_spent)
     if dist.main:
         choice = compile_mod.decide(r.compile, model, dist.device, batch=cfg.data.batch_size // dist.world,
                                     precision=precision, lowp_stream=r.lowp_stream, fast_gemm=r.fast_gemm,
-                                    steps=steps, world=dist.world, budget_s=cfg.schedule.time_budget)
+                                    steps=steps, world=dist.world, budget_s=left)
     choice = dist.broadcast(choice)
     r.compile_choice = choice.reason
     if dist.main:

@@ -175,7 +175,9 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
             raise TrainingError(f"{out} holds a run whose config differs in what a step means; resuming it would mix two "
                                 f"runs:\n  " + "\n  ".join(diffs) + "\nUse another run.out_dir, start fresh with --no-resume "
                                 f"(the old files move to {out}/previous-<time>/), or resume anyway with --force.")
-    run = prepare_run(cfg, dist, resumed_precision, max_steps=max_steps, done=done)  # data, model and settings checked before anything is written
+    spent = saved_state(saved_meta, float(cfg.schedule.time_budget), 0)[1] \
+        if ck is not None and cfg.schedule.time_budget is not None else 0.0  # the budget's earlier parts
+    run = prepare_run(cfg, dist, resumed_precision, max_steps=max_steps, done=done, budget_spent=spent)  # data, model and settings checked before anything is written
     if dist.main:
         if ck is None:  # a fresh start: whatever an earlier run left here moves aside, so its records do not mix with these
             checkpoint.set_aside(out)

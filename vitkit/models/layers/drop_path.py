@@ -39,8 +39,8 @@ class PatchDropout(nn.Module):
         if self.rate == 0.0 or not self.training:
             return x
         if is_fx_tracing():  # how many tokens to keep is computed from the input's length, unknown to a trace
-            raise UsageError("a model with patch_drop_rate is traced (torch.fx) in evaluation mode (model.eval()), "
-                             "where it drops no token")
+            raise UsageError("patch_drop_rate: trace the model (torch.fx) in evaluation mode (model.eval()), where "
+                             "it drops no token")
         p = self.num_prefix_tokens
         prefix, patches = x[:, :p], x[:, p:]  # (B, p, D), (B, N, D)
         B, N, D = patches.shape

@@ -400,20 +400,30 @@ def train(
 def _run_ranks(cmd: list[str]) -> int:
     """`vitkit train --nproc N`: torchrun and its ranks, waited for. A Ctrl-C at the terminal reaches torchrun too,
     which passes it to every rank: they stop at the same step and save it, so this waits for them (130 then); a
-    second Ctrl-C stops waiting (KeyboardInterrupt) and ends torchrun."""
-    proc, interrupted = subprocess.Popen(cmd), False
-    while True:
+    second Ctrl-C stops waiting (KeyboardInterrupt) and ends torchrun. The handler is this function's own, as the
+    ranks' are theirs: a process started with Ctrl-C ignored (SIG_IGN inherited, as by some job runners and test
+    workers) would otherwise miss it while its ranks stop and save, and end with torchrun's 1 instead of 130."""
+    interrupted = False
+
+    def on_ctrl_c(signum, frame) -> None:
+        nonlocal interrupted
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted = True
+        print("vitkit: Ctrl-C: waiting for the ranks to save the step in hand (Ctrl-C again aborts at once)",
+              file=sys.stderr, flush=True)
+
+    old = signal.signal(signal.SIGINT, on_ctrl_c)  # before torchrun starts: it gets the default handling, not SIG_IGN
+    try:
+        proc = subprocess.Popen(cmd)
         try:
-            code = proc.wait()
-            break
+            code = proc.wait()  # the handler returns on a first Ctrl-C, and the wait goes on
         except KeyboardInterrupt:
-            if interrupted:
-                proc.kill()
-                proc.wait()
-                raise
-            interrupted = True
-            print("vitkit: Ctrl-C: waiting for the ranks to save the step in hand (Ctrl-C again aborts at once)",
-                  file=sys.stderr, flush=True)
+            proc.kill()
+            proc.wait()
+            raise
+    finally:
+        signal.signal(signal.SIGINT, old)
     return 130 if interrupted else code
 
 

@@ -385,6 +385,34 @@ def test_ctrl_c_in_a_two_process_run_stops_every_rank_at_one_saved_step(tmp_path
     assert "vitkit: resume with: vitkit train --nproc 2 fashion-mnist " in err
 
 
+def test_the_ranks_wait_off_the_main_thread_and_a_ctrl_c_before_torchrun_starts():
+    """`vitkit train --nproc`'s wait (`_run_ranks`): called off the main thread (`vitkit.cli.main` in a thread), where
+    no handler can be installed, it still runs and returns the child's code; a Ctrl-C before the child is started is a
+    KeyboardInterrupt at once (the child would never see it), no child started; the handler restored either way."""
+    import threading
+
+    from vitkit import cli
+
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("code", cli._run_ranks([sys.executable, "-c", "raise SystemExit(3)"])))
+    t.start()
+    t.join()
+    assert out == {"code": 3}
+    before, started, real = signal.getsignal(signal.SIGINT), [], subprocess.Popen
+
+    def popen(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the child is not started yet
+        time.sleep(0.2)
+        started.append(1)
+        return real(*a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli.subprocess, "Popen", popen)
+        with pytest.raises(KeyboardInterrupt):
+            cli._run_ranks([sys.executable, "-c", "import time; time.sleep(30)"])
+    assert started == [] and signal.getsignal(signal.SIGINT) is before
+
+
 def test_a_closed_terminal_sighup_saves_the_step_in_hand_as_sigterm_does(tmp_path):
     """SIGHUP (the terminal or the ssh session closed) killed the run with nothing saved since the last checkpoint:
     it is handled as SIGTERM is, the step in hand saved (exit 129)."""

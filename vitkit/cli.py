@@ -402,28 +402,35 @@ def _run_ranks(cmd: list[str]) -> int:
     which passes it to every rank: they stop at the same step and save it, so this waits for them (130 then); a
     second Ctrl-C stops waiting (KeyboardInterrupt) and ends torchrun. The handler is this function's own, as the
     ranks' are theirs: a process started with Ctrl-C ignored (SIG_IGN inherited, as by some job runners and test
-    workers) would otherwise miss it while its ranks stop and save, and end with torchrun's 1 instead of 130."""
-    interrupted = False
+    workers) would otherwise miss it while its ranks stop and save, and end with torchrun's 1 instead of 130. Off the
+    main thread (`vitkit.cli.main` called in a thread) no handler can be installed: Python's own handling then."""
+    interrupted, proc = False, None
 
     def on_ctrl_c(signum, frame) -> None:
         nonlocal interrupted
-        if interrupted:
+        if interrupted or proc is None:  # a second Ctrl-C, or one before torchrun started (it would not have seen it)
             raise KeyboardInterrupt
         interrupted = True
-        print("vitkit: Ctrl-C: waiting for the ranks to save the step in hand (Ctrl-C again aborts at once)",
-              file=sys.stderr, flush=True)
+        os.write(2, b"vitkit: Ctrl-C: waiting for the ranks to save the step in hand (Ctrl-C again aborts at once)\n")
 
-    old = signal.signal(signal.SIGINT, on_ctrl_c)  # before torchrun starts: it gets the default handling, not SIG_IGN
+    try:  # before torchrun starts: it gets the default handling, not an inherited SIG_IGN
+        old, installed = signal.signal(signal.SIGINT, on_ctrl_c), True
+    except ValueError:  # not the main thread
+        old, installed = None, False
     try:
         proc = subprocess.Popen(cmd)
         try:
             code = proc.wait()  # the handler returns on a first Ctrl-C, and the wait goes on
         except KeyboardInterrupt:
-            proc.kill()
-            proc.wait()
-            raise
+            if installed or interrupted:
+                proc.kill()
+                proc.wait()
+                raise
+            interrupted = True  # Python's own handling (off the main thread): the first Ctrl-C, wait for the ranks
+            code = proc.wait()
     finally:
-        signal.signal(signal.SIGINT, old)
+        if installed:
+            signal.signal(signal.SIGINT, old if old is not None else signal.SIG_DFL)
     return 130 if interrupted else code
 
 

@@ -5,7 +5,7 @@ wall clock, a line per preset) with the CPU named.
 
     python benchmarks/time_to_accuracy.py run [--presets fashion-mnist fashion-mnist-long] [--seeds 0 1 2]
                                               [--tag intel207] [--out-dir runs/tta] [-- KEY=VALUE ...]
-    python benchmarks/time_to_accuracy.py report --tag intel207 [--plot docs/figures/time_to_accuracy.png]
+    python benchmarks/time_to_accuracy.py report --tag intel207 [amd26 ...] [--plot docs/figures/time_to_accuracy.png]
     python benchmarks/time_to_accuracy.py run --smoke        # a few steps per preset: checks the plumbing
 
 What is measured, and how:
@@ -106,29 +106,34 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(doc: dict, out: Path) -> None:
-    """Test top-1 against wall clock: each run's evaluations (its own clock) and its final point (the command's wall
-    time), a colour per preset, the CPU in the title."""
+def plot(docs: list[dict], out: Path) -> None:
+    """Test top-1 against wall clock, a panel per result file (a CPU and its session): each run's evaluations (its
+    own clock) and its final point (the command's wall time), a colour per preset, the CPU and precision named."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    colours = {}
-    for r in doc["runs"]:
-        c = colours.setdefault(r["preset"], f"C{len(colours)}")
-        xs = [p.get("time", 0) / 60 for p in r["points"][:-1]] + [r["seconds"] / 60]
-        ys = [100 * p.get("ema_acc1", p["acc1"]) for p in r["points"]]
-        ax.plot(xs, ys, "o-", color=c, alpha=0.8, label=r["preset"] if r["seed"] == min(
-            x["seed"] for x in doc["runs"] if x["preset"] == r["preset"]) else None)
-    ax.axhline(94, color="grey", lw=0.8, ls="--")
-    ax.axvline(30, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("wall clock (minutes; the last point: the whole vitkit train command)")
-    ax.set_ylabel("Fashion-MNIST test top-1 (%)")
-    ax.set_title(f"Time to accuracy, {doc['cpu']}", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, len(docs), figsize=(7 * len(docs), 4.2), sharex=True, sharey=True,
+                             squeeze=False)
+    colours: dict[str, str] = {}
+    for ax, doc in zip(axes[0], docs):
+        for r in doc["runs"]:
+            c = colours.setdefault(r["preset"], f"C{len(colours)}")
+            xs = [p.get("time", 0) / 60 for p in r["points"][:-1]] + [r["seconds"] / 60]
+            ys = [100 * p.get("ema_acc1", p["acc1"]) for p in r["points"]]
+            ax.plot(xs, ys, "o-", color=c, alpha=0.8, label=r["preset"] if r["seed"] == min(
+                x["seed"] for x in doc["runs"] if x["preset"] == r["preset"]) else None)
+        ax.axhline(94, color="grey", lw=0.8, ls="--")
+        ax.axvline(30, color="grey", lw=0.8, ls=":")
+        ax.set_xlim(left=0)
+        ax.set_xlabel("wall clock (minutes; the last point: the whole vitkit train command)")
+        precision = "/".join(sorted({r["precision"] for r in doc["runs"]}))
+        ax.set_title(f"{doc['cpu']}, {precision}", fontsize=9)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("Fashion-MNIST test top-1 (%)")
+    fig.suptitle("Time to accuracy on 2 cores", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
@@ -145,16 +150,17 @@ def main() -> None:
     r.add_argument("--smoke", action="store_true")
     r.add_argument("extra", nargs="*", help="KEY=VALUE overrides for every run (after --)")
     rep = sub.add_parser("report")
-    rep.add_argument("--tag", default="local")
+    rep.add_argument("--tag", nargs="+", default=["local"], help="one or more result files; the plot has a panel each")
     rep.add_argument("--plot", type=Path, default=None)
     args = p.parse_args()
     if args.cmd == "run":
         run(args)
     else:
-        doc = json.loads((RESULTS / f"time_to_accuracy_{args.tag}.json").read_text())
-        print(table(doc))
+        docs = [json.loads((RESULTS / f"time_to_accuracy_{tag}.json").read_text()) for tag in args.tag]
+        for tag, doc in zip(args.tag, docs):
+            print(f"{tag}:\n{table(doc)}")
         if args.plot:
-            plot(doc, args.plot)
+            plot(docs, args.plot)
             print(f"wrote {args.plot}")
 
 

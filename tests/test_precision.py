@@ -345,3 +345,19 @@ def test_smoke_of_a_named_model_trains_that_model_small(tmp_path):
     m = vitkit.load(out / "final.safetensors")
     c = m.config
     assert c.hybrid_layers is None and c.classifier == "token" and c.depth == 1 and c.embed_dim == 32  # smoke's width
+
+
+@pytest.mark.parametrize("info, name", [
+    # two VMs of this project that /proc/cpuinfo names alike: without AMX flags (model 207) and with them (167)
+    ({"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "207"},
+     "Intel(R) Xeon(R) Processor, family 6, model 207"),
+    ({"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "167"},
+     "Intel(R) Xeon(R) Processor, family 6, model 167"),
+    ({"model name": "AMD EPYC 9R45", "cpu family": "26"}, "AMD EPYC 9R45, family 26"),
+    ({}, "unknown CPU, family ?"),
+])
+def test_the_cpu_every_speed_is_printed_beside_is_named_to_its_model(monkeypatch, info, name):
+    from vitkit.machine import cpu
+
+    monkeypatch.setattr(cpu, "cpu_info", lambda: info)
+    assert cpu.cpu_model() == name

@@ -72,6 +72,8 @@ def machine_key(threads: bool = True) -> str:
 
 
 def cpu_model() -> str:
-    """`lscpu`'s model name and CPU family, as every CPU speed is reported beside."""
+    """`lscpu`'s model name, CPU family and model, as every CPU speed is reported beside (a cloud VM's model name
+    may be as bare as "Intel(R) Xeon(R) Processor" for chips as far apart as one with AMX and one without)."""
     info = cpu_info()
-    return f"{info.get('model name', 'unknown CPU')}, family {info.get('cpu family', '?')}"
+    model = f", model {info['model']}" if info.get("model") else ""
+    return f"{info.get('model name', 'unknown CPU')}, family {info.get('cpu family', '?')}{model}"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> None:
     path = RESULTS / f"time_to_accuracy_{args.tag}.json"
     doc = json.loads(path.read_text()) if path.exists() and not args.smoke else {"runs": []}
     doc["cpu"] = cpu_model()
+    doc["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     for preset in args.presets:
         for seed in args.seeds:
             if any(r["preset"] == preset and r["seed"] == seed for r in doc["runs"]):
@@ -129,11 +131,12 @@ def plot(docs: list[dict], out: Path) -> None:
         ax.set_xlim(left=0)
         ax.set_xlabel("wall clock (minutes; the last point: the whole vitkit train command)")
         precision = "/".join(sorted({r["precision"] for r in doc["runs"]}))
-        ax.set_title(f"{doc['cpu']}, {precision}", fontsize=9)
+        cores = f", {doc['cores']} cores" if doc.get("cores") else ""
+        ax.set_title(f"{doc['cpu']}{cores}, {precision}", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("Fashion-MNIST test top-1 (%)")
-    fig.suptitle("Time to accuracy on 2 cores", fontsize=10)
+    fig.suptitle("Time to accuracy", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

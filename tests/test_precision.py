@@ -355,6 +355,8 @@ def test_smoke_of_a_named_model_trains_that_model_small(tmp_path):
      "Intel(R) Xeon(R) Processor, family 6, model 167"),
     ({"model name": "AMD EPYC 9R45", "cpu family": "26"}, "AMD EPYC 9R45, family 26"),
     ({}, "unknown CPU, family ?"),
+    ({"CPU implementer": "0x41", "CPU part": "0xd0c"}, "unknown CPU, family ?"),  # aarch64: no family, no model
+    ({"cpu": "POWER9 (raw), altivec supported", "model": "8335-GTH"}, "unknown CPU, family ?"),  # ppc64le: the board
 ])
 def test_the_cpu_every_speed_is_printed_beside_is_named_to_its_model(monkeypatch, info, name):
     from vitkit.machine import cpu

@@ -75,5 +75,6 @@ def cpu_model() -> str:
     """`lscpu`'s model name, CPU family and model, as every CPU speed is reported beside (a cloud VM's model name
     may be as bare as "Intel(R) Xeon(R) Processor" for chips as far apart as one with AMX and one without)."""
     info = cpu_info()
-    model = f", model {info['model']}" if info.get("model") else ""
+    # x86's model number; on other CPUs /proc/cpuinfo has no family, and a "model" there may be the board's
+    model = f", model {info['model']}" if info.get("model") and info.get("cpu family") else ""
     return f"{info.get('model name', 'unknown CPU')}, family {info.get('cpu family', '?')}{model}"

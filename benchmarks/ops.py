@@ -8,7 +8,7 @@ Python threads, and token dropping.
     python benchmarks/ops.py muon          # the fashion-mnist presets' training step (batch 128) with AdamW and with Muon
     python benchmarks/ops.py gemm          # GFLOP/s of every GEMM path (vitkit.machine.gemm) on S/16 and B/16 shapes
     python benchmarks/ops.py attention     # fp32/bf16 attention core: F.scaled_dot_product_attention vs matmul-softmax-matmul
-    python benchmarks/ops.py eval-batch    # fashion-mnist-fast's 10-view evaluation at batch 64 to 1000 (NOTES 45)
+    python benchmarks/ops.py eval-batch    # the 10-view evaluation (flip-shift) at batch 64 to 1000 (NOTES 45)
     python benchmarks/ops.py stem-pool     # fashion-mnist-fast's training step with ResNet stages at 14x14 (NOTES 46)
     python benchmarks/ops.py step-parts    # fashion-mnist-fast's step: forward+backward, + clipping, + Muon or AdamW (NOTES 47)
     python benchmarks/ops.py split-batch   # its forward+backward at 1 and 2 threads, and as two Python threads of one (NOTES 47)
@@ -126,7 +126,7 @@ def muon() -> None:
 
 
 def eval_batch() -> None:
-    """The fashion-mnist presets' model evaluated as fashion-mnist-fast's trainer does where it computes in fp32
+    """The fashion-mnist presets' model evaluated as a trainer with `run.tta=flip-shift` does where it computes in fp32
     (`vitkit.evaluation.metrics.tta_log_probs`, 10 views: flips and one-pixel shifts, no grad), on 1,000 random
     images (the test set has 10,000) at evaluation batches of 64 to 1000 (1000: `data.eval_batch_size`'s old
     default, 256 its new)."""

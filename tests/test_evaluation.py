@@ -20,6 +20,19 @@ def test_tta_views_mirror_and_move_the_image():
     where = [tuple(v[0, 0].nonzero()[0].tolist()) for v in views[2::2]]  # the unmirrored moved views
     assert where == [(2, 3), (0, 3), (1, 4), (1, 2)]  # down, up, right, left by one pixel
     assert all(torch.equal(m, v.flip(-1)) for v, m in zip(views[2::2], views[3::2]))
+    # flip-shift2: flip-shift's ten views, then the image moved by two pixels each way and their mirrors
+    x7 = torch.zeros(1, 1, 7, 7)
+    x7[0, 0, 3, 4] = 1.0
+    two = tta_views(x7, "flip-shift2")
+    assert len(two) == 18
+    noise = torch.rand(2, 3, 7, 7)  # edges that are not zero: the one-pixel views replicate them as flip-shift does
+    assert all(torch.equal(a, b) for a, b in zip(tta_views(noise, "flip-shift2"), tta_views(noise, "flip-shift")))
+    where = [tuple(v[0, 0].nonzero()[0].tolist()) for v in two[10::2]]
+    assert where == [(5, 4), (1, 4), (3, 6), (3, 2)]  # down, up, right, left by two pixels
+    assert all(torch.equal(m, v.flip(-1)) for v, m in zip(two[10::2], two[11::2]))
+    ramp = tta_views(torch.arange(1.0, 6.0).expand(1, 1, 5, 5), "flip-shift2")  # edges replicated, not zeros
+    assert ramp[14][0, 0, 0].tolist() == [1.0, 1.0, 1.0, 2.0, 3.0]  # moved right by two
+    assert ramp[16][0, 0, 0].tolist() == [3.0, 4.0, 5.0, 5.0, 5.0]  # moved left by two
     with pytest.raises(ValueError, match="unknown test-time augmentation 'rot90'"):
         tta_views(x, "rot90")
 
@@ -53,6 +66,16 @@ def test_flip_tta_averages_the_probabilities_of_image_and_mirror():
     got = tta_log_probs(top_vs_bottom, row, "flip-shift").exp()
     assert torch.allclose(got, manual, atol=1e-6)
     assert not torch.allclose(got, tta_log_probs(top_vs_bottom, row, "flip").exp(), atol=1e-3)  # 10 views, not 2
+
+
+def test_the_cli_offers_every_tta_mode():
+    import typing
+
+    from vitkit import cli
+    from vitkit.evaluation import TTA_MODES
+
+    for command in (cli.evaluate, cli.predict):
+        assert typing.get_args(typing.get_type_hints(command)["tta"]) == TTA_MODES, command.__name__
 
 
 def test_trainer_rejects_a_bad_tta_before_training(tmp_path):

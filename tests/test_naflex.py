@@ -294,6 +294,15 @@ def test_an_image_folder_trains_and_evaluates_at_native_aspect(tmp_path):
     report = json.loads((run / "eval_report.json").read_text())
     assert report["n"] == 8 and report["max_patches"] == 9 and report["skipped"] == 0
     assert main(["train", *args[:-3], "aug.mixup=0.8", f"run.out_dir={tmp_path / 'mix'}"]) == 2  # one size per batch
+    # shifted test-time views need one size per batch too: refused before any training, loading or output
+    assert main(["train", *args[:-3], "run.tta=flip-shift2", f"run.out_dir={tmp_path / 'shift'}"]) == 2
+    assert not (tmp_path / "shift" / "checkpoints").exists()
+    assert main(["eval", str(run / "final.safetensors"), "--data", str(tmp_path), "--max-patches", "9", "--tta",
+                 "flip-shift", "--out", str(tmp_path / "shift_eval")]) == 2
+    assert not (tmp_path / "shift_eval").exists()
+    assert main(["predict", str(tmp_path / "val" / "a" / "0.png"), "--checkpoint", str(run / "final.safetensors"),
+                 "--max-patches", "9", "--tta", "flip-shift2", "--out", str(tmp_path / "shift.jsonl")]) == 2
+    assert not (tmp_path / "shift.jsonl").exists()
 
 
 @pytest.mark.parametrize("name", ["timm_gap", "timm_map", "timm_par_gap", "timm_siglip"])

@@ -33,7 +33,7 @@ from .errors import UsageError, VitkitError
 from .training.budget import START_ENV, command_started
 from .evaluation import evaluate as _evaluate
 from .evaluation import fewshot as _fewshot
-from .evaluation import save_confusion_png, write_report
+from .evaluation import check_tta, save_confusion_png, write_report
 from .evaluation.knn import knn as _knn
 from .inference.backends import ExportedModel, PackageModel, inference_engine, load_for_inference
 from .inference.export import export_model
@@ -451,7 +451,7 @@ def evaluate(
     out: str | None = None,
     batch_size: int = 256,
     num_workers: int = 2,
-    tta: Literal["none", "flip", "flip-shift"] = "none",
+    tta: Literal["none", "flip", "flip-shift", "flip-shift2"] = "none",
     device: str = "auto",
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
     backend: Literal["torch", "auto", "aoti", "onnx", "openvino"] = "torch",
@@ -469,7 +469,8 @@ def evaluate(
         batch_size: images per forward pass.
         num_workers: decoding workers for folder datasets.
         tta: test-time augmentation: the mean probabilities of the image and its mirror (flip), and of both
-            moved by one pixel each way (flip-shift, 10 views). For models trained with flips.
+            moved by one pixel each way (flip-shift, 10 views), or by one and two (flip-shift2, 18 views). For models
+            trained with flips.
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.
         precision: auto (bf16 where measured faster than fp32 on this machine for this model, else fp32) | fp32 |
             bf16 | fp16 (GPU).
@@ -482,6 +483,7 @@ def evaluate(
             user): its native code runs in this process with your permissions (docs/safety.md). Without it such a
             package is refused.
     """
+    check_tta(tta, packed=bool(max_patches))  # before the model loads
     for f in ("eval_report.json", "confusion.png"):  # the outputs' folder and files checked before the work
         check_output(output_dir(Path(out) if out else Path(checkpoint).parent, make=False) / f)
     model, backend = load_for_inference(checkpoint, backend, trust_package)
@@ -669,7 +671,7 @@ def predict(
     batch_size: int = 32,
     num_workers: int = 2,
     progress: bool = True,
-    tta: Literal["none", "flip", "flip-shift"] = "none",
+    tta: Literal["none", "flip", "flip-shift", "flip-shift2"] = "none",
     device: str = "auto",
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto",
     backend: Literal["torch", "auto", "aoti", "onnx", "openvino"] = "torch",

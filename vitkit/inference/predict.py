@@ -884,7 +884,7 @@ def predict_images(images: Sequence[str], checkpoint: str, *, top_k: int = 3, ou
     choose the engine (`inference.backends.inference_engine`) and `run` them, the records written to `out` (else
     stdout) in `format`. The arguments are the command's (`vitkit predict --help`)."""
     fmt = resolve_format(format, out)
-    check_tta(tta)
+    check_tta(tta, packed=bool(max_patches))
     if out is not None:
         check_output(out)  # before the model loads: a FIFO, device, folder or link as --out is refused at once
     if batch_size < 1 or num_workers < 0 or top_k < 1:

@@ -180,8 +180,9 @@ class RunConfig:
     threads: CPU threads (None: torch's default).
     deterministic: deterministic algorithms (bitwise resume on CPU).
     eval_every: evaluate every this many epochs (fractions too: 0.5 is twice an epoch), and at the end (0: only there).
-    tta: test-time augmentation of those evaluations: "none", "flip" (the image and its mirror) or "flip-shift"
-        (also moved by one pixel each way: 10 views); the mean of the views' probabilities is the prediction.
+    tta: test-time augmentation of those evaluations: "none", "flip" (the image and its mirror), "flip-shift"
+        (also moved by one pixel each way: 10 views) or "flip-shift2" (by one and by two pixels: 18 views); the mean
+        of the views' probabilities is the prediction.
     ckpt_every: write the resumable checkpoint every this many steps (and at every epoch end and the end; 0: only there).
     log_every: log every this many steps, and at the end (0: only there).
     fewshot: a dataset (fashion-mnist, digits, a folder, ...) on which every evaluation also measures few-shot

@@ -322,6 +322,7 @@ def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
 def _check_packed(cfg: TrainConfig, model: nn.Module) -> None:
     """What native-aspect (packed) training cannot combine with, said before any work."""
     a = cfg.aug
+    check_tta(cfg.run.tta, "run.tta", packed=True)  # shifted views need one size per batch
     if getattr(model.config, "arch", "") != "vit" or model.config.hybrid_layers is not None:
         raise UsageError("data.max_patches (packed batches of mixed sizes) trains plain ViTs, not hybrids, BiT or Swin")
     if a.mixup or a.cutmix or a.randaugment or a.random_erasing or a.crop == "pad":

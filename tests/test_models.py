@@ -476,6 +476,72 @@ def test_hybrid_without_the_stem_pool_keeps_twice_the_resolution(tmp_path, capsy
         torch.testing.assert_close(bare(x), m(x), rtol=0, atol=0)
 
 
+def test_hybrid_with_batchnorm(tmp_path, capsys):
+    """hybrid_norm="batch": every norm of the hybrid's ResNet is a BatchNorm (batch statistics in training, running
+    ones in eval); a vitkit file, and a bare one (its running statistics name the kind), keep it; timm and the official
+    format refuse it; damaged statistics are refused by name; a frozen backbone keeps its statistics."""
+    from safetensors.torch import load_file
+    from vitkit.errors import CheckpointError
+
+    kw = dict(img_size=28, in_chans=1, patch_size=4, hybrid_layers=(2,), hybrid_width=0.5, embed_dim=48, depth=1,
+              num_heads=3, mlp_dim=96, num_classes=10)
+    torch.manual_seed(0)
+    m = vitkit.create_model("r26_vit_s32", hybrid_norm="batch", **kw)
+    norms = [mod for n, mod in m.patch_embed.backbone.named_modules() if n.endswith("norm") or ".norm" in n]
+    assert len(norms) == 1 + 2 * 3 + 1 and all(isinstance(n, torch.nn.BatchNorm2d) for n in norms)
+    assert not any(isinstance(mod, torch.nn.GroupNorm) for mod in m.modules())
+    x = torch.randn(6, 1, 28, 28) * 2 + 1
+    with torch.no_grad():
+        m.train()  # (features: the head starts at zero)
+        a, b = m.forward_features(x[:3]), m.forward_features(torch.cat([x[:1], x[3:]]))
+        assert not torch.allclose(a[0], b[0], atol=1e-3)  # training: sample 0 normalised with its batch's statistics
+        assert float(m.patch_embed.backbone.stem.norm.running_mean.abs().sum()) > 0
+        m.eval()
+        a, b = m.forward_features(x[:3]), m.forward_features(torch.cat([x[:1], x[3:]]))
+        torch.testing.assert_close(a[0], b[0])  # eval: the running statistics, the same for any batch
+    with pytest.raises(ValueError, match="hybrid_norm must be one of"):
+        vitkit.create_model("r26_vit_s32", hybrid_norm="layer", **kw)
+    with pytest.raises(ValueError, match="set hybrid_layers too"):
+        vitkit.create_model("vit_ti16", img_size=28, in_chans=1, patch_size=4, hybrid_norm="batch")
+    f = vitkit.export(m, tmp_path / "m.safetensors", to="vitkit")
+    back = vitkit.load(f).eval()
+    assert back.config.hybrid_norm == "batch"
+    from vitkit import cli
+    assert cli.main(["info", str(f)]) == 0
+    assert "hybrid_norm: batch" in capsys.readouterr().out
+    for to in ("timm", "npz"):
+        with pytest.raises(CheckpointError, match="hybrid_norm=.batch."):
+            vitkit.export(m, tmp_path / to, to=to)
+    sd = {k: v.contiguous() for k, v in m.state_dict().items()}
+    save_file(sd, str(tmp_path / "bare.safetensors"))
+    bare = vitkit.load(tmp_path / "bare.safetensors", num_heads=3).eval()
+    assert bare.config.hybrid_norm == "batch"
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), m(x), rtol=0, atol=0)
+        torch.testing.assert_close(bare(x), m(x), rtol=0, atol=0)
+    key = "patch_embed.backbone.stages.0.blocks.1.norm2.running_var"
+    for path in (f, tmp_path / "bare.safetensors"):
+        bad = load_file(str(path))
+        bad[key] = bad[key].clone()
+        bad[key][3] = -1.0
+        save_file(bad, str(tmp_path / "bad.safetensors"), metadata=safe_open_metadata(path))
+        with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
+            vitkit.load(tmp_path / "bad.safetensors", num_heads=3)
+    for p in m.patch_embed.backbone.parameters():  # a frozen backbone (a linear probe, LoRA): its statistics stay
+        p.requires_grad_(False)
+    m.train()
+    assert not m.patch_embed.backbone.training and m.blocks.training
+    before = m.patch_embed.backbone.stem.norm.running_mean.clone()
+    m(x)
+    torch.testing.assert_close(m.patch_embed.backbone.stem.norm.running_mean, before, rtol=0, atol=0)
+
+
+def safe_open_metadata(path) -> dict[str, str] | None:
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        return f.metadata()
+
+
 def test_official_initialisation():
     m = vitkit.create_model("vit_b16", depth=2)
     assert torch.count_nonzero(m.cls_token) == 0

@@ -128,7 +128,7 @@ def info(checkpoint: str, num_heads: int | None = None, json_out: bool = False) 
     if c["arch"] == "vit":  # the later ViTs' options that are on (LayerScale, registers, RoPE, ...)
 
         defaults = ViTConfig().to_dict()
-        modern = ["hybrid_stem_pool", "init_values", "reg_tokens", "no_embed_class", "pre_norm", "patch_bias", "qk_norm",
+        modern = ["hybrid_stem_pool", "hybrid_norm", "init_values", "reg_tokens", "no_embed_class", "pre_norm", "patch_bias", "qk_norm",
                   "attn_norm", "mlp_layer", "mlp_norm", "rope", "rope_ref_grid", "k_bias", "fc_norm", "dynamic_img_size"]
         every = dataclasses.asdict(ViTConfig())  # to_dict leaves out the later fields at their defaults
         for k in modern:

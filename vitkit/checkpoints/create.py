@@ -77,7 +77,8 @@ def _timm_model(name: str, overrides: dict, checkpoint_path=None) -> nn.Module:
 
 
 # what a checkpoint must share with the model its name builds (create_model's checkpoint_path)
-_STRUCTURE = {"vit": ("embed_dim", "depth", "num_heads", "patch_size", "hybrid_layers", "hybrid_stem_pool", "mlp_dim",
+_STRUCTURE = {"vit": ("embed_dim", "depth", "num_heads", "patch_size", "hybrid_layers", "hybrid_stem_pool", "hybrid_norm",
+                      "mlp_dim",
                       "mlp_layer", "rope", "class_token", "reg_tokens", "pos_embed", "res_post_norm", "num_kv_heads",
                       "kv_full_blocks"),
               "resnetv2": ("layers", "width_factor", "channels"),

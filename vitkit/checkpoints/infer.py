@@ -98,6 +98,8 @@ def infer_vit_config(sd: dict[str, torch.Tensor], hints: dict, img_size_if_unkno
         if not isinstance(pool, bool):
             raise CheckpointError(f"hybrid_stem_pool must be True or False, got {pool!r}")
         cfg["hybrid_stem_pool"] = pool
+        # BatchNorm's running statistics name the norm kind (GroupNorm has none)
+        cfg["hybrid_norm"] = "batch" if "patch_embed.backbone.stem.norm.running_var" in sd else "group"
         stride = backbone_stride(cfg["hybrid_layers"], cfg["hybrid_stem_pool"])
         patch = (k[0] * stride, k[1] * stride)
     elif "patch_embed.backbone.0.conv.weight" in sd:  # a conv stem (MobileCLIP's MCi): each layer's channels, kernel

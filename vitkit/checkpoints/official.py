@@ -118,6 +118,8 @@ def from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
          getattr(config, "fc_norm", False) or not getattr(config, "final_norm", True)),
         ("a hybrid stem without its max-pool (hybrid_stem_pool=False)",
          config.hybrid_layers is not None and not getattr(config, "hybrid_stem_pool", True)),
+        ("a hybrid ResNet with BatchNorm (hybrid_norm='batch')",
+         config.hybrid_layers is not None and getattr(config, "hybrid_norm", "group") != "group"),
     ) if has]
     if cannot:
         raise CheckpointError(f"the official format cannot hold {', '.join(cannot)}; export to vitkit or timm")

@@ -286,6 +286,9 @@ def vit_from_vitkit(sd: dict[str, torch.Tensor], config) -> dict[str, torch.Tens
     if config.hybrid_layers is not None and not getattr(config, "hybrid_stem_pool", True):
         raise CheckpointError("timm's hybrid ResNets keep the stem's max-pool: a hybrid built with "
                               "hybrid_stem_pool=False has no timm equivalent (export to vitkit)")
+    if config.hybrid_layers is not None and getattr(config, "hybrid_norm", "group") != "group":
+        raise CheckpointError("timm's ViT hybrids hold GroupNorm ResNets: a hybrid built with hybrid_norm='batch' has "
+                              "no timm equivalent (export to vitkit)")
     eva = eva_style(config)
     if eva and (config.hybrid_layers is not None or getattr(config, "conv_stem", None) is not None or config.distilled):
         raise CheckpointError("timm's Eva (rotary embeddings, SwiGLU) has no hybrid backbone or distillation token")

@@ -17,6 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .layers import DropPath, Linear, StdConv2d, pad_same
+from .layers.conv_stem import BN_EPS, CheckedBatchNorm2d
 from .layers.tracing import is_fx_tracing
 from .timm_api import TimmModelApi, check_avg_pool, check_class_names, check_num_classes
 from ..errors import UsageError
@@ -30,20 +31,33 @@ def _gn(chans: int, eps: float) -> nn.GroupNorm:
     return nn.GroupNorm(32, chans, eps=eps)
 
 
+HYBRID_NORMS = ("group", "batch")
+
+
+def _norm_factory(kind: str, gn_eps: float):
+    """The hybrid ResNet's norm: "group", the paper's GroupNorm(32) (eps `gn_eps`); "batch", BatchNorm2d (torch's
+    eps 1e-5, momentum 0.1; its running statistics in eval mode): not in timm or the official format."""
+    if kind == "group":
+        return lambda chans: _gn(chans, gn_eps)
+    if kind == "batch":
+        return lambda chans: CheckedBatchNorm2d(chans, eps=BN_EPS)
+    raise UsageError(f"hybrid_norm must be one of {HYBRID_NORMS}, got {kind!r}")
+
+
 class Bottleneck(nn.Module):
     """Post-activation bottleneck of the official hybrid: relu(norm3(conv3(...)) + shortcut)."""
 
-    def __init__(self, in_chs: int, out_chs: int, stride: int, conv, gn_eps: float) -> None:
+    def __init__(self, in_chs: int, out_chs: int, stride: int, conv, norm) -> None:
         super().__init__()
         mid = out_chs // 4
         self.downsample = None
         if in_chs != out_chs or stride != 1:
             self.downsample = nn.Module()
             self.downsample.conv = conv(in_chs, out_chs, 1, stride)
-            self.downsample.norm = _gn(out_chs, gn_eps)
-        self.conv1, self.norm1 = conv(in_chs, mid, 1), _gn(mid, gn_eps)
-        self.conv2, self.norm2 = conv(mid, mid, 3, stride), _gn(mid, gn_eps)
-        self.conv3, self.norm3 = conv(mid, out_chs, 1), _gn(out_chs, gn_eps)
+            self.downsample.norm = norm(out_chs)
+        self.conv1, self.norm1 = conv(in_chs, mid, 1), norm(mid)
+        self.conv2, self.norm2 = conv(mid, mid, 3, stride), norm(mid)
+        self.conv3, self.norm3 = conv(mid, out_chs, 1), norm(out_chs)
         nn.init.zeros_(self.norm3.weight)  # official: gn3 scale starts at zero
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +97,7 @@ class ResNetBackbone(nn.Module):
         padding: "same" (official JAX and timm hybrids) or "symmetric".
         ws_eps, ws_eps_mode: weight standardisation; the official code adds 1e-5 to the std.
         gn_eps: GroupNorm epsilon (flax default 1e-6).
+        norm: "group" (the paper's GroupNorm) or "batch" (BatchNorm2d; `_norm_factory`).
         stem_pool: the stem's max-pool; False leaves the first stage at half the input's resolution (not the paper's:
             for small images, where a 28 px image would otherwise reach its first stage at 7x7).
     """
@@ -98,9 +113,11 @@ class ResNetBackbone(nn.Module):
         ws_eps: float = 1e-5,
         ws_eps_mode: str = "std",
         gn_eps: float = 1e-6,
+        norm: str = "group",
     ) -> None:
         super().__init__()
         width = int(64 * width_factor)
+        make_norm = _norm_factory(norm, gn_eps)
 
         def conv(i: int, o: int, k: int, s: int = 1) -> StdConv2d:
             return StdConv2d(i, o, k, s, padding=padding, eps=ws_eps, eps_mode=ws_eps_mode)
@@ -108,11 +125,11 @@ class ResNetBackbone(nn.Module):
         self.same, self.stem_pool = padding == "same", stem_pool
         self.stem = nn.Module()
         self.stem.conv = conv(in_chans, width, 7, 2)
-        self.stem.norm = _gn(width, gn_eps)
+        self.stem.norm = make_norm(width)
         stages, in_chs = [], width
         for i, n in enumerate(layers):
             out_chs = width * 4 * 2**i
-            blocks = [Bottleneck(in_chs if j == 0 else out_chs, out_chs, (1 if i == 0 else 2) if j == 0 else 1, conv, gn_eps) for j in range(n)]
+            blocks = [Bottleneck(in_chs if j == 0 else out_chs, out_chs, (1 if i == 0 else 2) if j == 0 else 1, conv, make_norm) for j in range(n)]
             stages.append(_Stage(blocks))
             in_chs = out_chs
         self.stages = nn.Sequential(*stages)
@@ -121,6 +138,15 @@ class ResNetBackbone(nn.Module):
         for m in self.modules():
             if isinstance(m, StdConv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def train(self, mode: bool = True) -> ResNetBackbone:
+        """As nn.Module's, but a frozen backbone with BatchNorm (no parameter requires a gradient: a linear probe,
+        LoRA) stays in eval mode, so that its norms keep their running statistics (as `ConvStem` does)."""
+        super().train(mode)
+        if mode and not any(p.requires_grad for p in self.parameters()):
+            for m in self.modules():
+                m.training = False
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.stem.norm(self.stem.conv(x)))  # (B, C, H, W) -> (B, w, H/2, W/2)

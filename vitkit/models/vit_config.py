@@ -26,7 +26,7 @@ from .layers.norm import NORMS
 from .layers.rope import ROPE_KINDS
 from .layers.patch_embed import to_2tuple
 from .layers.pos_embed import RESAMPLE_METHODS
-from .resnet import backbone_stride
+from .resnet import HYBRID_NORMS, backbone_stride
 from ..errors import UsageError
 from ..safety import check_sizes, check_types
 
@@ -39,7 +39,7 @@ ROPE_INDEXING = ("ij", "xy")
 _LATER_FIELDS = {"res_post_norm": False, "num_kv_heads": None, "kv_full_blocks": 0, "rel_pos_dim": 128,
                  "rel_pos_shared": False, "attn_only_layer_scale": False,
                  "conv_stem": None, "conv_stem_kernels": (), "conv_stem_strides": (), "attn_layer": "standard",
-                 "hybrid_stem_pool": True, "patch_drop_rate": 0.0}
+                 "hybrid_stem_pool": True, "patch_drop_rate": 0.0, "hybrid_norm": "group"}
 POS_EMBEDS = {
     "learned_1d": LearnedPosEmbed1d,
     "learned_2d": LearnedPosEmbed2d,
@@ -56,8 +56,8 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
               ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_dim",
                "classifier", "representation_size", "drop_rate", "attn_drop_rate", "drop_path_rate", "qkv_bias", "act",
                "norm_eps", "hybrid_layers", "hybrid_width", "hybrid_ws_eps", "hybrid_ws_eps_mode", "hybrid_gn_eps")),
-    "stem": ("the stem: the hybrid ResNet's max-pool or a convolutional stem (MobileCLIP's MCi)",
-             ("hybrid_stem_pool", "conv_stem", "conv_stem_kernels", "conv_stem_strides")),
+    "stem": ("the stem: the hybrid ResNet's max-pool and norm, or a convolutional stem (MobileCLIP's MCi)",
+             ("hybrid_stem_pool", "hybrid_norm", "conv_stem", "conv_stem_kernels", "conv_stem_strides")),
     "position": ("position and rotary embeddings",
                  ("pos_embed", "no_embed_class", "pos_resample", "pos_resample_square", "dynamic_img_size", "rope",
                   "rope_ref_grid", "rope_temperature", "rope_indexing", "rope_offset", "rope_half", "rel_pos_dim",
@@ -103,6 +103,9 @@ class ViTConfig:
         hybrid_stem_pool: the hybrid ResNet stem's 3x3/2 max-pool (the paper's); False halves the backbone's stride,
             for small images (a 28 px image then reaches the first stage at 14x14, not 7x7; not in timm or the
             official format).
+        hybrid_norm: the hybrid ResNet's norms: "group", the paper's GroupNorm (32 groups, eps hybrid_gn_eps); "batch",
+            BatchNorm2d (eps 1e-5, running statistics in eval mode; the convs stay weight-standardised; not in timm
+            or the official format).
         conv_stem: a convolutional stem, the hybrid's other backbone kind (`layers/conv_stem.py`): the output
             channels of each conv + BatchNorm + exact GELU layer before the patch embedding, which is the stem's last
             conv (MobileCLIP's MCi: (192, 192), then the 768-wide 2x2/2 embedding); None: none. patch_size is then
@@ -218,6 +221,7 @@ class ViTConfig:
     hybrid_gn_eps: float = 1e-6
     # ---- the stem ----
     hybrid_stem_pool: bool = True
+    hybrid_norm: str = "group"
     conv_stem: tuple[int, ...] | None = None
     conv_stem_kernels: tuple[int, ...] = ()
     conv_stem_strides: tuple[int, ...] = ()
@@ -366,14 +370,17 @@ class ViTConfig:
             if any(n < 1 for n in self.hybrid_layers):
                 raise UsageError(f"hybrid_layers {self.hybrid_layers}: every stage needs at least one block "
                                  f"(() is the ResNet stem alone)")
-            if (64 * self.hybrid_width) % 32:  # the ResNet's GroupNorms have 32 groups; its narrowest is 64 * width
+            if self.hybrid_norm not in HYBRID_NORMS:
+                raise UsageError(f"hybrid_norm must be one of {HYBRID_NORMS}, got {self.hybrid_norm!r}")
+            if self.hybrid_norm == "group" and (64 * self.hybrid_width) % 32:  # 32 groups; the narrowest is 64 * width
                 raise UsageError(f"hybrid_width {self.hybrid_width}: must be a multiple of 0.5 (GroupNorm's 32 groups)")
             stride = backbone_stride(self.hybrid_layers, self.hybrid_stem_pool)
             if any(p % stride for p in self.patch_size):
                 raise UsageError(f"patch_size {self.patch_size} (the hybrid's total stride) is not a multiple of its "
                                  f"ResNet's stride {stride} ({len(self.hybrid_layers)} stage(s))")
-        elif not self.hybrid_stem_pool:
-            raise UsageError("hybrid_stem_pool=False describes a hybrid's ResNet stem: set hybrid_layers too")
+        elif not self.hybrid_stem_pool or self.hybrid_norm != "group":
+            raise UsageError(f"{'hybrid_stem_pool=False' if not self.hybrid_stem_pool else 'hybrid_norm'} describes a "
+                             f"hybrid's ResNet: set hybrid_layers too")
         self._check_conv_stem()
         for s, p in zip(self.img_size, self.patch_size):
             if s % p:

@@ -51,7 +51,7 @@ def make_patch_embed(c: ViTConfig) -> PatchEmbed:
     if c.hybrid_layers is not None:
         backbone = ResNetBackbone(c.hybrid_layers, width_factor=c.hybrid_width, in_chans=c.in_chans,
                                   ws_eps=c.hybrid_ws_eps, ws_eps_mode=c.hybrid_ws_eps_mode, gn_eps=c.hybrid_gn_eps,
-                                  stem_pool=c.hybrid_stem_pool)
+                                  stem_pool=c.hybrid_stem_pool, norm=c.hybrid_norm)
     embed = PatchEmbed(c.img_size, c.patch_size, c.in_chans, c.embed_dim, backbone, bias=c.patch_bias,
                        norm=norm_layer(c)(c.embed_dim) if c.patch_norm else None)
     embed.dynamic = c.dynamic_img_size

@@ -58,6 +58,17 @@ def _check_stat(name: str, t: torch.Tensor) -> None:
                               f"running statistics must be finite, the variance >= 0; the file is damaged")
 
 
+class CheckedBatchNorm2d(nn.BatchNorm2d):
+    """torch's BatchNorm2d, refusing running statistics that would give NaN when it is loaded (`_check_stat`): the
+    hybrid ResNet's norms with `hybrid_norm="batch"`."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        for stat in ("running_mean", "running_var"):
+            if prefix + stat in state_dict:
+                _check_stat(prefix + stat, state_dict[prefix + stat])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
 class ConvBnAct(nn.Module):
     """conv (no bias) -> BatchNorm2d -> exact GELU. In eval mode the norm uses its running statistics."""
 

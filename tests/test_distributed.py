@@ -166,3 +166,30 @@ def test_ranks_that_disagree_on_the_config_stop_with_a_clear_error(tmp_path):
     """)
     assert res.returncode != 0
     assert "the ranks disagree on the config" in res.stderr and "Every rank must run the same command" in res.stderr
+
+
+def test_fsdp_at_low_precision_refuses_batchnorm(tmp_path):
+    """FSDP2's mixed precision casts a BatchNorm's weight, not its running statistics, and torch's norm then refuses
+    the mix at the first step: a BatchNorm hybrid (or a conv stem) at bf16 under FSDP2 is refused up front; fp32 and
+    GroupNorm models are wrapped."""
+    import torch.distributed as tdist
+    import torch.nn.functional as F
+
+    import vitkit
+    from vitkit.errors import UsageError
+    from vitkit.training.distributed import Dist, wrap_model
+
+    x = torch.randn(2, 4, 3, 3, dtype=torch.bfloat16)  # the failure the refusal stands for
+    with pytest.raises(RuntimeError, match="expected scalar type"):
+        F.batch_norm(x, torch.zeros(4), torch.ones(4), torch.ones(4, dtype=torch.bfloat16),
+                     torch.zeros(4, dtype=torch.bfloat16), training=True)
+    kw = dict(img_size=28, in_chans=1, patch_size=4, hybrid_layers=(1,), hybrid_width=0.5, embed_dim=48, depth=1,
+              num_heads=3, mlp_dim=96, num_classes=10)
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        with pytest.raises(UsageError, match="run.strategy=fsdp at precision bf16 with BatchNorm"):
+            wrap_model(vitkit.create_model("r26_vit_s32", hybrid_norm="batch", **kw), Dist(), "fsdp", "bf16")
+        wrap_model(vitkit.create_model("r26_vit_s32", hybrid_norm="batch", **kw), Dist(), "fsdp", "fp32")
+        wrap_model(vitkit.create_model("r26_vit_s32", **kw), Dist(), "fsdp", "bf16")
+    finally:
+        tdist.destroy_process_group()

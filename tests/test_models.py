@@ -516,17 +516,34 @@ def test_hybrid_with_batchnorm(tmp_path, capsys):
     save_file(sd, str(tmp_path / "bare.safetensors"))
     bare = vitkit.load(tmp_path / "bare.safetensors", num_heads=3).eval()
     assert bare.config.hybrid_norm == "batch"
-    with torch.no_grad():
-        torch.testing.assert_close(back(x), m(x), rtol=0, atol=0)
-        torch.testing.assert_close(bare(x), m(x), rtol=0, atol=0)
-    key = "patch_embed.backbone.stages.0.blocks.1.norm2.running_var"
-    for path in (f, tmp_path / "bare.safetensors"):
-        bad = load_file(str(path))
-        bad[key] = bad[key].clone()
-        bad[key][3] = -1.0
-        save_file(bad, str(tmp_path / "bad.safetensors"), metadata=safe_open_metadata(path))
-        with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
-            vitkit.load(tmp_path / "bad.safetensors", num_heads=3)
+    # vitkit's numerics, not timm's (no timm hybrid has BatchNorm: running statistics make the file vitkit's)
+    assert (bare.config.hybrid_ws_eps, bare.config.hybrid_ws_eps_mode) == (m.config.hybrid_ws_eps, "std")
+    m.eval()
+    with torch.no_grad():  # the features (the zero-initialised head's logits are 0 for any weights)
+        torch.testing.assert_close(back.forward_features(x), m.forward_features(x), rtol=0, atol=0)
+        torch.testing.assert_close(bare.forward_features(x), m.forward_features(x), rtol=0, atol=0)
+    # damaged statistics, in each kind of position, refused by name: also where the cast to the buffer's float32
+    # would make them so (a float64 1e300 is inf) or where they are not floating point at all
+    for key, value, dtype in (("stem.norm.running_var", -1.0, torch.float32),
+                              ("stages.0.blocks.1.norm2.running_mean", float("nan"), torch.float32),
+                              ("stages.0.blocks.0.downsample.norm.running_var", float("inf"), torch.float32),
+                              ("stem.norm.running_mean", -1e300, torch.float64),
+                              ("stages.0.blocks.0.norm3.running_var", -1, torch.int64)):
+        key = "patch_embed.backbone." + key
+        for path in (f, tmp_path / "bare.safetensors"):
+            bad = load_file(str(path))
+            bad[key] = bad[key].clone().to(dtype)
+            bad[key][3] = value
+            save_file(bad, str(tmp_path / "bad.safetensors"), metadata=safe_open_metadata(path))
+            with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
+                vitkit.load(tmp_path / "bad.safetensors", num_heads=3)
+    # a GroupNorm model told to read a BatchNorm file (a preset's overrides over a checkpoint) says which to set
+    with pytest.raises(CheckpointError, match="BatchNorm in the checkpoint and GroupNorm in the model: set "
+                                              "hybrid_norm=batch"):
+        vitkit.load(f, hybrid_norm="group")
+    with pytest.raises(ValueError, match="whole number of channels"):
+        vitkit.create_model("r26_vit_s32", hybrid_norm="batch", **{**kw, "hybrid_width": 0.3})
+    assert "BatchNorm in the ResNet" in m.config.options()
     for p in m.patch_embed.backbone.parameters():  # a frozen backbone (a linear probe, LoRA): its statistics stay
         p.requires_grad_(False)
     m.train()

@@ -361,6 +361,13 @@ def load_state(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = Tru
     report = {"missing": missing, "unexpected": unexpected, "mismatched": mismatched}
     if strict and (missing or unexpected or mismatched):
         lines = [f"  {name} ({len(v)}): {', '.join(v[:12])}{' ...' if len(v) > 12 else ''}" for name, v in report.items() if v]
+        stats = [k for k in missing + unexpected if k.endswith(".running_var") and
+                 k.startswith(("patch_embed.backbone.stem.", "patch_embed.backbone.stages."))]
+        if stats:  # the hybrid's norm kind: BatchNorm has running statistics, GroupNorm none
+            lines.append(f"  the hybrid's ResNet has {'BatchNorm' if stats[0] in unexpected else 'GroupNorm'} in the "
+                         f"checkpoint and {'GroupNorm' if stats[0] in unexpected else 'BatchNorm'} in the model: set "
+                         f"hybrid_norm={'batch' if stats[0] in unexpected else 'group'} (a preset's "
+                         f"`model.overrides.hybrid_norm=...`)")
         raise CheckpointError("the checkpoint does not fit the model (strict=True):\n" + "\n".join(lines))
     fits = {k: v for k, v in sd.items() if k in own and v.shape == own[k].shape}
     model.load_state_dict(fits, strict=False)

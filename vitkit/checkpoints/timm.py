@@ -232,8 +232,8 @@ def vit_to_vitkit(w: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
                     sd[blk + f"mlp.fc1_g.{leaf}"], sd[blk + f"mlp.fc1_x.{leaf}"] = g, x
     if eva and "blocks.0.mlp.fc1_g.weight" in sd and "pos_embed.weight" in sd and "rope.freqs" not in sd:
         facts.update(EVA02_ROPE)  # (DINOv3-H+ has SwiGLU too, but no absolute position embedding)
-    if "patch_embed.backbone.stem.conv.weight" in sd:
-        facts.update(TIMM_HYBRID_NUMERICS)
+    if "patch_embed.backbone.stem.conv.weight" in sd and "patch_embed.backbone.stem.norm.running_var" not in sd:
+        facts.update(TIMM_HYBRID_NUMERICS)  # (running statistics: a BatchNorm hybrid, vitkit's own, its numerics)
     return sd, facts, unused
 
 

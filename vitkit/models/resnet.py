@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .layers import DropPath, Linear, StdConv2d, pad_same
-from .layers.conv_stem import BN_EPS, CheckedBatchNorm2d
+from .layers.batchnorm import BN_EPS, CheckedBatchNorm2d
 from .layers.tracing import is_fx_tracing
 from .timm_api import TimmModelApi, check_avg_pool, check_class_names, check_num_classes
 from ..errors import UsageError

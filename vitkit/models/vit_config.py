@@ -374,6 +374,8 @@ class ViTConfig:
                 raise UsageError(f"hybrid_norm must be one of {HYBRID_NORMS}, got {self.hybrid_norm!r}")
             if self.hybrid_norm == "group" and (64 * self.hybrid_width) % 32:  # 32 groups; the narrowest is 64 * width
                 raise UsageError(f"hybrid_width {self.hybrid_width}: must be a multiple of 0.5 (GroupNorm's 32 groups)")
+            if (64 * self.hybrid_width) % 1:  # BatchNorm: any whole number of channels in the stem
+                raise UsageError(f"hybrid_width {self.hybrid_width}: 64 x width must be a whole number of channels")
             stride = backbone_stride(self.hybrid_layers, self.hybrid_stem_pool)
             if any(p % stride for p in self.patch_size):
                 raise UsageError(f"patch_size {self.patch_size} (the hybrid's total stride) is not a multiple of its "
@@ -506,6 +508,7 @@ class ViTConfig:
               (f"relative position MLP{' shared by the blocks' if self.rel_pos_shared else ''}"
                if self.pos_embed == "relative_mlp" else ""),
               f"conv stem {self.conv_stem}" if self.conv_stem else "",
+              "BatchNorm in the ResNet" if self.hybrid_layers is not None and self.hybrid_norm == "batch" else "",
               f"grouped-query attention ({self.num_kv_heads} key/value heads)" if self.num_kv_heads else "",
               "differential attention" if self.attn_layer == "diff" else ""]
         return [o for o in on if o]

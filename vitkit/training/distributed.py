@@ -150,6 +150,10 @@ def wrap_model(model: nn.Module, dist: Dist, strategy: str, precision: str) -> n
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if low and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise UsageError(f"run.strategy=fsdp at precision {precision} with BatchNorm in the model (hybrid_norm=batch, a "
+                         f"conv stem): FSDP2 casts the norms' weights to {precision}, not their running statistics, "
+                         f"and the norm refuses the mix; use run.strategy=ddp or run.precision=fp32")
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
     for unit in shard_units(model):
         fully_shard(unit, mp_policy=policy)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...errors import CheckpointError, UsageError
+from ...errors import UsageError
+from .batchnorm import BN_EPS, CheckedBatchNorm2d, check_stat
 
-BN_EPS = 1e-5  # torch's and timm's BatchNorm2d default
 
 
 def stem_padding(kernel: int, stride: int) -> int:
@@ -45,46 +45,20 @@ def check_batchnorm_stats(sd: dict[str, torch.Tensor], prefix: str = "patch_embe
     `ConvBnAct` also checks what it is loaded with."""
     for k, t in sd.items():
         if k.startswith(prefix) and k.endswith((".running_var", ".running_mean")):
-            _check_stat(k, t)
-
-
-def _check_stat(name: str, t: torch.Tensor) -> None:
-    if not torch.is_tensor(t) or not t.is_floating_point():
-        return
-    bad = ~torch.isfinite(t) | (t < 0 if name.endswith("running_var") else torch.zeros_like(t, dtype=torch.bool))
-    if bad.any():
-        raise CheckpointError(f"{name} has {int(bad.sum())} {'negative or ' if name.endswith('var') else ''}non-finite "
-                              f"entr{'y' if int(bad.sum()) == 1 else 'ies'} (min {float(t.min()):g}): a BatchNorm's "
-                              f"running statistics must be finite, the variance >= 0; the file is damaged")
-
-
-class CheckedBatchNorm2d(nn.BatchNorm2d):
-    """torch's BatchNorm2d, refusing running statistics that would give NaN when it is loaded (`_check_stat`): the
-    hybrid ResNet's norms with `hybrid_norm="batch"`."""
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        for stat in ("running_mean", "running_var"):
-            if prefix + stat in state_dict:
-                _check_stat(prefix + stat, state_dict[prefix + stat])
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            check_stat(k, t)
 
 
 class ConvBnAct(nn.Module):
-    """conv (no bias) -> BatchNorm2d -> exact GELU. In eval mode the norm uses its running statistics."""
+    """conv (no bias) -> BatchNorm2d -> exact GELU. In eval mode the norm uses its running statistics, checked when
+    loaded (`CheckedBatchNorm2d`)."""
 
     def __init__(self, in_chs: int, out_chs: int, kernel: int, stride: int) -> None:
         super().__init__()
         self.conv = nn.Conv2d(in_chs, out_chs, kernel, stride, padding=stem_padding(kernel, stride), bias=False)
-        self.bn = nn.BatchNorm2d(out_chs, eps=BN_EPS)
+        self.bn = CheckedBatchNorm2d(out_chs, eps=BN_EPS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(self.bn(self.conv(x)))  # (B, C, H, W) -> (B, C', H/s, W/s)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
-        for stat in ("running_mean", "running_var"):  # every path that loads a stem: refused before NaN outputs
-            if prefix + "bn." + stat in state_dict:
-                _check_stat(prefix + "bn." + stat, state_dict[prefix + "bn." + stat])
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class ConvStem(nn.Sequential):

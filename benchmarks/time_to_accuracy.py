@@ -6,6 +6,7 @@ wall clock, a line per preset) with the CPU named.
     python benchmarks/time_to_accuracy.py run [--presets fashion-mnist fashion-mnist-long] [--seeds 0 1 2]
                                               [--tag intel207] [--out-dir runs/tta] [-- KEY=VALUE ...]
     python benchmarks/time_to_accuracy.py report --tag intel207 [amd26 ...] [--plot docs/figures/time_to_accuracy.png]
+    python benchmarks/time_to_accuracy.py report --tag xeon167+xeon167bn   # two files of one CPU: one table, one panel
     python benchmarks/time_to_accuracy.py run --smoke        # a few steps per preset: checks the plumbing
 
 What is measured, and how:
@@ -20,7 +21,9 @@ What is measured, and how:
 - Each row names the CPU (`lscpu` model name and family) and the precision the run took (`run.precision=auto`
   decides per machine; the run's log says which).
 
-Results: benchmarks/results/time_to_accuracy_<tag>.json (every run's points, seconds, final top-1), and the plot.
+Results: benchmarks/results/time_to_accuracy_<tag>.json (every run's points, seconds, final top-1), and the plot. A
+run's optional `label` (written by hand where a preset changed after the run: "fashion-mnist-fast (GroupNorm)")
+names its row and line in place of the preset.
 """
 from __future__ import annotations
 
@@ -97,8 +100,8 @@ def run(args: argparse.Namespace) -> None:
 def table(doc: dict) -> str:
     """The markdown table: preset, CPU, precision, seconds and top-1 (mean +- sample std over the seeds)."""
     lines = ["| preset | CPU | precision | seeds | seconds | test top-1 |", "|---|---|---|---:|---:|---:|"]
-    for preset in dict.fromkeys(r["preset"] for r in doc["runs"]):
-        rs = [r for r in doc["runs"] if r["preset"] == preset]
+    for preset in dict.fromkeys(_label(r) for r in doc["runs"]):
+        rs = [r for r in doc["runs"] if _label(r) == preset]
         acc, sec = [100 * r["top1"] for r in rs], [r["seconds"] for r in rs]
         sd = f" +- {statistics.stdev(acc):.2f}" if len(acc) > 1 else ""
         sd_s = f" +- {statistics.stdev(sec):.0f}" if len(sec) > 1 else ""
@@ -106,6 +109,18 @@ def table(doc: dict) -> str:
         lines.append(f"| {preset} | {cpu} | {'/'.join(sorted({r['precision'] for r in rs}))} | {len(rs)} | "
                      f"{statistics.mean(sec):.0f}{sd_s} | {statistics.mean(acc):.2f}{sd} |")
     return "\n".join(lines)
+
+
+def _label(r: dict) -> str:
+    return r.get("label", r["preset"])
+
+
+def joined(tags: str) -> dict:
+    """The result files `tags` names ("a+b": the runs of both, one CPU's sessions), as one document."""
+    docs = [json.loads((RESULTS / f"time_to_accuracy_{t}.json").read_text()) for t in tags.split("+")]
+    if len({d["cpu"] for d in docs}) > 1:
+        raise SystemExit(f"{tags}: the files name different CPUs ({sorted({d['cpu'] for d in docs})}): a panel is one CPU")
+    return {**docs[0], "runs": [r for d in docs for r in d["runs"]]}
 
 
 def plot(docs: list[dict], out: Path) -> None:
@@ -121,11 +136,11 @@ def plot(docs: list[dict], out: Path) -> None:
     colours: dict[str, str] = {}
     for ax, doc in zip(axes[0], docs):
         for r in doc["runs"]:
-            c = colours.setdefault(r["preset"], f"C{len(colours)}")
+            c = colours.setdefault(_label(r), f"C{len(colours)}")
             xs = [p.get("time", 0) / 60 for p in r["points"][:-1]] + [r["seconds"] / 60]
             ys = [100 * p.get("ema_acc1", p["acc1"]) for p in r["points"]]
-            ax.plot(xs, ys, "o-", color=c, alpha=0.8, label=r["preset"] if r["seed"] == min(
-                x["seed"] for x in doc["runs"] if x["preset"] == r["preset"]) else None)
+            ax.plot(xs, ys, "o-", color=c, alpha=0.8, label=_label(r) if r["seed"] == min(
+                x["seed"] for x in doc["runs"] if _label(x) == _label(r)) else None)
         ax.axhline(94, color="grey", lw=0.8, ls="--")
         ax.axvline(30, color="grey", lw=0.8, ls=":")
         ax.set_xlim(left=0)
@@ -153,13 +168,14 @@ def main() -> None:
     r.add_argument("--smoke", action="store_true")
     r.add_argument("extra", nargs="*", help="KEY=VALUE overrides for every run (after --)")
     rep = sub.add_parser("report")
-    rep.add_argument("--tag", nargs="+", default=["local"], help="one or more result files; the plot has a panel each")
+    rep.add_argument("--tag", nargs="+", default=["local"],
+                     help="one or more result files (a+b: two files of one CPU as one); the plot has a panel each")
     rep.add_argument("--plot", type=Path, default=None)
     args = p.parse_args()
     if args.cmd == "run":
         run(args)
     else:
-        docs = [json.loads((RESULTS / f"time_to_accuracy_{tag}.json").read_text()) for tag in args.tag]
+        docs = [joined(tag) for tag in args.tag]
         for tag, doc in zip(args.tag, docs):
             print(f"{tag}:\n{table(doc)}")
         if args.plot:

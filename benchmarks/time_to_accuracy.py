@@ -149,7 +149,7 @@ def plot(docs: list[dict], out: Path) -> None:
         ax.set_title(f"{doc['cpu']}{cores}, {precision}", fontsize=9)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    # every panel to the longest run (set per panel, a shared axis would keep the first panel's own range)
+    # every panel (sharex) to the longest run: without it the shared axis keeps the first panel's own range
     axes[0][0].set_xlim(0, 1.03 * max(r["seconds"] / 60 for doc in docs for r in doc["runs"]))
     axes[0][0].set_ylabel("Fashion-MNIST test top-1 (%)")
     fig.suptitle("Time to accuracy", fontsize=10)

@@ -72,7 +72,7 @@ def fashion_mnist_fast() -> TrainConfig:
     weights (no EMA: at this length it lags), one evaluation at the end over 18 views (flips, and shifts by one and
     two pixels: `run.tta=flip-shift2`). On a 2-core Intel Xeon with AMX (CPU family 6, model 167), where
     `run.precision=auto` takes bf16: 93.67 +- 0.13% (seeds 0, 1 and 2: 93.80%, 93.66%, 93.54%) in 1736 +- 26 s, in
-    20.7, 14.8 and 16.9 epochs while that VM ran 25-30% slower than for the GroupNorm runs. With GroupNorm (before
+    20.7, 14.8 and 16.9 epochs while that VM ran slower than for the GroupNorm runs. With GroupNorm (before
     section 51) it reached 93.72 +- 0.11% there (22.1-22.8 epochs, 1785 +- 2 s) and 93.67 +- 0.13% in 1781 +- 11 s
     on model 207 in fp32; `fashion-mnist-long` reached 94.11% in 4811 s on model 167. The choices, made on a held-out split of the training images:
     benchmarks/NOTES.md, sections 44 to 51; `python benchmarks/time_to_accuracy.py run --presets fashion-mnist-fast

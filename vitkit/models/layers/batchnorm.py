@@ -27,7 +27,8 @@ def check_stat(name: str, t: torch.Tensor, dtype: torch.dtype = torch.float32) -
         n = int(bad.sum())
         raise CheckpointError(f"{name} has {n} {'negative or ' if var else ''}non-finite entr{'y' if n == 1 else 'ies'} "
                               f"in {str(dtype).replace('torch.', '')} (min {float(t.min()):g}): a BatchNorm's running "
-                              f"statistics must be finite, the variance >= 0; the file is damaged")
+                              f"statistics must be finite, the variance >= 0; the file is damaged"
+                              f"{'' if dtype == torch.float32 else f' or holds values beyond the model dtype ({dtype})'}")
 
 
 class CheckedBatchNorm2d(nn.BatchNorm2d):

@@ -18,8 +18,9 @@ What is measured, and how:
   last point is the final evaluation at the command's wall time. The final number is the weights the preset saves as
   final.safetensors (the EMA's where the preset keeps one: `ema_acc1`, else `acc1`), evaluated once: no choice is
   made on the test set. Recipes are chosen elsewhere, on a held-out split (`data.val_split`; benchmarks/NOTES.md).
-- Each row names the CPU (`lscpu` model name and family) and the precision the run took (`run.precision=auto`
-  decides per machine; the run's log says which).
+- Each row names the CPU (`lscpu` model name and family; the ISA caps where the runs had them, `ONEDNN_MAX_CPU_ISA=AVX2
+  MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2`: a CPU without bf16) and the precision the run took
+  (`run.precision=auto` decides per machine; the run's log says which).
 
 Results: benchmarks/results/time_to_accuracy_<tag>.json (every run's points, seconds, final top-1), and the plot. A
 run's optional `label` (written by hand where a preset changed after the run: "fashion-mnist-fast (GroupNorm)")
@@ -76,13 +77,23 @@ def one_run(preset: str, seed: int, out: Path, extra: list[str], smoke: bool) ->
             "top1": final_top1(points), "command": " ".join(cmd[1:])}
 
 
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+
+
+def isa_caps() -> str:
+    """The instruction-set caps this process runs under (the runs inherit them), as the CPU's name says them: a CPU
+    with bf16 capped to AVX2 stands for one without it."""
+    caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k)]
+    return f" (capped: {' '.join(caps)})" if caps else ""
+
+
 def run(args: argparse.Namespace) -> None:
     from vitkit.data.datasets import load_dataset  # the data set read once, before any run is timed
 
     load_dataset("fashion-mnist")
     path = RESULTS / f"time_to_accuracy_{args.tag}.json"
     doc = json.loads(path.read_text()) if path.exists() and not args.smoke else {"runs": []}
-    doc["cpu"] = cpu_model()
+    doc["cpu"] = cpu_model() + isa_caps()
     doc["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     for preset in args.presets:
         for seed in args.seeds:

@@ -129,6 +129,7 @@ print("stack mapped:", alt_stack_mapped(), flush=True)
 signal.signal(signal.SIGCHLD, lambda *_: None)             # torch's DataLoader installs one after its first workers
 subprocess.run([sys.executable, "-c", "pass"], check=True)  # the child's exit delivers SIGCHLD to the main thread
 print("alive", flush=True)
+print("telemetry imported:", "openvino_telemetry" in sys.modules, flush=True)
 """
 
 
@@ -137,13 +138,19 @@ def test_openvino_engines_leave_signals_deliverable(tmp_path):
     """The sequence that killed `make test` (issue 41): OpenVINO engines made and freed in a process whose main thread
     has an alternate signal stack, then a Python signal handler and a child process. OpenVINO's CPU plugin unmaps
     the stack it gave the main thread when it is freed out of order; vitkit keeps one Core for the process, so
-    the stack stays mapped and the SIGCHLD is handled (before: "stack mapped: False", then SIGSEGV, exit -11)."""
+    the stack stays mapped and the SIGCHLD is handled (before: "stack mapped: False", then SIGSEGV, exit -11). The
+    export leaves the home directory alone (before: OpenVINO's converter telemetry wrote ~/intel/openvino_ga_cid)."""
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "HOME": str(home)}
     out = subprocess.run([sys.executable, "-c", SIGNALS_AFTER_OPENVINO, str(tmp_path / "m.xml")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "stack mapped: True" in out.stdout and "alive" in out.stdout, \
         (out.returncode, out.stdout, out.stderr[-2000:])
+    # the export went through no converter tool: OpenVINO's telemetry (which writes ~/intel/ and sends events
+    # where the user did not opt out) was never imported, and nothing was written to the home directory
+    assert "telemetry imported: False" in out.stdout and not any(home.iterdir()), (out.stdout, list(home.rglob("*")))
 
 
 def test_torch_export_program_and_int8_and_a_failing_export(tmp_path):

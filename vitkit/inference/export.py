@@ -395,12 +395,15 @@ def _export_openvino(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset:
     onnx_file = out.with_suffix(".tmp.onnx")
     try:
         _export_onnx(m, example, dyn, onnx_file, opset, None)
-        ovm = ov.convert_model(str(onnx_file))
+        # The runtime's own ONNX reader, not `ov.convert_model`: that goes through OpenVINO's converter tools, whose
+        # telemetry (openvino_telemetry, on unless the user ran `opt_in_out --opt_out`) writes ~/intel/ and sends
+        # Google Analytics events from a forked sender. vitkit writes only where it was told and calls no one.
+        ovm = openvino_core().read_model(str(onnx_file))
+        ovm.set_rt_info(json.dumps(m.config.to_dict()), ["vitkit_config"])
+        ov.save_model(ovm, str(out), compress_to_fp16=False)  # the default halves the weights: not an fp32 export
     finally:
         for f in (onnx_file, _external(onnx_file)):
             f.unlink(missing_ok=True)
-    ovm.set_rt_info(json.dumps(m.config.to_dict()), ["vitkit_config"])
-    ov.save_model(ovm, str(out), compress_to_fp16=False)  # the default halves the weights: not an fp32 export
     compiled = openvino_compile(out, "fp32")
     return lambda x: compiled(x)[0]
 

@@ -26,7 +26,7 @@ from torch import nn
 from ..cache import check_output
 from ..errors import CheckpointError, UsageError, VitkitError
 from ..machine import aoti
-from ..machine.engine_probe import EngineError, openvino_core
+from ..machine.engine_probe import EngineError, import_onnxruntime, import_openvino, openvino_core
 from ..machine.engine_probe import openvino_compile as compile_
 from ..models.layers.packing import PackedBatch, pack
 from ..models.lora import lora_layers, merge_lora
@@ -146,7 +146,7 @@ def _export_packed(model: nn.Module, out: Path, format: str, opset: int, toleran
         return _export_packed_aoti(model, out, tolerance, precision)
     try:
         import onnx  # optional: the [deploy] extra
-        import onnxruntime as ort  # optional: the [deploy] extra
+        ort = import_onnxruntime()  # optional: the [deploy] extra; its telemetry off
     except ImportError as e:
         raise UsageError("ONNX export needs onnx, onnxscript and onnxruntime: pip install 'vitkit[deploy]'") from e
     m = PackedInputs(_prepare(model, False))
@@ -357,7 +357,7 @@ class _quiet_exporter:
 def _export_onnx(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset: int, quantize: str | None):
     try:
         import onnx  # optional: the [deploy] extra
-        import onnxruntime as ort  # optional: the [deploy] extra
+        ort = import_onnxruntime()  # optional: the [deploy] extra; its telemetry off
     except ImportError as e:
         raise UsageError("ONNX export needs onnx, onnxscript and onnxruntime: pip install 'vitkit[deploy]'") from e
     fp32 = out if not quantize else out.with_name(out.stem + ".fp32.onnx")
@@ -387,7 +387,7 @@ def _export_openvino(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset:
     """The ONNX export (dynamic batch and size as asked) converted to an OpenVINO IR with fp32 weights, the config
     in its rt_info; returns a runner compiled for f32 on the CPU."""
     try:
-        import openvino as ov  # optional: the [openvino] extra
+        ov = import_openvino()  # optional: the [openvino] extra; its telemetry off
     except ImportError as e:
         raise UsageError("OpenVINO export needs openvino: pip install 'vitkit[openvino]'") from e
     if out.suffix != ".xml":
@@ -395,9 +395,7 @@ def _export_openvino(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset:
     onnx_file = out.with_suffix(".tmp.onnx")
     try:
         _export_onnx(m, example, dyn, onnx_file, opset, None)
-        # The runtime's own ONNX reader, not `ov.convert_model`: that goes through OpenVINO's converter tools, whose
-        # telemetry (openvino_telemetry, on unless the user ran `opt_in_out --opt_out`) writes ~/intel/ and sends
-        # Google Analytics events from a forked sender. vitkit writes only where it was told and calls no one.
+        # the runtime's own ONNX reader (the same frontend `ov.convert_model` uses, without the converter tools)
         ovm = openvino_core().read_model(str(onnx_file))
         ovm.set_rt_info(json.dumps(m.config.to_dict()), ["vitkit_config"])
         ov.save_model(ovm, str(out), compress_to_fp16=False)  # the default halves the weights: not an fp32 export

@@ -138,16 +138,17 @@ def installed(backend: str) -> str | None:
     try:
         if backend == "onnx":
             import onnx
-            import onnxruntime  # optional: the [deploy] extra
             import onnxscript
 
-            return onnxruntime.__version__
+            from .engine_probe import import_onnxruntime  # optional: the [deploy] extra
+
+            return import_onnxruntime().__version__
         if backend == "openvino":
             import onnx  # noqa: F401
             import onnxscript  # noqa: F401
-            import openvino  # optional: the [openvino] extra
+            from .engine_probe import import_openvino  # optional: the [openvino] extra
 
-            return openvino.get_version()
+            return import_openvino().get_version()
     except ImportError:
         return None
     return torch.__version__

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -25,6 +26,35 @@ _OV_CORE = None
 _OV_CORE_LOCK = threading.Lock()
 
 
+def import_onnxruntime():
+    """The `onnxruntime` module, imported with its telemetry off: onnxruntime 1.32 on Linux writes a device id and a
+    database under ~/.cache/Microsoft/DeveloperTools/ at import and has a telemetry client (Microsoft's 1DS
+    collector) unless ORT_DISABLE_TELEMETRY is set. vitkit sets it (where the environment does not already) before
+    the first import; the child processes vitkit starts inherit it. Raises ImportError where it is not installed."""
+    if "onnxruntime" not in sys.modules:
+        os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+    import onnxruntime  # optional: the [deploy] extra
+
+    return onnxruntime
+
+
+def import_openvino():
+    """The `openvino` module, imported with its usage telemetry off.
+
+    `import openvino` starts its converter tools' telemetry (the `openvino_telemetry` package, installed with it):
+    a Google Analytics event at every import, sent from a forked process, and a client id and counters written to
+    ~/intel/, unless the user ran `opt_in_out --opt_out`. Where that package cannot be imported, OpenVINO falls
+    back to a stub of its own that does nothing; so before OpenVINO's first import in a process vitkit marks the
+    package as absent (`sys.modules["openvino_telemetry"] = None`) for that process. Where the program imported
+    OpenVINO or its telemetry before vitkit did, that import has already happened and this changes nothing.
+    Raises ImportError where OpenVINO is not installed."""
+    if "openvino" not in sys.modules:
+        sys.modules.setdefault("openvino_telemetry", None)
+    import openvino  # optional: the [openvino] extra
+
+    return openvino
+
+
 def openvino_core():
     """The process's one OpenVINO Core: made on first use, kept until the process exits.
 
@@ -39,9 +69,7 @@ def openvino_core():
     global _OV_CORE
     with _OV_CORE_LOCK:
         if _OV_CORE is None:
-            import openvino as ov  # optional: the [openvino] extra
-
-            _OV_CORE = ov.Core()
+            _OV_CORE = import_openvino().Core()
         return _OV_CORE
 
 
@@ -63,7 +91,7 @@ def compile_engine(backend: str, precision: str, path: str | Path, threads: int 
                    ) -> Callable[[np.ndarray], np.ndarray]:
     """onnxruntime (fp32) or OpenVINO (fp32 or bf16) running the model file: (B, C, H, W) float32 -> logits."""
     if backend == "onnx":
-        import onnxruntime as ort  # optional: the [deploy] extra
+        ort = import_onnxruntime()  # optional: the [deploy] extra
 
         if precision != "fp32":
             raise EngineError(f"the onnx backend computes in fp32, not {precision}")

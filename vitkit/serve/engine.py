@@ -26,6 +26,7 @@ from ..inference.backends import PackageModel, is_package, open_engine
 from ..inference.export import onnx_config, openvino_compile, openvino_config
 from ..inference.predict import top_classes
 from ..machine.engine import check_backend
+from ..machine.engine_probe import import_onnxruntime, import_openvino
 from ..machine.precision import autocast, for_inference
 from ..machine.threads import Governor
 from ..models.layers.packing import pack, resize_to_patches
@@ -95,7 +96,7 @@ class OnnxPredictor(Predictor):
     backend = "onnx"
 
     def __init__(self, path: str | Path, threads: int | None = None) -> None:
-        import onnxruntime as ort  # optional: the [deploy] extra
+        ort = import_onnxruntime()  # optional: the [deploy] extra; its telemetry off
 
         d = onnx_config(path)
         d.pop("arch", None)
@@ -198,7 +199,7 @@ def load_predictor(checkpoint: str, backend: str = "torch", threads: int | None 
         if precision not in ("auto", "fp32", "bf16"):
             raise UsageError(f"--backend openvino computes in fp32 or bf16, not {precision}")
         try:
-            import openvino  # noqa: F401
+            import_openvino()
         except ImportError as e:
             raise UsageError("--backend openvino needs openvino: pip install 'vitkit[openvino]'") from e
         with untrusted(str(checkpoint), CheckpointError):

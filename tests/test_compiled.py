@@ -241,6 +241,31 @@ def test_training_compile_auto_skips_runs_too_short_to_repay_and_measures_long_o
         compile_mod.normalize("maybe")
 
 
+def test_training_compile_auto_refuses_a_compiled_step_that_computes_nan_where_eager_does_not(tmp_path, monkeypatch):
+    """torch 2.13's Inductor under ATEN_CPU_CAPABILITY=avx2 compiled fashion-mnist-fast's step into one whose loss was
+    NaN at the first step (benchmarks/NOTES.md section 52). `run.compile=auto` compares the first compiled step's loss
+    with the eager one's and stays eager; here with a model whose compiled graph multiplies by NaN."""
+    from vitkit.training import compile as compile_mod
+
+    class NanWhenCompiled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = vitkit.create_model("vit_ti16", **{**tiny_kwargs("vit_ti16"), "depth": 1})
+            self.config = self.inner.config
+
+        def forward(self, x):
+            y = self.inner(x)
+            return y * float("nan") if torch.compiler.is_compiling() else y
+
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path))
+    kw = dict(batch=8, precision="fp32", lowp_stream=False, fast_gemm=False)
+    c = compile_mod.decide("auto", NanWhenCompiled(), torch.device("cpu"), steps=10**7, **kw)
+    assert not c.on and "the compiled step's loss was not finite where the eager step's was" in c.reason, c
+    m = vitkit.create_model("vit_ti16", **{**tiny_kwargs("vit_ti16"), "depth": 1})  # the same model, honest: compared
+    rec = compile_mod.measure(m, torch.device("cpu"), steps=10**7, compile_s=0.0, **kw)
+    assert "failed" not in rec and rec["compiled_s"] > 0
+
+
 def test_training_compile_auto_weighs_the_compile_against_the_steps_it_saves(tmp_path, monkeypatch):
     """The decision rule on given measurements (the measurement itself is the test above)."""
     from vitkit.training import compile as compile_mod

@@ -76,21 +76,23 @@ def _cache_file() -> Path:
     return cache_dir() / "compile" / f"{cpu.machine_key()}.json"
 
 
-def _stepper(model: nn.Module, device: torch.device, batch: int, precision: str) -> Callable[[], None]:
+def _stepper(model: nn.Module, device: torch.device, batch: int, precision: str) -> Callable[[], torch.Tensor]:
     """One training step of `model` (a copy) on a seeded batch: forward under the run's autocast, a loss over every
-    output, backward, AdamW."""
+    output, backward, AdamW; returns the loss (detached)."""
     c = model.config
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, c.in_chans, *c.img_size, generator=g).to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         with autocast(precision, device):
             out = model(x)
         outs = out if isinstance(out, (tuple, list)) else [out]
-        sum(o.float().mean() for o in outs if isinstance(o, torch.Tensor)).backward()
+        loss = sum(o.float().mean() for o in outs if isinstance(o, torch.Tensor))
+        loss.backward()
         opt.step()
+        return loss.detach()
     return step
 
 
@@ -120,7 +122,8 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, precision: st
         return (time.perf_counter() - t0) / n
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        timed(e_step, 2)
+        e_finite = bool(torch.isfinite(e_step()))
+        timed(e_step, 1)
         eager_s = timed(e_step, 3)
         out = {"eager_s": eager_s}
         if budget_steps(steps, eager_s, budget_s) * eager_s * (1 - 1 / BEST_SPEEDUP) < compile_s:
@@ -132,11 +135,15 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, precision: st
         c_step = _stepper(compiled, device, batch, precision)
         t0 = time.perf_counter()
         try:
-            c_step()
+            c_finite = bool(torch.isfinite(c_step()))
             c_step()  # a second step: the optimizer's and any recompilation for the backward's layout
         except Exception as e:  # noqa: BLE001 - Inductor raises many types; any means "this model does not compile here"
             out["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             return out
+        if e_finite and not c_finite:  # e.g. torch 2.13's Inductor under ATEN_CPU_CAPABILITY=avx2 (NOTES section 52)
+            out["failed"] = "the compiled step's loss was not finite where the eager step's was"
+            return out
+        out["finite"] = c_finite or not e_finite  # checked: a record without it (older vitkit) is measured again
         out["compile_s"] = time.perf_counter() - t0
         rounds = engine_probe.interleaved_rounds({"eager": e_step, "compiled": c_step}, rounds=3, warm=False,
                                                  sync=lambda: sync(device))
@@ -166,7 +173,7 @@ def decide(setting, model: nn.Module, device: torch.device, *, batch: int, preci
     compile_s = max(compiles) if compiles else COMPILE_S
     m = known.get(key)
     cached = isinstance(m, dict) and "eager_s" in m and (
-        "compiled_s" in m or "failed" in m
+        ("compiled_s" in m and m.get("finite") is True) or "failed" in m
         or budget_steps(steps, m["eager_s"], budget_s) * m["eager_s"] * (1 - 1 / BEST_SPEEDUP) < compile_s)
     if not cached:
         m = measure(model, device, batch=batch, precision=precision, lowp_stream=lowp_stream, fast_gemm=fast_gemm,

@@ -41,6 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from vitkit.machine import cpu  # noqa: E402
 from vitkit.machine.cpu import cpu_model  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -77,14 +78,11 @@ def one_run(preset: str, seed: int, out: Path, extra: list[str], smoke: bool) ->
             "top1": final_top1(points), "command": " ".join(cmd[1:])}
 
 
-ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
-
-
 def isa_caps() -> str:
     """The instruction-set caps this process runs under (the runs inherit them), as the CPU's name says them: a CPU
     with bf16 capped to AVX2 stands for one without it."""
-    caps = [f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k)]
-    return f" (capped: {' '.join(caps)})" if caps else ""
+    caps = cpu.isa_caps()
+    return f" (capped: {caps.replace(',', ' ')})" if caps else ""
 
 
 def run(args: argparse.Namespace) -> None:

@@ -143,7 +143,8 @@ def test_openvino_engines_leave_signals_deliverable(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     home = tmp_path / "home"
     home.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "HOME": str(home)}
+    env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"}  # the child's own import decides
+    env.update(PYTHONPATH=str(repo), OMP_NUM_THREADS="1", HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
     out = subprocess.run([sys.executable, "-c", SIGNALS_AFTER_OPENVINO, str(tmp_path / "m.xml")], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "stack mapped: True" in out.stdout and "alive" in out.stdout, \

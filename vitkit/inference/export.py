@@ -399,6 +399,7 @@ def _export_openvino(m: nn.Module, example: torch.Tensor, dyn, out: Path, opset:
         ovm = openvino_core().read_model(str(onnx_file))
         ovm.set_rt_info(json.dumps(m.config.to_dict()), ["vitkit_config"])
         ov.save_model(ovm, str(out), compress_to_fp16=False)  # the default halves the weights: not an fp32 export
+        del ovm  # it maps the ONNX file's weights: let go before the file goes
     finally:
         for f in (onnx_file, _external(onnx_file)):
             f.unlink(missing_ok=True)

@@ -122,8 +122,7 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, precision: st
         return (time.perf_counter() - t0) / n
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        e_finite = bool(torch.isfinite(e_step()))
-        timed(e_step, 1)
+        e_finite = bool(torch.isfinite(e_step()) & torch.isfinite(e_step()))  # the second: after the backward's update
         eager_s = timed(e_step, 3)
         out = {"eager_s": eager_s}
         if budget_steps(steps, eager_s, budget_s) * eager_s * (1 - 1 / BEST_SPEEDUP) < compile_s:
@@ -136,7 +135,9 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, precision: st
         t0 = time.perf_counter()
         try:
             c_finite = bool(torch.isfinite(c_step()))
-            c_step()  # a second step: the optimizer's and any recompilation for the backward's layout
+            # a second step: the optimizer's and any recompilation for the backward's layout; its loss shows whether
+            # the compiled backward's gradients kept the weights finite
+            c_finite &= bool(torch.isfinite(c_step()))
         except Exception as e:  # noqa: BLE001 - Inductor raises many types; any means "this model does not compile here"
             out["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             return out
@@ -173,8 +174,9 @@ def decide(setting, model: nn.Module, device: torch.device, *, batch: int, preci
     compile_s = max(compiles) if compiles else COMPILE_S
     m = known.get(key)
     cached = isinstance(m, dict) and "eager_s" in m and (
-        ("compiled_s" in m and m.get("finite") is True) or "failed" in m
-        or budget_steps(steps, m["eager_s"], budget_s) * m["eager_s"] * (1 - 1 / BEST_SPEEDUP) < compile_s)
+        "failed" in m or m.get("finite") is True  # a compiled step measured and checked (older records: measured again)
+        or ("compiled_s" not in m
+            and budget_steps(steps, m["eager_s"], budget_s) * m["eager_s"] * (1 - 1 / BEST_SPEEDUP) < compile_s))
     if not cached:
         m = measure(model, device, batch=batch, precision=precision, lowp_stream=lowp_stream, fast_gemm=fast_gemm,
                     steps=steps, compile_s=compile_s, budget_s=budget_s)
@@ -186,7 +188,7 @@ def decide(setting, model: nn.Module, device: torch.device, *, batch: int, preci
     steps = held
     eager_total = steps * m["eager_s"]
     if "failed" in m:
-        return CompileChoice(False, f"auto -> off: the model did not compile here ({m['failed']}){earlier}")
+        return CompileChoice(False, f"auto -> off: the compiled step failed here ({m['failed']}){earlier}")
     if "compiled_s" not in m:
         return CompileChoice(False, f"auto -> off: the run's {count} take ~{eager_total:.0f} s eagerly; at the "
                                     f"best speed-up hoped for ({BEST_SPEEDUP:.2f}x) a compile (~{compile_s:.0f} s here) "

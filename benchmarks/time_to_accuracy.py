@@ -34,6 +34,7 @@ import os
 import re
 import statistics
 import subprocess
+import textwrap
 import sys
 import time
 from pathlib import Path
@@ -155,7 +156,7 @@ def plot(docs: list[dict], out: Path) -> None:
         ax.set_xlabel("wall clock (minutes; the last point: the whole vitkit train command)")
         precision = "/".join(sorted({r["precision"] for r in doc["runs"]}))
         cores = f", {doc['cores']} cores" if doc.get("cores") else ""
-        ax.set_title(f"{doc['cpu']}{cores}, {precision}", fontsize=9)
+        ax.set_title(textwrap.fill(f"{doc['cpu']}{cores}, {precision}", 70), fontsize=9)  # a capped CPU's name is long
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     # every panel (sharex) to the longest run: without it the shared axis keeps the first panel's own range

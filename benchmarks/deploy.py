@@ -36,7 +36,9 @@ def _timed(fn, x, seconds: float) -> float:
 
 
 def speed(args) -> dict:
-    import onnxruntime as ort
+    from vitkit.machine.engine_probe import import_onnxruntime
+
+    ort = import_onnxruntime()  # its telemetry off, as vitkit's own imports (docs/deploy.md)
 
     import vitkit
     from vitkit.inference.export import export_model
@@ -76,7 +78,9 @@ def speed(args) -> dict:
 
 
 def accuracy(args) -> dict:
-    import onnxruntime as ort
+    from vitkit.machine.engine_probe import import_onnxruntime
+
+    ort = import_onnxruntime()
 
     import vitkit
     from vitkit.data.datasets import load_dataset

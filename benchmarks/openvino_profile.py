@@ -32,9 +32,9 @@ def main() -> None:
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     p.add_argument("--calls", type=int, default=20)
     args = p.parse_args()
-    import openvino as ov
+    from vitkit.machine.engine_probe import import_openvino, openvino_core
 
-    from vitkit.machine.engine_probe import openvino_core
+    ov = import_openvino()  # its usage telemetry off, as vitkit's own imports (docs/deploy.md)
 
     torch.manual_seed(0)
     m = vitkit.create_model(args.model).eval()

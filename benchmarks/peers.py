@@ -104,9 +104,10 @@ class OrtSession:
     config = SimpleNamespace(num_classes=1000)
 
     def __init__(self, model: torch.nn.Module, tmp: Path, name: str, quantize: str | None = None) -> None:
-        import onnxruntime as ort
-
         from vitkit.inference.export import export_model
+        from vitkit.machine.engine_probe import import_onnxruntime
+
+        ort = import_onnxruntime()  # its telemetry off, as vitkit's own imports (docs/deploy.md)
 
         report = export_model(model, tmp / f"{name}{'.int8' if quantize else ''}.onnx", "onnx", dynamic_batch=True,
                               quantize=quantize)  # int8: onnxruntime's dynamic quantization of the weights
@@ -128,10 +129,10 @@ class OvSession:
     config = SimpleNamespace(num_classes=1000)
 
     def __init__(self, model: torch.nn.Module, tmp: Path, name: str, x: torch.Tensor, dtype: str, source: str) -> None:
-        import openvino as ov
-
         from vitkit.inference.export import export_model
-        from vitkit.machine.engine_probe import openvino_core
+        from vitkit.machine.engine_probe import import_openvino, openvino_core
+
+        ov = import_openvino()  # its usage telemetry off, as vitkit's own imports (docs/deploy.md)
 
         core = openvino_core()  # one Core per process: freed Cores can leave the main thread's signal stack unmapped
         if source == "ov":
@@ -212,6 +213,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     peers = list(args.peers)
+    from vitkit.machine.engine_probe import import_onnxruntime, import_openvino  # the peers' telemetry off
+
     if "timm" in peers:
         try:
             import timm  # noqa: F401
@@ -220,13 +223,13 @@ def main() -> None:
             peers.remove("timm")
     if {"ort", "ort-int8"} & set(peers):
         try:
-            import onnxruntime  # noqa: F401
+            import_onnxruntime()
         except ImportError as e:
             print(f"onnxruntime not importable ({e}); skipping it. See this script's docstring.")
             peers = [p for p in peers if p not in ("ort", "ort-int8")]
     if {"ov", "ov-pt"} & set(peers):
         try:
-            import openvino  # noqa: F401
+            import_openvino()
         except ImportError as e:
             print(f"openvino not importable ({e}); skipping it (pip install openvino).")
             peers = [p for p in peers if p not in ("ov", "ov-pt")]

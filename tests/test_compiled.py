@@ -6,6 +6,8 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -271,6 +273,50 @@ def test_training_compile_auto_refuses_a_compiled_step_that_computes_nan_where_e
     assert not c.on and "not finite" in c.reason and "measured earlier" not in c.reason, c
 
 
+def test_inductors_cache_is_kept_apart_for_each_set_of_isa_caps(tmp_path, monkeypatch):
+    """Inductor's FX graph cache does not key on ATEN_CPU_CAPABILITY or oneDNN's cap: a graph compiled uncapped was
+    served under the AVX2 caps and computed NaN (benchmarks/NOTES.md section 53). Every vitkit compile first points
+    the cache at a folder of the caps' own, under the user's TORCHINDUCTOR_CACHE_DIR; here a real compile (the
+    training probe's, in a capped process) writes only there."""
+    from vitkit.machine import cpu
+
+    for k in cpu.ISA_CAPS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
+    assert cpu.inductor_cache_for_caps() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c")
+    folders = set()
+    for caps in ({"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ONEDNN_MAX_CPU_ISA": "../../x/\n"}):
+        for k in cpu.ISA_CAPS:
+            monkeypatch.delenv(k, raising=False)
+        for k, v in caps.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
+        folder = cpu.inductor_cache_for_caps()
+        assert Path(folder).parent == tmp_path / "c" and os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder
+        assert Path(folder).name.startswith("caps-") and ".." not in Path(folder).name
+        assert cpu.inductor_cache_for_caps() == folder  # once set (a second compile, a child process): kept
+        folders.add(folder)
+    assert len(folders) == 3
+
+    code = """
+import torch, vitkit
+from conftest import tiny_kwargs
+from vitkit.training import compile as compile_mod
+m = vitkit.create_model("vit_ti16", **{**tiny_kwargs("vit_ti16"), "depth": 1})
+r = compile_mod.measure(m, torch.device("cpu"), batch=4, precision="fp32", lowp_stream=False, fast_gemm=False,
+                        steps=10**7, compile_s=0.0)
+assert "compiled_s" in r, r
+"""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "run"), "ATEN_CPU_CAPABILITY": "avx2",
+           "VITKIT_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).parent)}
+    for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (only,) = (tmp_path / "run").iterdir()  # nothing beside the caps' folder
+    assert only.name.startswith("caps-ATEN_CPU_CAPABILITY=avx2-") and any((only / "fxgraph").rglob("*")), only
+
+
 def test_training_compile_auto_weighs_the_compile_against_the_steps_it_saves(tmp_path, monkeypatch):
     """The decision rule on given measurements (the measurement itself is the test above)."""
     from vitkit.training import compile as compile_mod
@@ -346,7 +392,6 @@ def _marker_library(tmp_path, marker):
     src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void run(void) {{ FILE *f = '
                    f'fopen("{marker}", "w"); if (f) fclose(f); }}\n')
     lib = tmp_path / "evil.so"
-    import subprocess
     subprocess.run([aoti.compiler(), "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
     return lib.read_bytes()
 

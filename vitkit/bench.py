@@ -18,7 +18,7 @@ from .checkpoints import create_model, load
 from .errors import UsageError
 from .inference.backends import PackageModel, choose, is_package, open_engine
 from .machine import gemm
-from .machine.cpu import cpu_model
+from .machine.cpu import cpu_model, inductor_cache_for_caps
 from .machine.device import resolve_device, sync
 from .machine.engine import calibration_batch, check_backend
 from .machine.fast_linear import FastGemm, pack_linears
@@ -121,6 +121,8 @@ def make_step(model: nn.Module, x: torch.Tensor, dtype: str, train: bool, compil
         import torch._inductor.config as inductor_config  # start-up time: Inductor and dynamo cost ~0.5 s
 
         inductor_config.freezing = True
+    if compile_:
+        inductor_cache_for_caps()
     fwd = torch.compile(model, fullgraph=fullgraph, mode=compile_mode) if compile_ else model
     if not train:
         model.eval()

@@ -60,7 +60,7 @@ from ..cache import WriteError, cache_dir, replace_output
 from ..download import sha256_of
 from ..errors import CheckpointError, UsageError
 from ..safety import check_regular, check_zip_entry, gib, open_regular
-from .cpu import cpu_info
+from .cpu import cpu_info, inductor_cache_for_caps
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ def compile_package(module: Autocast, example: tuple[torch.Tensor, ...], dims: t
     # compiles at os.cpu_count() threads; at any other count it writes that count into the package for good (one
     # compiled while vitkit.machine.threads had lowered torch's count for a busy machine would never run wider)
     threads = torch.get_num_threads()
+    inductor_cache_for_caps()
     try:
         torch.set_num_threads(os.cpu_count() or threads)
         with torch.no_grad():

@@ -2,6 +2,7 @@
 AMX, and the key every measurement made on this machine is cached under."""
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 
@@ -38,6 +39,33 @@ ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
 def isa_caps() -> str:
     """The instruction-set caps in force, e.g. "ONEDNN_MAX_CPU_ISA=AVX2,ATEN_CPU_CAPABILITY=avx2" ("" for none)."""
     return ",".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
+
+
+def inductor_cache_for_caps() -> str | None:
+    """Give Inductor's on-disk cache a folder of its own for the instruction-set caps in force; call it before
+    compiling. Returns that folder, or None where no cap is set (the cache is left where it was).
+
+    Inductor's FX graph cache keys a compiled graph on torch, the graph, its config and the thread count, not on the
+    vector ISA (`ATEN_CPU_CAPABILITY`) or oneDNN's cap, so a graph compiled without caps is served again under
+    them. With torch 2.13 on an AVX-512 CPU, fashion-mnist-fast's compiled step computed NaN under
+    `ATEN_CPU_CAPABILITY=avx2` from such an entry and was finite from a fresh cache (benchmarks/NOTES.md, section
+    53). The folder is `caps-<the caps, sanitised>` under `TORCHINDUCTOR_CACHE_DIR` (the user's, or Inductor's
+    default), and `TORCHINDUCTOR_CACHE_DIR` is set to it, so this process and its children use it."""
+    caps = isa_caps()
+    if not caps:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # only before a compile, which imports it
+
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    # the caps are environment variables: anything may be in them, so the name keeps letters, digits, "=", "_"
+    # and "-", a bounded length, and a hash of the whole that tells apart values the cut would merge
+    safe = "".join(c if c.isalnum() or c in "=_-" else "_" for c in caps)[:96]
+    name = f"caps-{safe}-{hashlib.sha256(caps.encode()).hexdigest()[:12]}"
+    if os.path.basename(os.path.normpath(base)) == name:  # set already (a child process, a second compile)
+        return base
+    folder = os.path.join(os.path.abspath(base), name)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
 
 
 # oneDNN's ISA names (ONEDNN_MAX_CPU_ISA) below which it has no bf16 dot product, and those that allow AMX

@@ -130,6 +130,7 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, precision: st
         other = copy.deepcopy(model).train()
         if hasattr(other, "lowp_stream"):
             other.lowp_stream = lowp_stream and precision != "fp32"
+        cpu.inductor_cache_for_caps()
         compiled = torch.compile(other)
         c_step = _stepper(compiled, device, batch, precision)
         t0 = time.perf_counter()

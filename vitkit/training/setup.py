@@ -21,6 +21,7 @@ from ..data.splits import Splits, prepare, training_data
 from ..errors import UsageError, VitkitError
 from ..evaluation import check_tta
 from ..machine import precision as precision_mod
+from ..machine.cpu import inductor_cache_for_caps
 from . import compile as compile_mod
 from ..machine.fast_linear import pack_linears
 from ..models import lora
@@ -189,6 +190,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     net = wrap_model(model, dist, strategy, precision)
     opt = build_optimizer(model, cfg.optim)  # after FSDP2 has sharded the parameters
     if compiled:
+        inductor_cache_for_caps()  # Inductor's cache does not tell ISA caps apart
         net = torch.compile(net)
     amp = precision_mod.AMP_DTYPES.get(precision)
     return Run(cfg, dist, Path(r.out_dir), data, "val" if spec.val is not None else "test", precision, model, net,

@@ -141,10 +141,13 @@ def plot(docs: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(docs), figsize=(7 * len(docs), 4.2), sharex=True, sharey=True,
-                             squeeze=False)
+    cols = min(3, len(docs))  # at most three panels a row
+    rows = -(-len(docs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 4.2 * rows), sharex=True, sharey=True, squeeze=False)
+    for ax in axes.flat[len(docs):]:
+        ax.set_visible(False)
     colours: dict[str, str] = {}
-    for ax, doc in zip(axes[0], docs):
+    for ax, doc in zip(axes.flat, docs):
         for r in doc["runs"]:
             c = colours.setdefault(_label(r), f"C{len(colours)}")
             xs = [p.get("time", 0) / 60 for p in r["points"][:-1]] + [r["seconds"] / 60]
@@ -161,7 +164,8 @@ def plot(docs: list[dict], out: Path) -> None:
         ax.grid(alpha=0.3)
     # every panel (sharex) to the longest run: without it the shared axis keeps the first panel's own range
     axes[0][0].set_xlim(0, 1.03 * max(r["seconds"] / 60 for doc in docs for r in doc["runs"]))
-    axes[0][0].set_ylabel("Fashion-MNIST test top-1 (%)")
+    for row in axes:
+        row[0].set_ylabel("Fashion-MNIST test top-1 (%)")
     fig.suptitle("Time to accuracy", fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -244,9 +244,10 @@ def test_training_compile_auto_skips_runs_too_short_to_repay_and_measures_long_o
 
 
 def test_training_compile_auto_refuses_a_compiled_step_that_computes_nan_where_eager_does_not(tmp_path, monkeypatch):
-    """torch 2.13's Inductor under ATEN_CPU_CAPABILITY=avx2 compiled fashion-mnist-fast's step into one whose loss was
-    NaN at the first step (benchmarks/NOTES.md section 52). `run.compile=auto` compares the first compiled step's loss
-    with the eager one's and stays eager; here with a model whose compiled graph multiplies by NaN."""
+    """Under ATEN_CPU_CAPABILITY=avx2, fashion-mnist-fast's compiled step computed NaN at the first step (a graph
+    Inductor's cache had kept from an uncapped compile: benchmarks/NOTES.md sections 52-53). `run.compile=auto`
+    compares the first two compiled steps' losses with the eager ones and stays eager where only the compiled are not
+    finite; here with a model whose compiled graph multiplies by NaN."""
     from vitkit.training import compile as compile_mod
 
     class NanWhenCompiled(torch.nn.Module):
@@ -276,28 +277,76 @@ def test_training_compile_auto_refuses_a_compiled_step_that_computes_nan_where_e
 def test_inductors_cache_is_kept_apart_for_each_set_of_isa_caps(tmp_path, monkeypatch):
     """Inductor's FX graph cache does not key on ATEN_CPU_CAPABILITY or oneDNN's cap: a graph compiled uncapped was
     served under the AVX2 caps and computed NaN (benchmarks/NOTES.md section 53). Every vitkit compile first points
-    the cache at a folder of the caps' own, under the user's TORCHINDUCTOR_CACHE_DIR; here a real compile (the
-    training probe's, in a capped process) writes only there."""
+    the cache at a folder of the caps' own under the user's TORCHINDUCTOR_CACHE_DIR; a process without caps (a child
+    of a capped one) goes back to the user's folder; hostile values make one bounded folder name."""
     from vitkit.machine import cpu
 
-    for k in cpu.ISA_CAPS:
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
-    assert cpu.inductor_cache_for_caps() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c")
-    folders = set()
-    for caps in ({"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ONEDNN_MAX_CPU_ISA": "../../x/\n"}):
+    def caps(**values):
         for k in cpu.ISA_CAPS:
             monkeypatch.delenv(k, raising=False)
-        for k, v in caps.items():
+        for k, v in values.items():
             monkeypatch.setenv(k, v)
-        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "c"))
+
+    user = str(tmp_path / "c")
+    monkeypatch.delenv("VITKIT_INDUCTOR_CACHE_BASE", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", user)
+    caps()
+    assert cpu.inductor_cache_for_caps() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == user
+    folders = set()
+    for values in ({"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"ONEDNN_MAX_CPU_ISA": "../../x/\n"},
+                   {"ONEDNN_MAX_CPU_ISA": "x,DNNL_MAX_CPU_ISA=y"}, {"ONEDNN_MAX_CPU_ISA": "x", "DNNL_MAX_CPU_ISA": "y"},
+                   {"ONEDNN_MAX_CPU_ISA": "\U0001d7d8" * 200}, {"ONEDNN_MAX_CPU_ISA": os.fsdecode(b"\xff\xfe")}):
+        caps(**values)
         folder = cpu.inductor_cache_for_caps()
         assert Path(folder).parent == tmp_path / "c" and os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder
-        assert Path(folder).name.startswith("caps-") and ".." not in Path(folder).name
-        assert cpu.inductor_cache_for_caps() == folder  # once set (a second compile, a child process): kept
+        name = Path(folder).name
+        assert name.startswith("caps-") and ".." not in name and name.isascii() and len(name) < 128
+        assert cpu.inductor_cache_for_caps() == folder  # a second compile, or a child with the same caps: no nesting
         folders.add(folder)
-    assert len(folders) == 3
+    assert len(folders) == 7
+    caps()  # a child of a capped process, without caps: the user's folder again, not its parent's
+    assert cpu.inductor_cache_for_caps() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == user
 
+    # each of vitkit's compiles asks for the folder before it compiles (Inductor stubbed: what it is handed is checked)
+    caps(ATEN_CPU_CAPABILITY="avx2")
+    want = cpu.inductor_cache_for_caps()
+    caps()
+    cpu.inductor_cache_for_caps()
+    caps(ATEN_CPU_CAPABILITY="avx2")
+    seen = []
+
+    def fake_compile(model, *a, **k):
+        seen.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        return model
+
+    class Stop(Exception):
+        pass
+
+    def fake_aoti(*a, **k):
+        seen.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        raise Stop
+
+    import torch._inductor
+
+    from vitkit.bench import make_step
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_aoti)
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path / "home"))
+    m = vitkit.create_model("vit_ti16", **{**tiny_kwargs("vit_ti16"), "depth": 1})
+    x = torch.randn(2, 3, *m.config.img_size)
+    make_step(m, x, "fp32", train=False, compile_=True)
+    if aoti.compiler() is not None:
+        with pytest.raises(Stop):
+            aoti.compile_package(m.eval(), (x,), None, tmp_path / "m.pt2", {})
+    assert cli.main(["train", "fashion-mnist", "data.dataset=digits", "model.name=vit_ti16", "data.batch_size=64",
+                     'model.overrides={"img_size": 16, "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2, '
+                     '"mlp_dim": 64}', "aug.hflip=false", "aug.pad=0", "run.tta=none", "schedule.epochs=1",
+                     "run.progress=false", "run.threads=1", "run.precision=fp32", "run.compile=on",
+                     f"run.out_dir={tmp_path / 'run'}"]) == 0
+    assert seen == [want] * (3 if aoti.compiler() is not None else 2), (seen, want)
+
+    # a real compile (the training probe's) in a process under the AVX2 caps writes only into their folder
     code = """
 import torch, vitkit
 from conftest import tiny_kwargs
@@ -307,13 +356,15 @@ r = compile_mod.measure(m, torch.device("cpu"), batch=4, precision="fp32", lowp_
                         steps=10**7, compile_s=0.0)
 assert "compiled_s" in r, r
 """
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "run"), "ATEN_CPU_CAPABILITY": "avx2",
-           "VITKIT_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).parent)}
-    for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "run-cache"), "ATEN_CPU_CAPABILITY": "avx2",
+           "VITKIT_HOME": str(tmp_path / "home"), "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "tests")])}
+    for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "VITKIT_INDUCTOR_CACHE_BASE",
+              "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
         env.pop(k, None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    (only,) = (tmp_path / "run").iterdir()  # nothing beside the caps' folder
+    (only,) = (tmp_path / "run-cache").iterdir()  # nothing beside the caps' folder
     assert only.name.startswith("caps-ATEN_CPU_CAPABILITY=avx2-") and any((only / "fxgraph").rglob("*")), only
 
 

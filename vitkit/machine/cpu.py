@@ -41,29 +41,44 @@ def isa_caps() -> str:
     return ",".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
 
 
+# where the user's (or Inductor's default) cache folder is kept once vitkit has moved TORCHINDUCTOR_CACHE_DIR into a
+# caps folder, for this process's later calls and its children ("" for Inductor's default)
+_CACHE_BASE = "VITKIT_INDUCTOR_CACHE_BASE"
+
+
 def inductor_cache_for_caps() -> str | None:
     """Give Inductor's on-disk cache a folder of its own for the instruction-set caps in force; call it before
-    compiling. Returns that folder, or None where no cap is set (the cache is left where it was).
+    compiling. Returns that folder, or None where no cap is set (the cache is then the user's own folder).
 
     Inductor's FX graph cache keys a compiled graph on torch, the graph, its config and the thread count, not on the
     vector ISA (`ATEN_CPU_CAPABILITY`) or oneDNN's cap, so a graph compiled without caps is served again under
-    them. With torch 2.13 on an AVX-512 CPU, fashion-mnist-fast's compiled step computed NaN under
-    `ATEN_CPU_CAPABILITY=avx2` from such an entry and was finite from a fresh cache (benchmarks/NOTES.md, section
-    53). The folder is `caps-<the caps, sanitised>` under `TORCHINDUCTOR_CACHE_DIR` (the user's, or Inductor's
-    default), and `TORCHINDUCTOR_CACHE_DIR` is set to it, so this process and its children use it."""
+    them. With torch 2.13 on an AVX-512 CPU, fashion-mnist-fast's compiled step computed NaN under the AVX2 caps from
+    such an entry, and under `ONEDNN_MAX_CPU_ISA=AVX2` alone the process aborted in malloc; from a fresh cache both
+    were right (benchmarks/NOTES.md, section 53). The folder is `caps-<the caps, sanitised>-<hash>` under the
+    user's `TORCHINDUCTOR_CACHE_DIR` (unset or empty: Inductor's default, /tmp/torchinductor_<user>), and
+    `TORCHINDUCTOR_CACHE_DIR` is set to it, so this process and its children use it. The user's folder is kept in
+    `VITKIT_INDUCTOR_CACHE_BASE`: a child with other caps, or none, goes back to it, never into its parent's.
+    A cache shared between machines of different CPUs has the same fault without caps; that is Inductor's."""
     caps = isa_caps()
+    base = os.environ.get(_CACHE_BASE)
+    if base is None:  # the first call in this process tree: what the user set
+        base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or ""
     if not caps:
+        if _CACHE_BASE in os.environ:  # a parent under caps moved the cache: back to the user's
+            if base:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = base
+            else:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         return None
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # only before a compile, which imports it
 
-    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
-    # the caps are environment variables: anything may be in them, so the name keeps letters, digits, "=", "_"
-    # and "-", a bounded length, and a hash of the whole that tells apart values the cut would merge
-    safe = "".join(c if c.isalnum() or c in "=_-" else "_" for c in caps)[:96]
-    name = f"caps-{safe}-{hashlib.sha256(caps.encode()).hexdigest()[:12]}"
-    if os.path.basename(os.path.normpath(base)) == name:  # set already (a child process, a second compile)
-        return base
-    folder = os.path.join(os.path.abspath(base), name)
+    # the caps are environment variables, so anything may be in them: the name keeps ASCII letters, digits, "=", "_"
+    # and "-" to a bounded length, and a hash of each (name, value) pair tells apart what the cut or the joins merge
+    safe = "".join(c if c.isascii() and (c.isalnum() or c in "=_-") else "_" for c in caps)[:96]
+    pairs = b"\0".join(os.fsencode(k) + b"=" + os.fsencode(os.environ[k]) for k in ISA_CAPS if os.environ.get(k))
+    folder = os.path.join(os.path.abspath(base or default_cache_dir()),
+                          f"caps-{safe}-{hashlib.sha256(pairs).hexdigest()[:12]}")
+    os.environ[_CACHE_BASE] = base
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     return folder
 

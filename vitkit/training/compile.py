@@ -44,7 +44,9 @@ CHOICES = ("auto", "on", "off")
 COMPILE_S = 60.0  # a compile's cost before one was measured on this machine (the preset's hybrid: 46-61 s, 2 cores)
 BEST_SPEEDUP = 1.25  # the most a compiled step is hoped to gain, to rule out runs too short to repay a compile
 MARGIN = 1.05  # a compiled step must be this much faster than the eager one to be kept
-VERSION = 1
+# 2: measured with Inductor's cache kept apart per ISA caps (a version-1 record under caps may hold a failure that
+# was a stale cache's, NOTES 53)
+VERSION = 2
 
 
 def normalize(value) -> str:
@@ -142,7 +144,7 @@ def measure(model: nn.Module, device: torch.device, *, batch: int, precision: st
         except Exception as e:  # noqa: BLE001 - Inductor raises many types; any means "this model does not compile here"
             out["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             return out
-        if e_finite and not c_finite:  # e.g. torch 2.13's Inductor under ATEN_CPU_CAPABILITY=avx2 (NOTES section 52)
+        if e_finite and not c_finite:  # e.g. a graph Inductor's cache served under other ISA caps (NOTES 52-53)
             out["failed"] = "the compiled step's loss was not finite where the eager step's was"
             return out
         out["finite"] = c_finite or not e_finite  # checked: a record without it (older vitkit) is measured again

@@ -93,6 +93,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("VITKIT_RUN_START", "float", None, "when the `vitkit` command started (seconds since the epoch): written by "
          "the command for the processes it launches; where `schedule.time_budget` counts from", lo=0, hi=1e12,
          unit="seconds"),
+    Knob("VITKIT_INDUCTOR_CACHE_BASE", "path", None, "Inductor's cache folder as the user had it: written by vitkit "
+         "where instruction-set caps move TORCHINDUCTOR_CACHE_DIR into a folder of their own, so a process it launches "
+         "without caps goes back to it (`vitkit.machine.cpu.inductor_cache_for_caps`)"),
     Knob("VITKIT_API_KEY", "secret", None, "`vitkit serve`'s API key when --api-key is not given (requests without "
          "it get 401)"),
 )}

@@ -8,6 +8,8 @@ import platform
 
 import torch
 
+from .. import env
+
 
 def cpu_info() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
@@ -41,9 +43,7 @@ def isa_caps() -> str:
     return ",".join(f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k))
 
 
-# where the user's (or Inductor's default) cache folder is kept once vitkit has moved TORCHINDUCTOR_CACHE_DIR into a
-# caps folder, for this process's later calls and its children ("" for Inductor's default)
-_CACHE_BASE = "VITKIT_INDUCTOR_CACHE_BASE"
+_CACHE_BASE = "VITKIT_INDUCTOR_CACHE_BASE"  # the user's folder, kept for this process's later calls and its children
 
 
 def inductor_cache_for_caps() -> str | None:
@@ -60,25 +60,21 @@ def inductor_cache_for_caps() -> str | None:
     `VITKIT_INDUCTOR_CACHE_BASE`: a child with other caps, or none, goes back to it, never into its parent's.
     A cache shared between machines of different CPUs has the same fault without caps; that is Inductor's."""
     caps = isa_caps()
-    base = os.environ.get(_CACHE_BASE)
-    if base is None:  # the first call in this process tree: what the user set
-        base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or ""
+    base = env.get(_CACHE_BASE)  # None: the first call in this process tree
     if not caps:
-        if _CACHE_BASE in os.environ:  # a parent under caps moved the cache: back to the user's
-            if base:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = base
-            else:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        if base is not None:  # a parent under caps moved the cache: back to the user's
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base)
         return None
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # only before a compile, which imports it
+    if base is None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # only before a compile, which imports it
 
+        base = os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
     # the caps are environment variables, so anything may be in them: the name keeps ASCII letters, digits, "=", "_"
     # and "-" to a bounded length, and a hash of each (name, value) pair tells apart what the cut or the joins merge
     safe = "".join(c if c.isascii() and (c.isalnum() or c in "=_-") else "_" for c in caps)[:96]
     pairs = b"\0".join(os.fsencode(k) + b"=" + os.fsencode(os.environ[k]) for k in ISA_CAPS if os.environ.get(k))
-    folder = os.path.join(os.path.abspath(base or default_cache_dir()),
-                          f"caps-{safe}-{hashlib.sha256(pairs).hexdigest()[:12]}")
-    os.environ[_CACHE_BASE] = base
+    folder = os.path.join(str(base), f"caps-{safe}-{hashlib.sha256(pairs).hexdigest()[:12]}")
+    os.environ[_CACHE_BASE] = str(base)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     return folder
 

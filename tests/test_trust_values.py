@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -383,6 +384,69 @@ def test_ctrl_c_in_a_two_process_run_stops_every_rank_at_one_saved_step(tmp_path
     meta = checkpoint.read_meta(saved)
     assert meta["world_size"] == 2 and 3 <= meta["step"] < 94 and json.loads(stdout)["step"] == meta["step"]
     assert "vitkit: resume with: vitkit train --nproc 2 fashion-mnist " in err
+
+
+def _processes_naming(text: str) -> list[str]:
+    """The command lines of this machine's processes that hold `text` (Linux's /proc)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone, or not a process
+            continue
+        if text in cmd:
+            found.append(cmd)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux's /proc to list the ranks")
+@pytest.mark.parametrize("sig,to", [("SIGTERM", "vitkit"), ("SIGTERM", "group"), ("SIGHUP", "vitkit")])
+def test_a_job_runners_sigterm_in_a_two_process_run_stops_every_rank_at_one_saved_step(tmp_path, sig, to):
+    """`vitkit train --nproc 2`: a SIGTERM (a job runner, `kill`, a container stopping) or a SIGHUP (a closed terminal)
+    sent to vitkit's own process ended it at once, exit -15, and left torchrun and both ranks training on to the end
+    with no one waiting for them; sent to its process group, torchrun heard it too and the ranks saved, but vitkit
+    was already gone (-15). Now vitkit passes it to torchrun once (torchrun runs in its own session, so a group's
+    signal is not a second one), the ranks stop at one step and save it, vitkit waits: 143 (129 for SIGHUP), one
+    checkpoint, the resume command printed, and no process of the run left behind."""
+    from vitkit.training import checkpoint
+
+    out = tmp_path / "run"
+    run = _Run(out, "--nproc", "2", *RUN_ARGS, f"run.out_dir={out}")
+    run.wait_until(lambda: run.logged_step() >= 3, "step 3")
+    (os.killpg if to == "group" else os.kill)(run.proc.pid, getattr(signal, sig))
+    code, stdout, err = run.finish()
+    assert code == {"SIGTERM": 143, "SIGHUP": 129}[sig], err[-3000:]
+    assert f"vitkit: {sig}: waiting for the ranks to save the step in hand" in err
+    saved = checkpoint.latest(out)
+    assert saved is not None and [p.name for p in (out / "checkpoints").iterdir()] == [saved.name], err[-3000:]
+    meta = checkpoint.read_meta(saved)
+    assert meta["world_size"] == 2 and 3 <= meta["step"] < 94 and json.loads(stdout)["step"] == meta["step"]
+    assert f"stopped by {sig} at step {meta['step']}" in err
+    assert "vitkit: resume with: vitkit train --nproc 2 fashion-mnist " in err
+    assert _processes_naming(f"run.out_dir={out}") == []  # torchrun and the ranks ended before vitkit did
+
+
+def test_a_stop_before_torchrun_starts_ends_at_once_with_the_signals_code():
+    """A SIGTERM while `--nproc`'s torchrun is not started yet (it would never hear it): vitkit ends at once with
+    143, no child started, its handlers put back (in a child process: before the change the signal ended it)."""
+    child = textwrap.dedent("""
+        import os, signal, subprocess, sys, time
+        from vitkit import cli
+        real = subprocess.Popen
+        def popen(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)  # while the child is not started yet
+            time.sleep(0.2)
+            print("started", flush=True)
+            return real(*a, **k)
+        cli.subprocess.Popen = popen
+        try:
+            cli._run_ranks([sys.executable, "-c", "import time; time.sleep(30)"])
+        finally:
+            print("restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", child], cwd=PACKAGE.parent, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)}, timeout=120)
+    assert (done.returncode, done.stdout) == (143, "restored True\n"), done.stderr[-2000:]
 
 
 def test_the_ranks_wait_off_the_main_thread_and_a_ctrl_c_before_torchrun_starts():

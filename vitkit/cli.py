@@ -8,7 +8,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import traceback
 from importlib.metadata import PackageNotFoundError, version
@@ -31,6 +30,7 @@ from .data.splits import feature_splits, test_split
 from .demo import demo
 from .errors import UsageError, VitkitError
 from .training.budget import START_ENV, command_started
+from .training.launch import run_ranks, torchrun_command
 from .evaluation import evaluate as _evaluate
 from .evaluation import fewshot as _fewshot
 from .evaluation import check_tta, save_confusion_png, write_report
@@ -369,9 +369,7 @@ def train(
         + (["--smoke"] if smoke else []) + (["--force"] if force else []) \
         + (["--max-steps", str(max_steps)] if max_steps is not None else [])
     if nproc > 1 and "WORLD_SIZE" not in os.environ:  # relaunch under torchrun, one process per rank
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "vitkit", "train", *args, *([] if resume else ["--no-resume"])]
-        return _run_ranks(cmd)
+        return run_ranks(torchrun_command(nproc, [*args, *([] if resume else ["--no-resume"])]))
     pairs = {}
     for item in overrides:
         if "=" not in item:
@@ -395,66 +393,6 @@ def train(
     if not result.get("interrupted"):
         return 0
     return {"SIGINT": 130, "SIGHUP": 129}.get(result.get("signal"), 143)
-
-
-# what `vitkit train` exits with when a signal stopped it (the ranks' own codes, vitkit/training/trainer.py)
-STOP_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, **({signal.SIGHUP: 129} if hasattr(signal, "SIGHUP") else {})}
-
-
-def _run_ranks(cmd: list[str]) -> int:
-    """`vitkit train --nproc N`: torchrun and its ranks, waited for. torchrun runs in its own session, so every stop
-    reaches it once, through this process: a Ctrl-C at the terminal, a SIGTERM from a job runner or `kill` (to this
-    process or to its process group), a SIGHUP from a closed terminal or ssh session are each passed on to torchrun,
-    which passes them to every rank; the ranks stop at the same step and save it, and this waits for them (exit 130,
-    143 or 129, the first signal's). Before, a SIGTERM or SIGHUP to this process alone ended it at once and left
-    torchrun and the ranks training on with no one waiting; one to the process group reached torchrun as well as
-    this process, so a forwarded copy would have been a second. A second Ctrl-C stops waiting (KeyboardInterrupt) and
-    ends torchrun (the ranks finish the step in hand and save it on their own); further SIGTERMs and SIGHUPs are
-    noted once and change nothing. The handlers are this function's own, as the ranks' are theirs (a process started
-    with Ctrl-C ignored, as by some job runners and test workers, still hears it). Off the main thread
-    (`vitkit.cli.main` called in a thread) no handler can be installed: Python's own handling then, and torchrun
-    stays in this process group, where a terminal's Ctrl-C reaches it directly."""
-    asked, proc = None, None
-
-    def on_stop(signum, frame) -> None:
-        nonlocal asked
-        if proc is None:  # before torchrun started (it would never hear it): stop at once, nothing trained
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(STOP_EXIT[signum])
-        if asked is not None:
-            if signum == signal.SIGINT and asked == signal.SIGINT:  # a second Ctrl-C
-                raise KeyboardInterrupt
-            return  # the ranks are stopping already: a second signal to torchrun would cut its wait for them short
-        asked = signal.Signals(signum)
-        proc.send_signal(signum)
-        what = b"Ctrl-C" if signum == signal.SIGINT else asked.name.encode()
-        again = b" (Ctrl-C again aborts at once)" if signum == signal.SIGINT else b""
-        os.write(2, b"vitkit: " + what + b": waiting for the ranks to save the step in hand" + again + b"\n")
-
-    installed = {}
-    try:  # before torchrun starts: it gets the default handling, not an inherited SIG_IGN
-        for sig in STOP_EXIT:
-            installed[sig] = signal.signal(sig, on_stop)
-    except ValueError:  # not the main thread
-        pass
-    # torchrun's own handlers (TORCHELASTIC_SIGNALS_TO_HANDLE, read from the environment) must cover what is passed on
-    env = {**os.environ, "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(s.name for s in STOP_EXIT)}
-    try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=bool(installed))
-        try:
-            code = proc.wait()  # a handler returns on a first signal, and the wait goes on
-        except KeyboardInterrupt:
-            if installed or asked is not None:
-                proc.kill()
-                proc.wait()
-                raise
-            asked = signal.SIGINT  # Python's own handling (off the main thread): the first Ctrl-C, wait for the ranks
-            code = proc.wait()
-    finally:
-        for sig, old in installed.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
-    return STOP_EXIT[asked] if asked is not None else code
 
 
 def _list_presets(fn):

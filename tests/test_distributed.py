@@ -102,9 +102,15 @@ def test_a_killed_distributed_run_resumes_to_the_same_weights(tmp_path):
             if len(lines) >= 20:
                 break
             time.sleep(0.05)
-    finally:  # whatever happened above, the launcher and both ranks end here, at once
-        os.killpg(proc.pid, signal.SIGKILL)
+    finally:  # whatever happened above, the launcher ends here, at once; torchrun, in its own session, hears SIGTERM
+        os.killpg(proc.pid, signal.SIGKILL)  # from Linux (PR_SET_PDEATHSIG), and the ranks save the step in hand
         proc.wait(30)
+    from test_trust_values import _processes_naming
+
+    end = time.monotonic() + 120
+    while _processes_naming(f"run.out_dir={cut}") and time.monotonic() < end:  # nothing left writing into `cut`
+        time.sleep(0.1)
+    assert _processes_naming(f"run.out_dir={cut}") == []
     step = checkpoint.read_meta(checkpoint.latest(cut))["step"]
     assert 0 < step < 69  # 23 steps an epoch, 3 epochs
     _train(cut, "schedule.epochs=3", "run.ckpt_every=3", nproc=2)

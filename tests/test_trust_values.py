@@ -251,12 +251,13 @@ class _Run:
     """`vitkit train` in its own process group (as a terminal's job: Ctrl-C reaches every process of it), its stderr
     read as it comes."""
 
-    def __init__(self, out: Path, *args: str, sigint_ignored: bool = False) -> None:
+    def __init__(self, out: Path, *args: str, sigint_ignored: bool = False, sighup_ignored: bool = False) -> None:
         import threading
 
         env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "OMP_NUM_THREADS": "1", "VITKIT_GEMM": "mkl"}
         self.out = out
-        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+        ignored = [s for s, on in ((signal.SIGINT, sigint_ignored), (signal.SIGHUP, sighup_ignored)) if on]
+        ignore = (lambda: [signal.signal(s, signal.SIG_IGN) for s in ignored]) if ignored else None
         self.proc = subprocess.Popen([sys.executable, "-m", "vitkit", "train", *args], cwd=PACKAGE.parent, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                      preexec_fn=ignore)
@@ -400,8 +401,8 @@ def _processes_naming(text: str) -> list[str]:
 
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux's /proc to list the ranks")
 @pytest.mark.parametrize("sig,to", [("SIGTERM", "vitkit"), ("SIGTERM", "group"), ("SIGHUP", "vitkit"),
-                                    ("SIGKILL", "vitkit"), ("SIGQUIT", "group")])
-def test_a_job_runners_sigterm_in_a_two_process_run_stops_every_rank_at_one_saved_step(tmp_path, sig, to):
+                                    ("SIGKILL", "vitkit"), ("SIGQUIT", "group"), ("SIGTERM", "vitkit, SIGUSR1 named")])
+def test_a_job_runners_sigterm_in_a_two_process_run_stops_every_rank_at_one_saved_step(tmp_path, monkeypatch, sig, to):
     """`vitkit train --nproc 2`: a SIGTERM (a job runner, `kill`, a container stopping) or a SIGHUP (a closed terminal)
     sent to vitkit's own process ended it at once, exit -15, and left torchrun and both ranks training on to the end
     with no one waiting for them; sent to its process group, torchrun heard it too and the ranks saved, but vitkit
@@ -410,9 +411,12 @@ def test_a_job_runners_sigterm_in_a_two_process_run_stops_every_rank_at_one_save
     checkpoint, the resume command printed, and no process of the run left behind. If vitkit itself is killed
     (SIGKILL), torchrun hears SIGTERM from Linux (PR_SET_PDEATHSIG) and the ranks save as for a SIGTERM (before:
     both ranks trained on to the end); a terminal's Ctrl-\\ (SIGQUIT) reaches torchrun once, which ends the ranks at
-    once, and vitkit waits for it (131; a review found torchrun and the ranks left training on, out of reach)."""
+    once, and vitkit waits for it (131; a review found torchrun and the ranks left training on, out of reach). A
+    cluster's own signal for torchrun (`PET_SIGNALS_TO_HANDLE=SIGUSR1`) keeps the SIGTERM handled too."""
     from vitkit.training import checkpoint
 
+    if "SIGUSR1" in to:
+        monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGUSR1")
     out = tmp_path / "run"
     run = _Run(out, "--nproc", "2", *RUN_ARGS, f"run.out_dir={out}")
     run.wait_until(lambda: run.logged_step() >= 3, "step 3")
@@ -439,9 +443,10 @@ def test_a_job_runners_sigterm_in_a_two_process_run_stops_every_rank_at_one_save
 
 
 _STOP_AROUND_THE_START = """
-import os, signal, subprocess, sys, time
+import os, signal, subprocess, sys, threading, time
+from pathlib import Path
 from vitkit.training import launch
-sig, when = getattr(signal, sys.argv[1]), sys.argv[2]
+sig, when, ready = getattr(signal, sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 real_env, real_popen = launch.torchrun_env, subprocess.Popen
 def env():  # called just before torchrun is started
     if when == "before":
@@ -458,18 +463,39 @@ def popen(*a, **k):  # torchrun forked and started, Popen not returned yet: the 
 launch.torchrun_env, launch.subprocess.Popen = env, popen
 before, t = {s: signal.getsignal(s) for s in launch.STOP_EXIT}, time.monotonic()
 child = "import time; time.sleep(30)"
-if when in ("sigterm-then-ctrl-c", "late"):  # a child that ignores SIGTERM: sleeps 30 s, or ends whole after 4
-    import threading
-    child = f"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep({30 if when != 'late' else 4})"
-    threading.Timer(2, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    if when != "late":
-        threading.Timer(3, os.kill, (os.getpid(), signal.SIGINT)).start()
+if when in ("sigterm-then-ctrl-c", "late"):
+    # a torchrun that ignores SIGTERM and Ctrl-C, with two ranks in sessions of their own that do too: it sleeps 30 s,
+    # or ends whole after 4 s with no ranks; it writes their pids once it ignores the signals
+    kids, nap = (2, 30) if when != "late" else (0, 4)
+    child = (
+        "import signal, subprocess, sys, time\\n"
+        "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)]\\n"
+        "rank = 'import signal, time; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)]; time.sleep(60)'\\n"
+        f"ranks = [subprocess.Popen([sys.executable, '-c', rank], start_new_session=True) for _ in range({kids})]\\n"
+        f"open({str(ready)!r}, 'w').write(' '.join(str(r.pid) for r in ranks) + '.')\\n"
+        f"time.sleep({nap})\\n")
+    def stops():
+        end = time.monotonic() + 60
+        while not (ready.exists() and ready.read_text().endswith(".")) and time.monotonic() < end:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if when != "late":
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=stops, daemon=True).start()
 try:
     code = launch.run_ranks([sys.executable, "-c", child])
     print("returned", code, flush=True)
 except KeyboardInterrupt:
     print("KeyboardInterrupt", flush=True)
 finally:
+    alive = []
+    for pid in (ready.read_text().rstrip(".").split() if ready.exists() else []):
+        stat = Path(f"/proc/{pid}/stat")
+        if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            alive.append(pid)
+            os.kill(int(pid), signal.SIGKILL)
+    print("ranks left", len(alive), flush=True)
     print("restored", before == {s: signal.getsignal(s) for s in launch.STOP_EXIT}, flush=True)
     print(f"seconds {time.monotonic() - t:.0f}", flush=True)
 """
@@ -477,16 +503,17 @@ finally:
 
 @pytest.mark.parametrize("sig,when", [("SIGINT", "before"), ("SIGTERM", "before"), ("SIGINT", "while"),
                                       ("SIGTERM", "while"), ("SIGTERM", "sigterm-then-ctrl-c"), ("SIGTERM", "late")])
-def test_a_stop_around_torchruns_start_stops_it_or_starts_nothing(sig, when):
+def test_a_stop_around_torchruns_start_stops_it_or_starts_nothing(tmp_path, sig, when):
     """`vitkit train --nproc`'s wait (`run_ranks`, in a child process: before the change a SIGTERM there ended it).
     A stop before torchrun is started ends vitkit at once (130 as a KeyboardInterrupt, 143), nothing started; one
     that comes after torchrun was forked but before Popen returned (a review found it) is passed on to it once it
     has: torchrun (here a 30-second sleep in its own session) ends at once, not orphaned, and vitkit returns the
-    signal's code. A Ctrl-C after a SIGTERM aborts at once (it was ignored: a review found it); a SIGTERM the run
-    outlives whole (torchrun exits 0) returns 0. The handlers are put back either way."""
-    done = subprocess.run([sys.executable, "-c", _STOP_AROUND_THE_START, sig, when], cwd=PACKAGE.parent,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)},
-                          timeout=120)
+    signal's code. A Ctrl-C after a SIGTERM aborts at once (it was ignored), killing torchrun and its ranks, which
+    run in sessions of their own (they were left running: reviews found both). A SIGTERM the run outlives whole
+    (torchrun exits 0) returns 0. The handlers are put back either way."""
+    done = subprocess.run([sys.executable, "-c", _STOP_AROUND_THE_START, sig, when, str(tmp_path / "ready")],
+                          cwd=PACKAGE.parent, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)}, timeout=120)
     lines, why = done.stdout.splitlines(), (done.stdout, done.stderr[-2000:])
     if when == "before":
         assert not any(line.startswith(("started", "returned")) for line in lines), why
@@ -499,8 +526,23 @@ def test_a_stop_around_torchruns_start_stops_it_or_starts_nothing(sig, when):
     else:
         expected = 0 if when == "late" else launch_exit(sig)
         assert lines[0].startswith("started") and lines[1] == f"returned {expected}", why
+    assert "ranks left 0" in lines, why
     # the handlers put back; the 30-second child ended with the signal, not waited out (a hang bound, not a speed)
     assert "restored True" in lines and int(lines[-1].split()[1]) < 20, why
+
+
+def test_torchrun_handles_what_vitkit_passes_on_beside_the_users_own(monkeypatch):
+    """torchrun (torch >= 2.9) takes the signals it handles from PET_SIGNALS_TO_HANDLE (its --signals-to-handle) and
+    writes them over TORCHELASTIC_SIGNALS_TO_HANDLE: a user's SIGUSR1 there alone would leave a passed-on SIGTERM
+    killing torchrun outright, the ranks orphaned (a review found vitkit set only the second). Both now name the
+    user's signals and every one vitkit passes on, once each."""
+    from vitkit.training import launch
+
+    monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGUSR1, SIGTERM")
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGUSR2")
+    env = launch.torchrun_env()
+    for var in launch.SIGNAL_VARS:
+        assert env[var].split(",") == ["SIGUSR1", "SIGTERM", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT"]
 
 
 def launch_exit(sig: str) -> int:
@@ -521,6 +563,23 @@ def test_the_ranks_wait_off_the_main_thread():
     t.start()
     t.join()
     assert out == {"code": 3}
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_under_nohup_a_hangup_does_not_stop_the_run(tmp_path, nproc):
+    """`nohup vitkit train ...` starts vitkit with SIGHUP ignored, to outlive the terminal: vitkit's own SIGHUP
+    handler (the step in hand saved, exit 129) took its place, so a logout stopped the run (a review found it). A
+    SIGHUP ignored from the start stays ignored, in one process and under `--nproc 2`: the run trains to its end."""
+    from vitkit.training import checkpoint
+
+    out = tmp_path / "run"
+    run = _Run(out, *(["--nproc", "2"] if nproc > 1 else []), *RUN_ARGS, f"run.out_dir={out}", sighup_ignored=True)
+    run.wait_until(lambda: run.logged_step() >= 3, "step 3")
+    os.killpg(run.proc.pid, signal.SIGHUP)
+    code, stdout, err = run.finish()
+    result = json.loads(stdout)
+    assert code == 0 and not result.get("interrupted") and (out / "final.safetensors").exists(), err[-3000:]
+    assert result["step"] == checkpoint.read_meta(checkpoint.latest(out))["step"] > 200  # 3 epochs: all of them
 
 
 def test_a_closed_terminal_sighup_saves_the_step_in_hand_as_sigterm_does(tmp_path):

@@ -99,9 +99,12 @@ class _StopRequest:
         self.asked = self.asked or self.SIGNALS[signum]
 
     def install(self) -> dict:
-        """Handle SIGTERM, SIGHUP and SIGINT; returns the handlers they had (none off the main thread: nothing installed)."""
+        """Handle SIGTERM, SIGHUP and SIGINT; returns the handlers they had (none off the main thread: nothing installed).
+        A SIGHUP ignored from the start (`nohup vitkit train ...`) stays ignored: hangups are not a stop there."""
         old = {}
         for sig in self.SIGNALS:
+            if sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) == signal.SIG_IGN:
+                continue
             try:
                 old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread

@@ -130,7 +130,7 @@ def joined(tags: str) -> dict:
     docs = [json.loads((RESULTS / f"time_to_accuracy_{t}.json").read_text()) for t in tags.split("+")]
     if len({d["cpu"] for d in docs}) > 1:
         raise SystemExit(f"{tags}: the files name different CPUs ({sorted({d['cpu'] for d in docs})}): a panel is one CPU")
-    return {**docs[0], "runs": [r for d in docs for r in d["runs"]]}
+    return {**docs[0], "runs": [r for d in docs for r in d["runs"]], "tag": tags}
 
 
 def plot(docs: list[dict], out: Path) -> None:
@@ -159,7 +159,8 @@ def plot(docs: list[dict], out: Path) -> None:
         ax.set_xlabel("wall clock (minutes; the last point: the whole vitkit train command)")
         precision = "/".join(sorted({r["precision"] for r in doc["runs"]}))
         cores = f", {doc['cores']} cores" if doc.get("cores") else ""
-        ax.set_title(textwrap.fill(f"{doc['cpu']}{cores}, {precision}", 70), fontsize=9)  # a capped CPU's name is long
+        tag = f" [{doc['tag']}]" if doc.get("tag") else ""  # the result files: one CPU's sessions apart
+        ax.set_title(textwrap.fill(f"{doc['cpu']}{cores}, {precision}{tag}", 70), fontsize=9)  # a capped name is long
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     # every panel (sharex) to the longest run: without it the shared axis keeps the first panel's own range

@@ -71,7 +71,8 @@ def fashion_mnist_fast() -> TrainConfig:
     time the run measures, so a slower machine trains fewer), raw weights (no EMA: at this length it lags), one
     evaluation at the end over 18 views (flips, and shifts by one and two pixels: `run.tta=flip-shift2`). On a 2-core
     Intel Xeon with AMX (CPU family 6, model 167), where `run.precision=auto` takes bf16 and `run.compile=auto`
-    compiles: 94.09 +- 0.14% (seeds 0, 1 and 2: 94.25%, 94.01%, 94.00%, in 27.2, 23.8 and 25.8 epochs) in 1760 +- 10 s.
+    compiles: 94.09 +- 0.14% (seeds 0, 1 and 2: 94.25%, 94.01%, 94.00%, in 27.2, 23.8 and 25.8 epochs) in 1760 +- 10 s;
+    in a later session on the same VM, 15-20% slower, 19-22 epochs: 93.80 +- 0.07% in 1754 +- 5 s.
     In fp32 on a CPU without bf16 (emulated: the same CPU with oneDNN capped to Cascade Lake's ISA, compiled) it
     trains 14-16 epochs: 93.45 +- 0.12% (3 seeds); under the AVX2 caps (eager) one seed trained 7.3 epochs: 92.25%.
     The choices, made on a held-out split of the training images: benchmarks/NOTES.md, sections 44 to 52; `python

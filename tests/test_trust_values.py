@@ -489,10 +489,16 @@ try:
 except KeyboardInterrupt:
     print("KeyboardInterrupt", flush=True)
 finally:
-    alive = []
+    def running(pid):  # a SIGKILL lands when the process next runs: on a loaded machine, a moment later
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    alive, end = [], time.monotonic() + 10
     for pid in (ready.read_text().rstrip(".").split() if ready.exists() else []):
-        stat = Path(f"/proc/{pid}/stat")
-        if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        while running(pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        if running(pid):
             alive.append(pid)
             os.kill(int(pid), signal.SIGKILL)
     print("ranks left", len(alive), flush=True)

@@ -127,7 +127,7 @@ def run_ranks(cmd: list[str]) -> int:
             return  # the ranks are stopping already
         asked = signal.Signals(signum)
         proc.send_signal(signum)
-        if signum == signal.SIGQUIT:
+        if signum == getattr(signal, "SIGQUIT", None):  # not on Windows
             note = b"vitkit: SIGQUIT: torchrun ends the ranks at once (the steps since the last checkpoint are lost)\n"
         else:
             what = b"Ctrl-C" if signum == signal.SIGINT else asked.name.encode()

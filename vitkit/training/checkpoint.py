@@ -123,8 +123,9 @@ def _join_lora(state: dict) -> dict:
 
 
 def save(out: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None, meta: dict,
-         dist: Dist) -> Path:
-    """Write step `step` (every rank calls this); returns its folder. The previous step's folder goes only after."""
+         dist: Dist, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """Write step `step` (every rank calls this); returns its folder. The previous step's folder goes only after.
+    `extra`: more state beside the model's, the same on every rank (data.prune's scores and pass)."""
     import torch.distributed.checkpoint as dcp  # start-up time (see _tensors)
 
     from ..checkpoints.run import single_process_quiet
@@ -137,7 +138,7 @@ def save(out: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, ema
         tmp.mkdir(parents=True)
     dist.barrier()
     with single_process_quiet():
-        dcp.save(_split_lora(_tensors(model, opt, ema), model, merged=True), checkpoint_id=str(tmp))
+        dcp.save({**_split_lora(_tensors(model, opt, ema), model, merged=True), **(extra or {})}, checkpoint_id=str(tmp))
     dist.barrier()
     if dist.main:
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step, "world_size": dist.world}, indent=1))
@@ -151,13 +152,15 @@ def save(out: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer, ema
     return final
 
 
-def load(step_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None) -> dict:
-    """Load a step folder into the (possibly sharded) model, its optimizer and EMA; returns its meta.json."""
+def load(step_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, ema: nn.Module | None,
+         extra: dict[str, dict[str, torch.Tensor]] | None = None) -> dict:
+    """Load a step folder into the (possibly sharded) model, its optimizer and EMA, and `extra`'s tensors (of the
+    shapes saved, filled in place); returns its meta.json."""
     from torch.distributed.checkpoint.state_dict import set_state_dict  # start-up time (see _tensors)
 
     from ..checkpoints.run import dcp_load
 
-    state = _split_lora(_tensors(model, opt, ema), model, merged=False)
+    state = {**_split_lora(_tensors(model, opt, ema), model, merged=False), **(extra or {})}
     dcp_load(state, step_dir)
     state = _join_lora(state)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

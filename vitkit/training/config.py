@@ -38,6 +38,11 @@ class DataConfig:
     strict_images: fail on an undecodable image instead of skipping and counting it.
     classes: keep only these classes (their indices in the dataset), relabelled 0..k-1 in that order (in-memory
         datasets): an upstream task of some classes, another downstream.
+    prune: InfoBatch's dynamic data pruning (`vitkit.training.prune`): each pass over the training images leaves out
+        this fraction of the images whose latest training loss is below the mean, and weighs the loss of the rest
+        of them up to keep the pass's gradient unbiased; the steps (and a time budget's) then see the images still
+        being learnt more often. 0: off. In-memory datasets, hard labels (no mixup, cutmix, mpp or distillation).
+    prune_anneal: passes that start at or past this fraction of the run's steps keep every image, unweighted.
     max_patches: native aspect ratios (NaFlex): every image resized, keeping its aspect ratio, to at most this many
         patches and the batch packed into one forward of mixed sizes (`vitkit.data.naflex`); training augments with
         crops of the image's own aspect ratio (aug.crop=rrc, area aug.scale) and flips. None: one square size.
@@ -55,6 +60,8 @@ class DataConfig:
     strict_images: bool = False
     classes: list[int] | None = None
     max_patches: int | None = None
+    prune: float = 0.0
+    prune_anneal: float = 0.875
 
 
 @dataclass
@@ -254,6 +261,7 @@ def flatten_config(d: dict, prefix: str = "") -> dict[str, Any]:
 NUMBER_BOUNDS = {
     "data.batch_size": (1, 1 << 20), "data.eval_batch_size": (1, 1 << 20), "data.num_workers": (0, 1024),
     "data.subset": (0, None), "data.test_subset": (0, None), "data.val_split": (0.0, 0.99),
+    "data.prune": (0.0, 0.99), "data.prune_anneal": (0.0, 1.0),
     "optim.lr": (0.0, None), "optim.weight_decay": (0.0, None), "optim.layer_decay": (0.0, 1.0), "optim.clip_grad": (0.0, None),
     "schedule.epochs": (0.0, 1e6), "schedule.warmup_epochs": (0.0, 1e6), "schedule.min_lr_ratio": (0.0, 1.0),
     "schedule.time_budget": (1.0, 1e7),

@@ -109,6 +109,8 @@ def _loss(run: Run, logits, target: torch.Tensor, xa: torch.Tensor) -> tuple[tor
         if target.ndim == 2:  # mixup / cutmix: soft targets
             return torch.sum(-target * F.log_softmax(z, -1), -1).mean()
         smoothing = cfg.aug.label_smoothing if cfg.model.objective == "classify" else 0.0
+        if run.pruner is not None:  # data.prune: each image's loss is its score, and weighs as its pass says
+            return run.pruner.weigh(F.cross_entropy(z, target, label_smoothing=smoothing, reduction="none"), run.dist.sum)
         return F.cross_entropy(z, target, label_smoothing=smoothing)
 
     if not isinstance(logits, tuple):
@@ -140,7 +142,10 @@ def write_checkpoint(run: Run, step: int, best: float, elapsed: float, extra: di
                             f"good checkpoint is intact: {last_good(run)}. Try a lower optim.lr or optim.clip_grad.")
     meta = {"best": best, "elapsed": elapsed, "config": run.cfg.to_dict(), "model_config": run.model.config.to_dict(),
             "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None, **(extra or {})}
-    checkpoint.save(run.out, step, run.model, run.opt, run.ema, meta, run.dist)
+    tensors = None
+    if run.pruner is not None:  # data.prune's scores and pass in hand: an exact resume
+        meta["prune"], tensors = run.pruner.state_meta(), {"prune": run.pruner.state_tensors()}
+    checkpoint.save(run.out, step, run.model, run.opt, run.ema, meta, run.dist, tensors)
 
 
 def save_weights(run: Run, module: nn.Module, path: Path, metadata: dict | None = None) -> None:

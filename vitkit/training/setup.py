@@ -31,6 +31,7 @@ from .config import TrainConfig
 from .distill import load_teacher
 from .distributed import Dist, resolve_strategy, wrap_model
 from .optim import build_optimizer, schedule_steps
+from .prune import Pruner
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Run:
     steps_per_epoch: int
     total: int
     warmup: int
+    pruner: Pruner | None = None  # data.prune's stream of training batches (the trainer sets it), or None
 
     @property
     def device(self) -> torch.device:
@@ -176,6 +178,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     # files are decoded at the model's size with its evaluation geometry (a 384-px checkpoint reads at 384); the
     # augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
     data = prepare(mc, train=spec.train, val=spec.val, test=spec.test, max_patches=d.max_patches, aug=cfg.aug, seed=r.seed)
+    check_prune(cfg, data.train, model)
     steps_per_epoch = len(data.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     last = total if max_steps is None else min(total, max_steps)
@@ -319,6 +322,25 @@ def _describe_model(cfg: TrainConfig, model: nn.Module) -> str:
     src = f" from {cfg.model.checkpoint}" if cfg.model.checkpoint else ""
     return (f"model {run_model_name(cfg)}{src}: {kind}{arch}, {tuple(c.img_size)} px, {params / 1e6:.3g}M parameters, "
             f"{gflops} per image")
+
+
+def check_prune(cfg: TrainConfig, train, model: nn.Module) -> None:
+    """What data.prune (InfoBatch's pruning, `vitkit.training.prune`) cannot combine with, said before any work: its
+    scores are each image's own loss against its own label, and its passes are drawn from a set held in memory."""
+    d, a = cfg.data, cfg.aug
+    if not d.prune:
+        return
+    if cfg.model.objective != "classify" or cfg.distill.teacher or getattr(model.config, "distilled", False):
+        raise UsageError("data.prune scores each image by its classification loss: it trains classifiers of one head "
+                         "without a teacher (no model.objective=mpp, no distillation token or distill.teacher); set "
+                         "data.prune=0")
+    if a.mixup or a.cutmix:
+        raise UsageError("data.prune scores each image by its own loss, which mixup and cutmix blend with another "
+                         "image's: set aug.mixup=0 aug.cutmix=0, or data.prune=0")
+    if d.max_patches or getattr(train, "decodes", True):
+        raise UsageError("data.prune draws its passes from a training set held in memory at one size (fashion-mnist, "
+                         "cifar10, cifar100, digits, .npz arrays); image folders and data.max_patches stream files in "
+                         "epochs: set data.prune=0")
 
 
 def _check_packed(cfg: TrainConfig, model: nn.Module) -> None:

@@ -32,6 +32,7 @@ import yaml
 
 from ..cache import output_dir
 from ..data.datasets import iterate_batches
+from ..errors import CheckpointError
 from ..evaluation import save_confusion_png, write_report
 from ..evaluation.metrics import tta_views
 from ..machine.device import resolve_device
@@ -43,6 +44,7 @@ from .config import TrainConfig
 from .distributed import Dist
 from .logs import MetricsLog, Progress
 from .loop import due, evaluate_and_keep_best, evaluate_on, save_weights, train_step, write_checkpoint
+from .prune import Pruner
 from .setup import TrainingError, prepare_run, run_model_name
 
 log = logging.getLogger(__name__)
@@ -189,11 +191,25 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     if dist.main:
         (out / "config.yaml").write_text(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False))
     step, best, elapsed, meta = 0, -1.0, 0.0, {}
+    if d.prune:  # InfoBatch's pruned passes (vitkit.training.prune) in place of the epochs' shuffles
+        run.pruner = Pruner(run.data.train, d.batch_size, d.prune, d.prune_anneal, r.seed, r.accumulate,
+                            lambda: run.total, run.device, dist.rank, dist.world,
+                            dist.check_same if dist.world > 1 else None)
     if ck is not None:
-        meta = checkpoint.load(ck, run.model, run.opt, run.ema)
+        saved_prune = run.pruner is not None and isinstance(saved_meta.get("prune"), dict)
+        prune_state = {"prune": run.pruner.state_tensors()} if saved_prune else None  # filled by the load
+        meta = checkpoint.load(ck, run.model, run.opt, run.ema, prune_state)
         if meta.get("scaler"):
             run.scaler.load_state_dict(meta["scaler"])
         step, best, elapsed = meta["step"], meta["best"], meta["elapsed"]
+        if saved_prune:
+            try:
+                run.pruner.load(prune_state["prune"], meta["prune"], step)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{ck}: data.prune's state cannot be resumed ({e})") from None
+        elif run.pruner is not None and dist.main:
+            log.warning(f"resuming {out} at step {step} with data.prune={d.prune}, which it was not saved with: the "
+                        f"images' scores start afresh, and the first pass keeps every image")
         if meta.get("world_size", 1) != dist.world and dist.main:
             log.warning(f"resuming {out} at step {step}, saved by {meta.get('world_size')} process(es), in {dist.world}: "
                         f"the weights and optimizer are resharded; the rest of the run is not bitwise the one never "
@@ -226,11 +242,13 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     skipped_total = 0
     result: dict = {"model": run_model_name(cfg), "interrupted": False}
     last_eval: tuple[int, dict] = (-1, {})  # (step, {"model": EvalResult, "ema": EvalResult}) of the latest evaluation
+    stream = run.pruner.batches() if run.pruner is not None else None  # one stream across the epochs
     try:
         while step < limit:
             epoch, in_epoch = divmod(step, run.steps_per_epoch)
-            batches = iterate_batches(run.data.train, d.batch_size, seed=r.seed, epoch=epoch, start_step=in_epoch * r.accumulate,
-                                      num_workers=d.num_workers, device=run.device, rank=dist.rank, world=dist.world)
+            batches = stream if run.pruner is not None else iterate_batches(
+                run.data.train, d.batch_size, seed=r.seed, epoch=epoch, start_step=in_epoch * r.accumulate,
+                num_workers=d.num_workers, device=run.device, rank=dist.rank, world=dist.world)
             for _ in range(in_epoch, run.steps_per_epoch):
                 # every random choice of this step derives from (seed, step, rank): exact resume anywhere
                 torch.manual_seed(r.seed * 1_000_003 + step + dist.rank * 1_000_000_007)
@@ -240,6 +258,9 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                 loss_s, correct, seen, skipped, lr = train_step(run, batches, step, g)
                 loss_log, correct_log, seen_log, skipped_total = loss_log + loss_s, correct_log + correct, seen_log + seen, skipped_total + skipped
                 step += 1
+                if run.pruner is not None:
+                    for event in run.pruner.pop_events():
+                        logger.log(event)
                 if budget is not None and step < limit:
                     if budget.mark is None and step >= first_step + FIRST_TIMED_STEP:
                         budget.begin(step)  # this process's first steps compile and warm the caches: not timed

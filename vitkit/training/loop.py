@@ -86,7 +86,8 @@ def train_step(run: Run, batches, step: int, g: torch.Generator) -> tuple[float,
                                     f"run stopped. The last good checkpoint is intact: {last_good(run)}. Try a lower "
                                     f"optim.lr, optim.clip_grad, or run.precision=fp32.")
             run.scaler.scale(loss / r.accumulate).backward()
-        loss_sum += loss.item() * len(y)
+        # the log's loss: data.prune's weights left out, comparable with an unpruned run's
+        loss_sum += (loss.item() if run.pruner is None else run.pruner.plain_loss) * len(y)
         correct += (logits.argmax(1) == y).sum().item()  # mpp: y are the corrupted patches' colour codes
         seen += len(y)
     if cfg.optim.clip_grad:

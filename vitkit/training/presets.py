@@ -81,6 +81,7 @@ def fashion_mnist_fast() -> TrainConfig:
     cfg.preset = "fashion-mnist-fast"
     cfg.model.overrides.update(hybrid_norm="batch")  # BatchNorm in the ResNet: 1.2x GroupNorm's step (NOTES 51)
     cfg.data.batch_size = 128
+    cfg.data.prune = 0.5  # InfoBatch's pruned passes: +0.55 held out at 15 epochs (NOTES 55)
     cfg.optim = OptimConfig(name="muon", lr=4e-3, weight_decay=0.05, clip_grad=1.0)
     cfg.schedule = ScheduleConfig(epochs=40, warmup_epochs=0.5, decay="linear", time_budget=1800)
     cfg.run.ema = None

@@ -20,6 +20,7 @@ holds the same scores and draws the same passes (checked at each pass).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -38,9 +39,11 @@ def plan_pass(scores: torch.Tensor, ratio: float, full: bool, g: torch.Generator
     keep = torch.ones(n, dtype=torch.bool)
     scored = torch.isfinite(scores)
     if not full and ratio > 0 and bool(scored.any()):
-        well = (scores < scores[scored].mean()).nonzero().squeeze(1)  # unscored (inf) images are never below
-        drop = round(ratio * len(well))
-        if 0 < drop < len(well):
+        # the mean summed exactly: a float32 sum's rounding moves with the thread count, and ranks must agree
+        mean = math.fsum(scores[scored].tolist()) / int(scored.sum())
+        well = (scores < mean).nonzero().squeeze(1)  # unscored (inf) images are never below
+        drop = min(round(ratio * len(well)), len(well) - 1)  # one at least is kept: a weight of at most len(well)
+        if drop > 0:
             keep[well[torch.randperm(len(well), generator=g)[:drop]]] = False
             weight[well] = len(well) / (len(well) - drop)
     kept = keep.nonzero().squeeze(1)
@@ -75,6 +78,7 @@ class Pruner:
         self.drawn = 0  # micro-batches drawn since the run's first step
         self.segments: list[tuple[int, torch.Tensor]] = []  # the batch in hand: (offset, indices) per pass it spans
         self.batch_weight = torch.ones(0)  # this rank's slice of the batch in hand
+        self.plain_loss = 0.0  # the unweighted mean loss of this rank's slice of the batch in hand (the log's)
         self.events: list[dict] = []  # one record per pass drawn, for metrics.jsonl
 
     # -- the stream ----------------------------------------------------------------------------------------------
@@ -119,6 +123,7 @@ class Pruner:
         losses (every rank's, summed over the ranks by `sum_ranks`) become the images' scores."""
         w = self.batch_weight.to(losses.device, losses.dtype)
         got = losses.detach().float().cpu()
+        self.plain_loss = float(got.mean())
         if self.world > 1:
             full = torch.zeros(self.batch_size)
             per = self.batch_size // self.world
@@ -147,14 +152,20 @@ class Pruner:
     def load(self, tensors: dict[str, torch.Tensor], meta: dict, step: int) -> None:
         """The state a checkpoint saved at step `step` (checked: a wrong or foreign one raises ValueError)."""
         n = len(self.scores)
-        length, pos, index = int(meta["length"]), int(meta["pos"]), int(meta["pass"])
-        if int(meta["images"]) != n or not (0 <= pos <= length <= n) or index < -1:
-            raise ValueError(f"data.prune's saved state does not fit {n} training images: {meta}")
+        fields = {k: meta.get(k) for k in ("pass", "pos", "length", "images")}
+        if not all(type(v) is int for v in fields.values()):
+            raise ValueError(f"data.prune's saved pass is not four whole numbers: {fields}")
+        index, pos, length = fields["pass"], fields["pos"], fields["length"]
+        if fields["images"] != n or not (0 <= pos <= length <= n) or not -1 <= index <= (step + 1) * self.accumulate * self.batch_size:
+            raise ValueError(f"data.prune's saved pass does not fit {n} training images at step {step}: {fields}")
+        for k in ("scores", "order", "weight"):
+            if tuple(tensors[k].shape) != (n,):
+                raise ValueError(f"data.prune's saved {k} holds {tuple(tensors[k].shape)} values, not ({n},)")
         order, weight, scores = tensors["order"][:length].long(), tensors["weight"][:length].float(), tensors["scores"].float()
         if length and (int(order.min()) < 0 or int(order.max()) >= n or not bool(torch.isfinite(weight).all())
-                       or float(weight.min()) < 1.0):
+                       or float(weight.min()) < 1.0 or float(weight.max()) > n):
             raise ValueError("data.prune's saved pass holds indices or weights out of range")
         if bool(torch.isnan(scores).any()) or float(scores.min()) < 0:
             raise ValueError("data.prune's saved scores are not losses (NaN or negative)")
         self.scores, self.order, self.weight = scores.clone(), order.clone(), weight.clone()
-        self.pos, self.pass_index, self.drawn = pos, index, step * self.accumulate
+        self.pos, self.pass_index = pos, index

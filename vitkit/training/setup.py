@@ -328,6 +328,10 @@ def check_prune(cfg: TrainConfig, train, model: nn.Module) -> None:
     """What data.prune (InfoBatch's pruning, `vitkit.training.prune`) cannot combine with, said before any work: its
     scores are each image's own loss against its own label, and its passes are drawn from a set held in memory."""
     d, a = cfg.data, cfg.aug
+    if not (isinstance(d.prune, (int, float)) and 0.0 <= d.prune < 1.0):
+        raise UsageError(f"data.prune={d.prune!r}: the share of the well-learned images a pass leaves out, in [0, 1)")
+    if not (isinstance(d.prune_anneal, (int, float)) and 0.0 <= d.prune_anneal <= 1.0):
+        raise UsageError(f"data.prune_anneal={d.prune_anneal!r}: a share of the run's steps, in [0, 1]")
     if not d.prune:
         return
     if cfg.model.objective != "classify" or cfg.distill.teacher or getattr(model.config, "distilled", False):

@@ -196,16 +196,20 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                             lambda: run.total, run.device, dist.rank, dist.world,
                             dist.check_same if dist.world > 1 else None)
     if ck is not None:
-        saved_prune = run.pruner is not None and isinstance(saved_meta.get("prune"), dict)
+        saved_prune = run.pruner is not None and saved_meta.get("prune") is not None
         prune_state = {"prune": run.pruner.state_tensors()} if saved_prune else None  # filled by the load
         meta = checkpoint.load(ck, run.model, run.opt, run.ema, prune_state)
         if meta.get("scaler"):
             run.scaler.load_state_dict(meta["scaler"])
         step, best, elapsed = meta["step"], meta["best"], meta["elapsed"]
+        if run.pruner is not None:
+            run.pruner.drawn = step * r.accumulate  # the stream's position, saved state or not
         if saved_prune:
             try:
+                if not isinstance(meta["prune"], dict):
+                    raise TypeError(f"meta.json's prune is a {type(meta['prune']).__name__}")
                 run.pruner.load(prune_state["prune"], meta["prune"], step)
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
                 raise CheckpointError(f"{ck}: data.prune's state cannot be resumed ({e})") from None
         elif run.pruner is not None and dist.main:
             log.warning(f"resuming {out} at step {step} with data.prune={d.prune}, which it was not saved with: the "

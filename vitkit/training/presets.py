@@ -68,15 +68,17 @@ def fashion_mnist_fast() -> TrainConfig:
     (`model.overrides.hybrid_norm=batch`) and its augmentation, trained with Muon (`optim.name=muon`: orthogonalised
     updates for the hidden matrices and conv kernels, AdamW for the rest) at batch 128 for as many epochs as fit 30
     minutes of the whole command (`schedule.time_budget=1800`, at most 40 epochs; the length is fixed from the step
-    time the run measures, so a slower machine trains fewer), raw weights (no EMA: at this length it lags), one
-    evaluation at the end over 18 views (flips, and shifts by one and two pixels: `run.tta=flip-shift2`). On a 2-core
-    Intel Xeon with AMX (CPU family 6, model 167), where `run.precision=auto` takes bf16 and `run.compile=auto`
-    compiles: 94.09 +- 0.14% (seeds 0, 1 and 2: 94.25%, 94.01%, 94.00%, in 27.2, 23.8 and 25.8 epochs) in 1760 +- 10 s;
-    in a later session on the same VM, 15-20% slower, 19-22 epochs: 93.80 +- 0.07% in 1754 +- 5 s.
-    In fp32 on a CPU without bf16 (emulated: the same CPU with oneDNN capped to Cascade Lake's ISA, compiled) it
-    trains 14-16 epochs: 93.45 +- 0.12% (3 seeds); under the AVX2 caps (eager) one seed trained 7.3 epochs: 92.25%.
-    The choices, made on a held-out split of the training images: benchmarks/NOTES.md, sections 44 to 52; `python
-    benchmarks/time_to_accuracy.py run --presets fashion-mnist-fast --seeds 0 1 2`."""
+    time the run measures, so a slower machine trains fewer), InfoBatch's pruned passes (`data.prune=0.5`: each pass
+    leaves out half of the images whose last loss is below the mean, the rest of them weighed up), raw weights (no
+    EMA: at this length it lags), one evaluation at the end over 18 views (flips, and shifts by one and two pixels:
+    `run.tta=flip-shift2`). In fp32 on a CPU without bf16 (emulated: a 2-core Intel Xeon, CPU family 6, model 167,
+    with oneDNN capped to Cascade Lake's ISA; compiled) it trains 15-17 epochs: 93.87 +- 0.05% in 1764 +- 8 s (3
+    seeds; 93.45 +- 0.12% before `data.prune`). Before `data.prune`, on the same CPU uncapped, where
+    `run.precision=auto` takes bf16: 94.09 +- 0.14% (seeds 0, 1 and 2, in 27.2, 23.8 and 25.8 epochs) in 1760 +- 10 s;
+    in a later session on the same VM, 15-20% slower, 19-22 epochs: 93.80 +- 0.07% in 1754 +- 5 s; under the AVX2 caps
+    (eager) one seed trained 7.3 epochs: 92.25%. The choices, made on a held-out split of the training images:
+    benchmarks/NOTES.md, sections 44 to 55; `python benchmarks/time_to_accuracy.py run --presets fashion-mnist-fast
+    --seeds 0 1 2`."""
     cfg = fashion_mnist_long()
     cfg.preset = "fashion-mnist-fast"
     cfg.model.overrides.update(hybrid_norm="batch")  # BatchNorm in the ResNet: 1.2x GroupNorm's step (NOTES 51)

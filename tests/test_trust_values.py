@@ -256,8 +256,10 @@ class _Run:
 
         env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent), "OMP_NUM_THREADS": "1", "VITKIT_GEMM": "mkl"}
         self.out = out
-        ignored = [s for s, on in ((signal.SIGINT, sigint_ignored), (signal.SIGHUP, sighup_ignored)) if on]
-        ignore = (lambda: [signal.signal(s, signal.SIG_IGN) for s in ignored]) if ignored else None
+        # each disposition set either way: a suite started under nohup (SIGHUP ignored) or with Ctrl-C ignored would
+        # hand its own to the child, and a test of the default would test the inherited one instead
+        wanted = ((signal.SIGINT, sigint_ignored), (signal.SIGHUP, sighup_ignored))
+        ignore = lambda: [signal.signal(s, signal.SIG_IGN if on else signal.SIG_DFL) for s, on in wanted]  # noqa: E731
         self.proc = subprocess.Popen([sys.executable, "-m", "vitkit", "train", *args], cwd=PACKAGE.parent, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                      preexec_fn=ignore)

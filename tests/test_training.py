@@ -349,7 +349,7 @@ def test_demo_trains_evaluates_and_predicts_on_fashion_mnist(tmp_path, capsys, m
 
     monkeypatch.setattr(gemm, "FORCE", "onednn-packed")
 
-    res = demo(epochs=0.01, out=str(tmp_path / "demo"), images=2)  # 9 steps: the evaluation is the demo's bulk
+    res = demo(epochs=0.01, out=str(tmp_path / "demo"), images=2)  # 5 steps: the evaluation is the demo's bulk
     assert res["step"] == round(0.01 * (60000 // DEMO_RECIPE["data.batch_size"]))
     out = capsys.readouterr().out
     assert "on the 10000 test images" in out and "top-1" in out and "Ankle boot" in out

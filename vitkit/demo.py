@@ -14,21 +14,22 @@ from .data.datasets import load_fashion_mnist
 from .inference.predict import predict_images
 from .training import run_config, train
 
-# The preset's model for 0.8 epochs with what issue 55 learnt (benchmarks/NOTES.md section 56): BatchNorm in its ResNet
-# (1.2x GroupNorm's step) and Muon at batch 128 (AdamW 2e-3 at batch 64 before), without flips or random erasing
-# (this short they cost more than they give, section 32; so no flip test-time augmentation). On held-out training
-# images it beat the 1.2-epoch recipe before it by 1.0 (89.93% against 88.90%) in two thirds of the images.
+# The fashion-mnist preset's hybrid for 0.8 epochs with what issue 55 learnt (benchmarks/NOTES.md section 56): BatchNorm
+# in its ResNet and Muon at batch 128 (GroupNorm, and AdamW 2e-3 at batch 64, for 1.2 epochs before), without flips or
+# random erasing (this short they cost more than they give, section 32; so no flip test-time augmentation). On held-out
+# training images it beat the recipe before it by 1.0 (89.93% against 88.90%) with two thirds of the images.
 DEMO_RECIPE = {"schedule.epochs": 0.8, "schedule.warmup_epochs": 0.15, "data.batch_size": 128, "aug.hflip": False,
                "aug.random_erasing": 0.0, "run.tta": "none", "model.overrides.hybrid_norm": "batch",
                "optim.name": "muon", "optim.lr": 4e-3}
 
 
 def demo(epochs: float | None = None, out: str = "runs/demo", images: int = 4) -> dict:
-    """Train the fashion-mnist preset's model for 0.8 epochs on this machine, evaluate it on the 10,000 test images
+    """Train the fashion-mnist preset's hybrid for 0.8 epochs on this machine, evaluate it on the 10,000 test images
     (top-1/top-5, per class, confusion matrix), then predict a few test images saved as PNG files.
 
-    The preset's model with BatchNorm in its ResNet, trained with Muon at batch 128, without flips or random erasing
-    (`DEMO_RECIPE`, chosen on held-out training images: benchmarks/NOTES.md sections 32 and 56).
+    The preset's model with BatchNorm in its ResNet (as fashion-mnist-fast's), trained with Muon at batch 128,
+    without flips or random erasing (`DEMO_RECIPE`, chosen on held-out training images: benchmarks/NOTES.md
+    sections 32 and 56).
     Fashion-MNIST is read from Debian's dataset-fashion-mnist package (`make demo` installs it when it can),
     $VITKIT_DATA, or downloaded from the official URL. The full preset (10 epochs, flips, random erasing, flip
     test-time augmentation): `vitkit train fashion-mnist`.
@@ -43,7 +44,7 @@ def demo(epochs: float | None = None, out: str = "runs/demo", images: int = 4) -
     cfg, _ = run_config("fashion-mnist", overrides=recipe)
     cfg.schedule.warmup_epochs = min(cfg.schedule.warmup_epochs, cfg.schedule.epochs / 4)
     cfg.run.out_dir = out
-    print(f"== training the fashion-mnist preset's model for {cfg.schedule.epochs:g} epochs (batch "
+    print(f"== training the fashion-mnist preset's hybrid (BatchNorm, Muon) for {cfg.schedule.epochs:g} epochs (batch "
           f"{cfg.data.batch_size}) into {out}")
     shutil.rmtree(out, ignore_errors=True)  # the demo's own scratch folder: each demo starts from nothing
     result = train(cfg, resume=False)  # ends with the final weights on the test set: test_report.json and its PNG

@@ -73,12 +73,12 @@ def fashion_mnist_fast() -> TrainConfig:
     EMA: at this length it lags), one evaluation at the end over 18 views (flips, and shifts by one and two pixels:
     `run.tta=flip-shift2`). In fp32 on a CPU without bf16 (emulated: a 2-core Intel Xeon, CPU family 6, model 167,
     with oneDNN capped to Cascade Lake's ISA; compiled) it trains 15-17 epochs: 93.87 +- 0.05% in 1764 +- 8 s (3
-    seeds; 93.45 +- 0.12% before `data.prune`). Before `data.prune`, on the same CPU uncapped, where
-    `run.precision=auto` takes bf16: 94.09 +- 0.14% (seeds 0, 1 and 2, in 27.2, 23.8 and 25.8 epochs) in 1760 +- 10 s;
-    in a later session on the same VM, 15-20% slower, 19-22 epochs: 93.80 +- 0.07% in 1754 +- 5 s; under the AVX2 caps
-    (eager) one seed trained 7.3 epochs: 92.25%. The choices, made on a held-out split of the training images:
-    benchmarks/NOTES.md, sections 44 to 55; `python benchmarks/time_to_accuracy.py run --presets fashion-mnist-fast
-    --seeds 0 1 2`."""
+    seeds; 93.45 +- 0.12% before `data.prune`). On the same CPU uncapped, where `run.precision=auto` takes bf16:
+    94.14 +- 0.35% (seeds 0, 1 and 2: 94.00%, 93.88% and 94.54% in 25.4, 18.0 and 28.2 epochs, the VM's speed drifting
+    between them) in 1766 +- 14 s; before `data.prune` 94.09 +- 0.14% (24-27 epochs) and, on a slower day, 93.80 +-
+    0.07% (19-22 epochs); under the AVX2 caps (eager, before `data.prune`) one seed trained 7.3 epochs: 92.25%. The
+    choices, made on a held-out split of the training images: benchmarks/NOTES.md, sections 44 to 56; `python
+    benchmarks/time_to_accuracy.py run --presets fashion-mnist-fast --seeds 0 1 2`."""
     cfg = fashion_mnist_long()
     cfg.preset = "fashion-mnist-fast"
     cfg.model.overrides.update(hybrid_norm="batch")  # BatchNorm in the ResNet: 1.2x GroupNorm's step (NOTES 51)

@@ -92,7 +92,9 @@ def run(args: argparse.Namespace) -> None:
     load_dataset("fashion-mnist")
     path = RESULTS / f"time_to_accuracy_{args.tag}.json"
     doc = json.loads(path.read_text()) if path.exists() and not args.smoke else {"runs": []}
-    doc["cpu"] = cpu_model() + isa_caps()
+    here = cpu_model() + isa_caps()
+    if doc.setdefault("cpu", here) != here:  # a file, and a plot's panel, is one CPU: never relabel its runs
+        raise SystemExit(f"{path} holds runs on {doc['cpu']!r}, and this machine is {here!r}: pass another --tag")
     doc["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     for preset in args.presets:
         for seed in args.seeds:

@@ -86,16 +86,34 @@ def isa_caps() -> str:
     return f" (capped: {caps.replace(',', ' ')})" if caps else ""
 
 
+def machine() -> tuple[str, int | None]:
+    """This machine as a results file names it: the CPU (with any ISA caps) and the cores this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cpu_model() + isa_caps(), cores
+
+
+def results_doc(path: Path, fresh: bool) -> dict:
+    """The results file at `path` to add this machine's runs to (a new one if `fresh` or absent). A file, and the
+    plot's panel drawn from it, is one CPU with one core count: a file with runs of another machine (or other caps or
+    cores), or runs whose machine it does not name, is refused rather than relabelled."""
+    here, cores = machine()
+    if fresh or not path.exists():
+        return {"runs": [], "cpu": here, "cores": cores}
+    doc = json.loads(path.read_text())
+    runs = doc.get("runs", [])
+    names = {doc.get("cpu")} | {r.get("cpu", doc.get("cpu")) for r in runs}  # a run without one is the file's
+    if runs and (names != {here} or doc.get("cores") != cores):
+        raise SystemExit(f"{path} holds runs on {sorted(map(str, names))} with {doc.get('cores')} cores, and this "
+                         f"machine is {here!r} with {cores}: pass another --tag")
+    return {**doc, "runs": runs, "cpu": here, "cores": cores}
+
+
 def run(args: argparse.Namespace) -> None:
     from vitkit.data.datasets import load_dataset  # the data set read once, before any run is timed
 
-    load_dataset("fashion-mnist")
     path = RESULTS / f"time_to_accuracy_{args.tag}.json"
-    doc = json.loads(path.read_text()) if path.exists() and not args.smoke else {"runs": []}
-    here = cpu_model() + isa_caps()
-    if doc.setdefault("cpu", here) != here:  # a file, and a plot's panel, is one CPU: never relabel its runs
-        raise SystemExit(f"{path} holds runs on {doc['cpu']!r}, and this machine is {here!r}: pass another --tag")
-    doc["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    doc = results_doc(path, fresh=args.smoke)  # before any download or run
+    load_dataset("fashion-mnist")
     for preset in args.presets:
         for seed in args.seeds:
             if any(r["preset"] == preset and r["seed"] == seed for r in doc["runs"]):

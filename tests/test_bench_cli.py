@@ -95,3 +95,50 @@ def test_train_step_benchmark_runs_every_strategy_alone(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["checkpointing"]) for r in rows] == [("plain", True), ("ddp", True), ("fsdp", True)]
     assert all(r["img_per_s"] > 0 and r["step_peak_mb"] >= 20 for r in rows), rows
+
+
+def test_time_to_accuracy_refuses_to_relabel_another_machines_file(tmp_path, monkeypatch):
+    """`benchmarks/time_to_accuracy.py run --tag T` adds runs to T's file only if the file's runs are this machine's
+    (CPU name with its ISA caps, and core count): it once wrote this machine's name over the file's, relabelling every
+    earlier run."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_accuracy.py"
+    spec = importlib.util.spec_from_file_location("tta_script", script)
+    tta = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tta)
+    monkeypatch.setattr(tta, "machine", lambda: ("CPU A", 2))
+    run = {"preset": "fashion-mnist", "seed": 0, "seconds": 1.0, "precision": "fp32", "points": [], "top1": 0.9}
+    f = tmp_path / "t.json"
+    cases = {  # the file's cpu, its cores, the run's own cpu -> refused?
+        ("CPU A", 2, "CPU A"): False,
+        ("CPU A", 2, None): False,  # a run without a name is the file's
+        ("CPU B", 2, None): True,
+        ("CPU A (capped: ONEDNN_MAX_CPU_ISA=AVX2)", 2, None): True,
+        ("CPU A", 4, "CPU A"): True,
+        ("CPU A", 2, "CPU B"): True,
+        (None, 2, None): True,  # runs of no named machine
+    }
+    for (name, cores, run_cpu), refused in cases.items():
+        doc = {"runs": [{**run, **({"cpu": run_cpu} if run_cpu else {})}], "cores": cores, **({"cpu": name} if name else {})}
+        f.write_text(json.dumps(doc))
+        if refused:
+            with pytest.raises(SystemExit, match="pass another --tag"):
+                tta.results_doc(f, fresh=False)
+        else:
+            out = tta.results_doc(f, fresh=False)
+            assert out["cpu"] == "CPU A" and out["runs"] == doc["runs"]
+        assert json.loads(f.read_text()) == doc  # never rewritten by the check
+    f.write_text(json.dumps({"runs": [], "cpu": "CPU B", "cores": 8}))  # no runs yet: this machine's
+    assert tta.results_doc(f, fresh=False)["cpu"] == "CPU A"
+    assert tta.results_doc(tmp_path / "absent.json", fresh=False) == {"runs": [], "cpu": "CPU A", "cores": 2}
+    assert tta.results_doc(f, fresh=True)["runs"] == []  # --smoke: never read
+    for existing in sorted((script.parent / "results").glob("time_to_accuracy_*.json")):  # the shipped files
+        doc = json.loads(existing.read_text())
+        monkeypatch.setattr(tta, "machine", lambda: (doc["cpu"], doc.get("cores") or 2))
+        if doc.get("cores"):  # take more runs of their own machine
+            assert tta.results_doc(existing, fresh=False)["runs"] == doc["runs"]
+        else:  # written before the files named their cores: closed
+            with pytest.raises(SystemExit, match="pass another --tag"):
+                tta.results_doc(existing, fresh=False)

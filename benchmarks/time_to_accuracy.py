@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from vitkit.machine import cpu  # noqa: E402
 from vitkit.machine.cpu import cpu_model  # noqa: E402
+from vitkit.machine.threads import allowed_cpus  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 PRESETS = ("fashion-mnist", "fashion-mnist-long")
@@ -86,10 +86,9 @@ def isa_caps() -> str:
     return f" (capped: {caps.replace(',', ' ')})" if caps else ""
 
 
-def machine() -> tuple[str, int | None]:
+def machine() -> tuple[str, int]:
     """This machine as a results file names it: the CPU (with any ISA caps) and the cores this process may use."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cpu_model() + isa_caps(), cores
+    return cpu_model() + isa_caps(), len(allowed_cpus())
 
 
 def results_doc(path: Path, fresh: bool) -> dict:

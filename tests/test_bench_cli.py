@@ -102,8 +102,10 @@ def test_time_to_accuracy_refuses_to_relabel_another_machines_file(tmp_path, mon
     (CPU name with its ISA caps, and core count): it once wrote this machine's name over the file's, relabelling every
     earlier run."""
     import importlib.util
+    import sys
     from pathlib import Path
 
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repository first on it
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "time_to_accuracy.py"
     spec = importlib.util.spec_from_file_location("tta_script", script)
     tta = importlib.util.module_from_spec(spec)

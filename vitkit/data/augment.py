@@ -24,6 +24,10 @@ class AugConfig:
             area `scale` and aspect `ratio`: of image files, cut from the full-resolution image in the DataLoader
             workers; of in-memory data, on the batch), or "none".
         hflip: random horizontal flips.
+        hflip_alternate: airbench's derandomised flip (Jordan 2024, arXiv 2404.00498, Sec. 3.6): each training
+            image is mirrored on alternate passes over the data, from a fixed coin of its own (the run's seed and its
+            index) on the first, instead of a fresh coin on every pass; with `hflip`, for training sets held in
+            memory (`alternate_flip`).
         randaugment: "n,m": n ops per image at magnitude m (0-10), e.g. "2,9"; empty for none.
         mixup, cutmix: Beta alphas (0 disables); when both are on, one of them per batch.
         mix_prob: probability of mixing a batch.
@@ -36,12 +40,26 @@ class AugConfig:
     scale: tuple[float, float] = (0.35, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     hflip: bool = True
+    hflip_alternate: bool = False
     randaugment: str = ""
     mixup: float = 0.0
     cutmix: float = 0.0
     mix_prob: float = 1.0
     label_smoothing: float = 0.1
     random_erasing: float = 0.0
+
+
+def flip_coins(n: int, seed: int) -> torch.Tensor:
+    """(n,) bool: the fixed coin of each of n training images under `aug.hflip_alternate`, drawn from the seed."""
+    return torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed * 1_000_081 + 7)).bool()
+
+
+def alternate_flip(x: torch.Tensor, coins: torch.Tensor, parity: torch.Tensor | int) -> torch.Tensor:
+    """uint8 (B, C, H, W) images mirrored where their coin differs from the parity of their pass (`aug.hflip_alternate`):
+    an image shows one side on even passes and the other on odd ones. `coins`: (B,) bool; `parity`: the pass number
+    (per image, or one for all)."""
+    flip = coins.to(x.device) ^ (torch.as_tensor(parity, device=x.device) % 2).bool()
+    return torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
 
 
 def _uniform(n: int, lo: float, hi: float, g: torch.Generator, device) -> torch.Tensor:
@@ -160,8 +178,9 @@ class BatchAugment:
             ty = torch.randint(-c.pad, c.pad + 1, (b,), generator=g, device=dev).float()
             theta[:, 0, 2], theta[:, 1, 2] = 2 * tx / w, 2 * ty / h
         if c.hflip:
-            flip = torch.rand(b, generator=g, device=dev) < 0.5
-            theta[flip, :, 0] *= -1
+            flip = torch.rand(b, generator=g, device=dev) < 0.5  # drawn either way: the draws after it stay the same
+            if not c.hflip_alternate:  # the stream of batches mirrored them already (`alternate_flip`)
+                theta[flip, :, 0] *= -1
         return theta, smooth
 
     def _randaugment_geometric(self, ops: torch.Tensor, g: torch.Generator, dev) -> torch.Tensor:

@@ -40,6 +40,7 @@ from ..models.layers.packing import resize_to_patches
 from ..models.layers.patch_embed import to_2tuple
 from .. import env
 from ..safety import open_regular
+from .augment import alternate_flip, flip_coins
 from .image import (_PIL_INTERP, BadSample, DecodedFiles, ImageDecodeError, load_image, replicate_channels, resize_float,
                     sample_geometry, to_uint8_tensor)
 from .shards import ShardDataset, fetch_small
@@ -508,6 +509,7 @@ def iterate_batches(
     device: torch.device | str = "cpu",
     rank: int = 0,
     world: int = 1,
+    hflip_alternate: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
     """(uint8 images on device, labels, samples skipped) per step, in a fixed order per (seed, epoch).
 
@@ -515,6 +517,8 @@ def iterate_batches(
     global batch (batch_size / world samples), so the sample order is a function of (seed, epoch) alone, whatever
     the number of processes. `start_step` skips the global batches already seen, for an exact resume inside an
     epoch. DataLoader workers (folder datasets) split the batches among themselves: every sample is read once.
+    `hflip_alternate` (a set held in memory): each image mirrored where its coin of `seed` differs from the epoch's
+    parity (`vitkit.data.augment.alternate_flip`, for `aug.hflip_alternate`).
     """
     if batch_size % world:
         raise UsageError(f"the global batch {batch_size} does not split over {world} processes")
@@ -525,7 +529,16 @@ def iterate_batches(
     batches = [order[i : i + batch_size][rank * per_rank : (rank + 1) * per_rank] for i in range(0, len(order), batch_size)]
     if hasattr(data, "for_epoch"):  # files cropped at full resolution: this epoch's crops
         data = data.for_epoch(epoch)
-    yield from load_batches(data, batches, num_workers, device)
+    if not hflip_alternate:
+        yield from load_batches(data, batches, num_workers, device)
+        return
+    if getattr(data, "decodes", True):  # a decoding loader may leave out a bad file: the coins would not line up
+        raise UsageError("aug.hflip_alternate mirrors the images of a training set held in memory; image folders "
+                         "draw their flips at random: set aug.hflip_alternate=false")
+    coins = flip_coins(n, seed)
+    for idx in batches:
+        x, y = data.batch(idx, device)
+        yield alternate_flip(x, coins[idx], epoch), y, 0
 
 
 def eval_index_batches(n: int, batch_size: int, rank: int = 0, world: int = 1, lockstep: bool = False

@@ -25,6 +25,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..data.augment import alternate_flip, flip_coins
+
 UNSCORED = float("inf")  # never below the mean: kept until its first loss
 
 
@@ -62,10 +64,13 @@ class Pruner:
         seed: the run's seed; a pass's draws come from (seed, pass).
         accumulate: micro-batches per step (the step a pass starts at decides its annealing).
         total: the run's length in steps, as it stands (a time budget refits it).
+        hflip_alternate: each image mirrored where its coin of `seed` differs from the parity of the pass that draws
+            it (`vitkit.data.augment.alternate_flip`, for `aug.hflip_alternate`): the passes stand for epochs.
     """
 
     def __init__(self, data, batch_size: int, ratio: float, anneal: float, seed: int, accumulate: int,
-                 total: Callable[[], int], device, rank: int = 0, world: int = 1, check_same=None) -> None:
+                 total: Callable[[], int], device, rank: int = 0, world: int = 1, check_same=None,
+                 hflip_alternate: bool = False) -> None:
         self.data, self.batch_size, self.ratio, self.anneal, self.seed = data, batch_size, ratio, anneal, seed
         self.accumulate, self.total, self.device, self.rank, self.world = accumulate, total, device, rank, world
         self.check_same = check_same  # Dist.check_same: every rank must draw the same pass
@@ -80,6 +85,7 @@ class Pruner:
         self.batch_weight = torch.ones(0)  # this rank's slice of the batch in hand
         self.plain_loss = 0.0  # the unweighted mean loss of this rank's slice of the batch in hand (the log's)
         self.events: list[dict] = []  # one record per pass drawn, for metrics.jsonl
+        self.coins = flip_coins(n, seed) if hflip_alternate else None
 
     # -- the stream ----------------------------------------------------------------------------------------------
     def _next_pass(self) -> None:
@@ -103,19 +109,22 @@ class Pruner:
         per = self.batch_size // self.world
         mine = slice(self.rank * per, (self.rank + 1) * per)
         while True:
-            self.segments, weights, need = [], [], self.batch_size
+            self.segments, weights, passes, need = [], [], [], self.batch_size
             while need:
                 if self.pos >= len(self.order):
                     self._next_pass()
                 take = min(need, len(self.order) - self.pos)
                 self.segments.append((self.batch_size - need, self.order[self.pos:self.pos + take]))
                 weights.append(self.weight[self.pos:self.pos + take])
+                passes.append(torch.full((take,), self.pass_index))
                 self.pos += take
                 need -= take
             self.drawn += 1
             idx = torch.cat([s for _, s in self.segments])
             self.batch_weight = torch.cat(weights)[mine]
             x, y = self.data.batch(idx[mine], self.device)
+            if self.coins is not None:
+                x = alternate_flip(x, self.coins[idx[mine]], torch.cat(passes)[mine])
             yield x, y, 0
 
     def weigh(self, losses: torch.Tensor, sum_ranks: Callable[[list[float]], list[float]] | None = None) -> torch.Tensor:

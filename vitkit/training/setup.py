@@ -179,6 +179,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     # augmentation normalises with the model's own preprocessing (a checkpoint's, or the data's)
     data = prepare(mc, train=spec.train, val=spec.val, test=spec.test, max_patches=d.max_patches, aug=cfg.aug, seed=r.seed)
     check_prune(cfg, data.train, model)
+    check_alternate_flip(cfg, data.train)
     steps_per_epoch = len(data.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     last = total if max_steps is None else min(total, max_steps)
@@ -345,6 +346,21 @@ def check_prune(cfg: TrainConfig, train, model: nn.Module) -> None:
         raise UsageError("data.prune draws its passes from a training set held in memory at one size (fashion-mnist, "
                          "cifar10, cifar100, digits, .npz arrays); image folders and data.max_patches stream files in "
                          "epochs: set data.prune=0")
+
+
+def check_alternate_flip(cfg: TrainConfig, train) -> None:
+    """What aug.hflip_alternate needs, said before any work: flips, and a training set held in memory at one size
+    (the stream of batches mirrors each image by its index, `vitkit.data.augment.alternate_flip`)."""
+    a = cfg.aug
+    if not a.hflip_alternate:
+        return
+    if not a.hflip:
+        raise UsageError("aug.hflip_alternate alternates the horizontal flips: set aug.hflip=true, or "
+                         "aug.hflip_alternate=false")
+    if cfg.data.max_patches or getattr(train, "decodes", True):
+        raise UsageError("aug.hflip_alternate mirrors the images of a training set held in memory at one size "
+                         "(fashion-mnist, cifar10, cifar100, digits, .npz arrays); image folders and data.max_patches "
+                         "draw their flips at random: set aug.hflip_alternate=false")
 
 
 def _check_packed(cfg: TrainConfig, model: nn.Module) -> None:

@@ -194,7 +194,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     if d.prune:  # InfoBatch's pruned passes (vitkit.training.prune) in place of the epochs' shuffles
         run.pruner = Pruner(run.data.train, d.batch_size, d.prune, d.prune_anneal, r.seed, r.accumulate,
                             lambda: run.total, run.device, dist.rank, dist.world,
-                            dist.check_same if dist.world > 1 else None)
+                            dist.check_same if dist.world > 1 else None, cfg.aug.hflip and cfg.aug.hflip_alternate)
     if ck is not None:
         saved_prune = run.pruner is not None and saved_meta.get("prune") is not None
         prune_state = {"prune": run.pruner.state_tensors()} if saved_prune else None  # filled by the load
@@ -252,7 +252,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
             epoch, in_epoch = divmod(step, run.steps_per_epoch)
             batches = stream if run.pruner is not None else iterate_batches(
                 run.data.train, d.batch_size, seed=r.seed, epoch=epoch, start_step=in_epoch * r.accumulate,
-                num_workers=d.num_workers, device=run.device, rank=dist.rank, world=dist.world)
+                num_workers=d.num_workers, device=run.device, rank=dist.rank, world=dist.world,
+                hflip_alternate=cfg.aug.hflip and cfg.aug.hflip_alternate)
             for _ in range(in_epoch, run.steps_per_epoch):
                 # every random choice of this step derives from (seed, step, rank): exact resume anywhere
                 torch.manual_seed(r.seed * 1_000_003 + step + dist.rank * 1_000_000_007)

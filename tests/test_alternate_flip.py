@@ -3,6 +3,8 @@ training image shows one side on even passes over the data and the other on odd 
 first. Checked against that statement on images whose side can be read off their pixels, in epochs and in
 data.prune's passes, for one process and for two ranks' slices; the augmentation leaves those images as the stream
 gave them and keeps its other draws; runs resume exactly; what it cannot serve is refused before any work."""
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -62,6 +64,7 @@ def test_data_prunes_passes_alternate_the_sides_as_epochs_do():
     data = _sided()
     p = Pruner(data, 12, 0.5, 1.0, 3, 1, lambda: 1000, "cpu", hflip_alternate=True)
     stream = p.batches()
+    g = torch.Generator().manual_seed(0)
     seen: dict[int, dict[int, bool]] = {}  # image -> {pass: mirrored}
     spans = 0
     for _ in range(20):
@@ -70,11 +73,24 @@ def test_data_prunes_passes_alternate_the_sides_as_epochs_do():
         spans += len(p.segments) > 1
         for (i, m), q in zip(_read(x), passes):
             seen.setdefault(i, {})[q] = m
-        p.weigh(torch.rand(len(y)))
+        p.weigh(torch.rand(len(y), generator=g))
     assert spans and p.pass_index >= 4 and any(len(v) < p.pass_index for v in seen.values())  # some were left out
     coins = {i: v[0] for i, v in seen.items()}  # the first pass draws every image
     assert len(coins) == N and 5 <= sum(coins.values()) <= 35
     assert all(m == (coins[i] != (q % 2 == 1)) for i, v in seen.items() for q, m in v.items())
+    # two ranks' slices of each global batch are one process's batch, sides included (the losses summed over ranks)
+    one = Pruner(data, 12, 0.5, 1.0, 3, 1, lambda: 1000, "cpu", hflip_alternate=True)
+    ranks = [Pruner(data, 12, 0.5, 1.0, 3, 1, lambda: 1000, "cpu", rank=r, world=2, hflip_alternate=True) for r in (0, 1)]
+    streams = [one.batches()] + [q.batches() for q in ranks]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        (x, y, _), (x0, _, _), (x1, _, _) = (next(s) for s in streams)
+        assert _read(x) == _read(x0) + _read(x1)
+        losses = torch.rand(len(y), generator=g)
+        one.weigh(losses)
+        for r, q in enumerate(ranks):
+            q.weigh(losses[r * 6:(r + 1) * 6], lambda _, full=losses.tolist(): full)
+    assert one.pass_index >= 2
 
 
 def test_the_augmentation_leaves_the_sides_to_the_stream_and_keeps_its_other_draws():
@@ -99,18 +115,24 @@ def test_the_augmentation_leaves_the_sides_to_the_stream_and_keeps_its_other_dra
 
 
 def test_a_run_with_alternating_flips_resumes_exactly_with_and_without_pruning(tmp_path):
+    from vitkit.training import checkpoint
+
     for name, extra in (("epochs", {}), ("passes", {"data.prune": 0.5})):
         cfg = {"aug.hflip": True, "aug.hflip_alternate": True, "schedule.epochs": 2, "run.ckpt_every": 10, **extra}
         whole = train(tiny_cfg(tmp_path / name, **cfg))
         cut = tmp_path / f"{name}-cut"
-        train(tiny_cfg(cut, **cfg), max_steps=30)  # inside the second epoch
+        train(tiny_cfg(cut, **cfg), max_steps=30)  # inside the second epoch, and inside a pass
+        if extra:
+            saved = json.loads((checkpoint.latest(cut) / "meta.json").read_text())["prune"]
+            assert saved["pass"] >= 1 and 0 < saved["pos"] < saved["length"], saved
         resumed = train(tiny_cfg(cut, **cfg))
         assert resumed["step"] == whole["step"] == 46 and whole["acc1"] > 0.3, whole  # chance: 0.1
         a, b = load_file(tmp_path / name / "final.safetensors"), load_file(cut / "final.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in a)
+    # random flips, the same run otherwise (the augmentation's draws are the same): other sides, other weights
     random = train(tiny_cfg(tmp_path / "random", **{"aug.hflip": True, "schedule.epochs": 2}))
-    c = load_file(tmp_path / "random" / "final.safetensors")
-    assert random["step"] == 46 and not all(torch.equal(a[k], c[k]) for k in a)  # the sides differ: another run
+    a, c = load_file(tmp_path / "epochs" / "final.safetensors"), load_file(tmp_path / "random" / "final.safetensors")
+    assert random["step"] == 46 and not all(torch.equal(a[k], c[k]) for k in a)
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -98,6 +98,7 @@ def test_previous_checkpoint_loads_to_the_same_model(name):
     assert model.config == now.config
     out = load_file(str(PREVIOUS / "outputs.safetensors"))
     with torch.no_grad():
-        # bitwise on the machine that wrote them; 1e-6 leaves room for another CPU's kernels
-        torch.testing.assert_close(model(out[f"{name}.input"]), out[name], rtol=0, atol=1e-6)
-        torch.testing.assert_close(now(out[f"{name}.input"]), out[name], rtol=0, atol=1e-6)
+        # bitwise on the machine that wrote them; 1e-5 leaves room for another CPU's kernels (an AMD Zen 4, CPU
+        # family 25, differs by up to 1.9e-6, rounding carried through the layers), not for a changed model
+        torch.testing.assert_close(model(out[f"{name}.input"]), out[name], rtol=0, atol=1e-5)
+        torch.testing.assert_close(now(out[f"{name}.input"]), out[name], rtol=0, atol=1e-5)

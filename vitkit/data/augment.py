@@ -25,9 +25,10 @@ class AugConfig:
             workers; of in-memory data, on the batch), or "none".
         hflip: random horizontal flips.
         hflip_alternate: airbench's derandomised flip (Jordan 2024, arXiv 2404.00498, Sec. 3.6): each training
-            image is mirrored on alternate passes over the data, from a fixed coin of its own (the run's seed and its
-            index) on the first, instead of a fresh coin on every pass; with `hflip`, for training sets held in
-            memory (`alternate_flip`).
+            image is mirrored on alternate epochs, from a fixed coin of its own (the run's seed and its index) on the
+            first, instead of a fresh coin every epoch; under data.prune its side follows the parity of the pass, so
+            an image left out of a pass shows the same side on the passes either side of it. With `hflip`, for
+            training sets held in memory at one size (`alternate_flip`).
         randaugment: "n,m": n ops per image at magnitude m (0-10), e.g. "2,9"; empty for none.
         mixup, cutmix: Beta alphas (0 disables); when both are on, one of them per batch.
         mix_prob: probability of mixing a batch.
@@ -51,13 +52,14 @@ class AugConfig:
 
 def flip_coins(n: int, seed: int) -> torch.Tensor:
     """(n,) bool: the fixed coin of each of n training images under `aug.hflip_alternate`, drawn from the seed."""
-    return torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed * 1_000_081 + 7)).bool()
+    # 2**40 past anything the run's other streams (epochs, passes, steps) seed their generators with
+    return torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed * 1_000_081 + (1 << 40))).bool()
 
 
 def alternate_flip(x: torch.Tensor, coins: torch.Tensor, parity: torch.Tensor | int) -> torch.Tensor:
-    """uint8 (B, C, H, W) images mirrored where their coin differs from the parity of their pass (`aug.hflip_alternate`):
-    an image shows one side on even passes and the other on odd ones. `coins`: (B,) bool; `parity`: the pass number
-    (per image, or one for all)."""
+    """uint8 (B, C, H, W) images mirrored where their coin differs from the parity of their pass
+    (`aug.hflip_alternate`): an image shows one side on even passes and the other on odd ones. `coins`: (B,) bool;
+    `parity`: the pass number (per image, or one for all)."""
     flip = coins.to(x.device) ^ (torch.as_tensor(parity, device=x.device) % 2).bool()
     return torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
 

@@ -130,6 +130,9 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
             raise UsageError(f"run.{name}={getattr(r, name)}: give 0 (only at the end) or more")
     if r.precision == "fp16" and device.type != "cuda":
         raise UsageError("fp16 needs a GPU (it relies on a grad scaler); use bf16 or auto on a CPU")
+    if cfg.aug.hflip_alternate and not cfg.aug.hflip:
+        raise UsageError("aug.hflip_alternate alternates the horizontal flips: set aug.hflip=true, or "
+                         "aug.hflip_alternate=false")
     if check_tta(r.tta, "run.tta") != "none" and not cfg.aug.hflip:
         raise UsageError(f"run.tta={r.tta} averages over mirrored images, for models trained with flips: "
                          "set aug.hflip=true or run.tta=none")
@@ -350,17 +353,15 @@ def check_prune(cfg: TrainConfig, train, model: nn.Module) -> None:
 
 def check_alternate_flip(cfg: TrainConfig, train) -> None:
     """What aug.hflip_alternate needs, said before any work: flips, and a training set held in memory at one size
-    (the stream of batches mirrors each image by its index, `vitkit.data.augment.alternate_flip`)."""
+    (the stream of batches mirrors each image by its index, `vitkit.data.augment.alternate_flip`); that it needs
+    aug.hflip is checked with the other settings, before the data."""
     a = cfg.aug
     if not a.hflip_alternate:
         return
-    if not a.hflip:
-        raise UsageError("aug.hflip_alternate alternates the horizontal flips: set aug.hflip=true, or "
-                         "aug.hflip_alternate=false")
     if cfg.data.max_patches or getattr(train, "decodes", True):
         raise UsageError("aug.hflip_alternate mirrors the images of a training set held in memory at one size "
-                         "(fashion-mnist, cifar10, cifar100, digits, .npz arrays); image folders and data.max_patches "
-                         "draw their flips at random: set aug.hflip_alternate=false")
+                         "(fashion-mnist, cifar10, cifar100, digits, .npz arrays); image folders, file lists, shards "
+                         "and data.max_patches draw their flips at random: set aug.hflip_alternate=false")
 
 
 def _check_packed(cfg: TrainConfig, model: nn.Module) -> None:

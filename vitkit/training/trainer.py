@@ -194,7 +194,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     if d.prune:  # InfoBatch's pruned passes (vitkit.training.prune) in place of the epochs' shuffles
         run.pruner = Pruner(run.data.train, d.batch_size, d.prune, d.prune_anneal, r.seed, r.accumulate,
                             lambda: run.total, run.device, dist.rank, dist.world,
-                            dist.check_same if dist.world > 1 else None, cfg.aug.hflip and cfg.aug.hflip_alternate)
+                            dist.check_same if dist.world > 1 else None, hflip_alternate=cfg.aug.hflip_alternate)
     if ck is not None:
         saved_prune = run.pruner is not None and saved_meta.get("prune") is not None
         prune_state = {"prune": run.pruner.state_tensors()} if saved_prune else None  # filled by the load
@@ -213,7 +213,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                 raise CheckpointError(f"{ck}: data.prune's state cannot be resumed ({e})") from None
         elif run.pruner is not None and dist.main:
             log.warning(f"resuming {out} at step {step} with data.prune={d.prune}, which it was not saved with: the "
-                        f"images' scores start afresh, and the first pass keeps every image")
+                        f"images' scores start afresh, and the first pass keeps every image"
+                        + (" (aug.hflip_alternate's sides start again from it)" if cfg.aug.hflip_alternate else ""))
         if meta.get("world_size", 1) != dist.world and dist.main:
             log.warning(f"resuming {out} at step {step}, saved by {meta.get('world_size')} process(es), in {dist.world}: "
                         f"the weights and optimizer are resharded; the rest of the run is not bitwise the one never "
@@ -253,7 +254,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
             batches = stream if run.pruner is not None else iterate_batches(
                 run.data.train, d.batch_size, seed=r.seed, epoch=epoch, start_step=in_epoch * r.accumulate,
                 num_workers=d.num_workers, device=run.device, rank=dist.rank, world=dist.world,
-                hflip_alternate=cfg.aug.hflip and cfg.aug.hflip_alternate)
+                hflip_alternate=cfg.aug.hflip_alternate)
             for _ in range(in_epoch, run.steps_per_epoch):
                 # every random choice of this step derives from (seed, step, rank): exact resume anywhere
                 torch.manual_seed(r.seed * 1_000_003 + step + dist.rank * 1_000_000_007)

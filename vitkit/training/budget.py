@@ -20,6 +20,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .. import env
 
@@ -79,19 +80,22 @@ def evaluations_from(first: int, total: int, eval_steps: int) -> int:
 
 
 def budgeted_total(*, budget_s: float, spent_s: float, step: int, step_s: float, max_total: int, eval_steps: int,
-                   eval_s: float, final_s: float = 0.0) -> int:
+                   eval_s: float, final_s: float = 0.0, cost: Callable[[int, int, int], float] | None = None) -> int:
     """The most optimizer steps (at least `step`, at most `max_total`) whose run ends within `budget_s`.
 
     spent_s: seconds the run has taken up to the end of step `step` (the evaluation due there, if any, not yet run:
     it is counted with the rest); step_s: seconds a step takes; eval_s: seconds one evaluation takes, every
     `eval_steps` steps (0: none) and at the last; final_s: seconds of what comes once after the last step (the test
-    set's evaluation after a held-out split's)."""
+    set's evaluation after a held-out split's); cost: what steps `start` to `end - 1` of a `total`-step run cost in
+    steps of `step_s`, `cost(start, end, total)` (progressive resizing's smaller steps, `vitkit.training.resize`;
+    None: end - start), not falling as `total` grows."""
     if not (step_s > 0 and math.isfinite(step_s)):
         raise ValueError(f"step_s must be a positive number of seconds, got {step_s!r}")
     left = budget_s * (1 - RESERVE) - RESERVE_S - spent_s - final_s
 
     def fits(total: int) -> bool:
-        return (total - step) * step_s + evaluations_from(step, total, eval_steps) * eval_s <= left
+        steps = (total - step) if cost is None else cost(step, total, total)
+        return steps * step_s + evaluations_from(step, total, eval_steps) * eval_s <= left
 
     lo, hi = step, max(step, max_total)  # fits(lo) may be false: the budget is spent; the run then ends at `step`
     while lo < hi:  # the largest total that fits: its cost grows with the total
@@ -121,7 +125,10 @@ class Budget:
 
     seconds: the budget; started: when the run's command started, on `clock()`'s clock (`run_start`);
     spent_before: what earlier parts of the run (before a resume) took; eval_views: the images times views of one
-    evaluation (the EMA's too); images_per_step: trained images per optimizer step (the global batch, all ranks)."""
+    evaluation (the EMA's too); images_per_step: trained images per optimizer step (the global batch, all ranks);
+    cost: what steps `start` to `end - 1` of a `total`-step run cost in whole steps, `cost(start, end, total)`
+    (progressive resizing, `vitkit.training.resize.Resizer.costs`; None: each step one), so that a step time
+    measured on smaller steps is a whole step's."""
 
     seconds: float
     started: float
@@ -133,6 +140,7 @@ class Budget:
     eval_measured: float | None = None  # seconds the latest periodic evaluation took
     fits: int = 0  # how many times the length was fixed
     fit_every: int = MIN_FIT_EVERY  # steps between fits after the first: ~FIT_EVERY of the budget
+    cost: Callable[[int, int, int], float] | None = None
 
     def due(self, step: int, warmup: int) -> bool:
         """Whether to fix the length at the end of step `step` (the same answer on every rank: it depends on steps
@@ -149,11 +157,13 @@ class Budget:
         """Time steps from the end of step `step` on."""
         self.mark, self.paused = (step, clock()), 0.0
 
-    def step_time(self, step: int) -> float | None:
-        """Seconds per step since `begin`, evaluations excluded; None before enough steps."""
+    def step_time(self, step: int, total: int = 0) -> float | None:
+        """Seconds per step since `begin` (a whole step's, where `cost` counts smaller ones: `total` is the length
+        those steps ran under), evaluations excluded; None before enough steps."""
         if self.mark is None or step - self.mark[0] < MIN_MEASURED_STEPS:
             return None
-        return max(clock() - self.mark[1] - self.paused, 1e-9) / (step - self.mark[0])
+        steps = step - self.mark[0] if self.cost is None else self.cost(self.mark[0], step, total)
+        return max(clock() - self.mark[1] - self.paused, 1e-9) / max(steps, 1e-9)
 
     def evaluated(self, seconds: float) -> None:
         """A periodic evaluation took `seconds`: measured, and not step time."""

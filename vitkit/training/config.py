@@ -148,6 +148,11 @@ class ScheduleConfig:
     time_budget: seconds the whole run may take (the command's wall clock: start-up, data, steps, evaluations);
         the run measures its step time and trains the most steps that fit, at most `epochs` (vitkit.training.budget:
         the length is fixed at the warmup's end and again at every epoch's end). None: `epochs`, however long.
+    resize_from: progressive resizing (vitkit.training.resize): the first steps train on the images made smaller,
+        this many pixels high (a multiple of the model's patch size), the size rising linearly with the step to the
+        model's at `resize_until` of the run; a smaller step costs about its pixels' share, and a time budget counts
+        it so. ViTs (plain or hybrid) only. None: every step at the model's size.
+    resize_until: the share of the run's steps at which progressive resizing reaches the model's size, in (0, 1].
     """
 
     epochs: float = 10
@@ -155,6 +160,8 @@ class ScheduleConfig:
     decay: str = "cosine"
     min_lr_ratio: float = 0.0
     time_budget: float | None = None
+    resize_from: int | None = None
+    resize_until: float = 0.75
 
 
 @dataclass
@@ -264,7 +271,7 @@ NUMBER_BOUNDS = {
     "data.prune": (0.0, 0.99), "data.prune_anneal": (0.0, 1.0),
     "optim.lr": (0.0, None), "optim.weight_decay": (0.0, None), "optim.layer_decay": (0.0, 1.0), "optim.clip_grad": (0.0, None),
     "schedule.epochs": (0.0, 1e6), "schedule.warmup_epochs": (0.0, 1e6), "schedule.min_lr_ratio": (0.0, 1.0),
-    "schedule.time_budget": (1.0, 1e7),
+    "schedule.time_budget": (1.0, 1e7), "schedule.resize_from": (1, 1 << 16), "schedule.resize_until": (0.0, 1.0),
     "run.accumulate": (1, 1 << 16), "run.threads": (1, 4096), "run.eval_every": (0.0, 1e6), "run.ckpt_every": (0, None),
     "run.log_every": (0, None), "run.fewshot_draws": (1, 10_000), "run.ema": (0.0, 1.0), "distill.alpha": (0.0, 1.0),
     "distill.tau": (1e-6, 1e6), "run.seed": (0, 2**32 - 1), "run.fewshot_shots": (1, 1 << 20),

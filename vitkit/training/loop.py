@@ -73,6 +73,8 @@ def train_step(run: Run, batches, step: int, g: torch.Generator) -> tuple[float,
         x, y, s = next(batches)
         skipped += s
         xa, target = run.data.augment(x, y, g)
+        if run.resizer is not None:  # progressive resizing: this step's size (vitkit.training.resize)
+            xa = run.resizer(xa, step, run.total)
         with gradient_sync(run.net, micro == r.accumulate - 1):  # no all-reduce while accumulating
             with torch.autocast(run.device.type, dtype=run.autocast_dtype or torch.float32, enabled=run.autocast_dtype is not None):
                 if cfg.model.objective == "mpp":  # self-supervised: the labels are the corrupted patches' colours

@@ -32,6 +32,7 @@ from .distill import load_teacher
 from .distributed import Dist, resolve_strategy, wrap_model
 from .optim import build_optimizer, schedule_steps
 from .prune import Pruner
+from .resize import Resizer, resizer_for
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Run:
     total: int
     warmup: int
     pruner: Pruner | None = None  # data.prune's stream of training batches (the trainer sets it), or None
+    resizer: Resizer | None = None  # schedule.resize_from's sizes, or None
 
     @property
     def device(self) -> torch.device:
@@ -183,6 +185,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     data = prepare(mc, train=spec.train, val=spec.val, test=spec.test, max_patches=d.max_patches, aug=cfg.aug, seed=r.seed)
     check_prune(cfg, data.train, model)
     check_alternate_flip(cfg, data.train)
+    resizer = resizer_for(cfg, model)  # before the EMA's copy and the compile: the model takes any grid from here
     steps_per_epoch = len(data.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     last = total if max_steps is None else min(total, max_steps)
@@ -203,7 +206,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     return Run(cfg, dist, Path(r.out_dir), data, "val" if spec.val is not None else "test", precision, model, net,
                strategy, opt, ema, torch.amp.GradScaler(device.type, enabled=precision == "fp16"),
                None if strategy == "fsdp" else amp,  # FSDP2 computes in low precision by its policy instead
-               teacher, fewshot_data, steps_per_epoch, total, warmup)
+               teacher, fewshot_data, steps_per_epoch, total, warmup, resizer=resizer)
 
 
 # what trains beside the adapters in a LoRA run: the head (new for the data's classes), a distilled model's second

@@ -130,7 +130,8 @@ def _budget(run, meta: dict, called_at: float) -> tuple[Budget | None, int | Non
     views = len(tta_views(torch.zeros(1, 1, 4, 4), cfg.run.tta)) if cfg.model.objective != "mpp" else 1
     periodic = run.data.val if run.data.val is not None else run.data.test
     return Budget(seconds, run_start(called_at), spent, eval_views=len(periodic) * views * (2 if run.ema is not None else 1),
-                  images_per_step=cfg.data.batch_size * cfg.run.accumulate), total
+                  images_per_step=cfg.data.batch_size * cfg.run.accumulate,
+                  cost=run.resizer.costs if run.resizer is not None else None), total
 
 
 def _fit_to_budget(run, budget: Budget, step: int, max_total: int, eval_steps: int, logger: MetricsLog,
@@ -138,7 +139,7 @@ def _fit_to_budget(run, budget: Budget, step: int, max_total: int, eval_steps: i
     """Fix the run's length (run.total) to the most steps that end within the budget, from the step time of the
     steps since the last fit; every rank computes it from the same rank-averaged numbers, so all stop at the same
     step (every rank reaches this call at the same steps, and has timed as many)."""
-    step_s = budget.step_time(step)
+    step_s = budget.step_time(step, run.total)  # a whole step's, under progressive resizing too
     if step_s is None:
         return
     timed = step - budget.mark[0]
@@ -146,12 +147,12 @@ def _fit_to_budget(run, budget: Budget, step: int, max_total: int, eval_steps: i
     final_s = eval_s * len(run.data.test) / max(len(run.data.val), 1) / (2 if run.ema is not None else 1) \
         if run.data.val is not None else 0.0  # the test set's one evaluation after the held-out split's
     total = budgeted_total(budget_s=budget.seconds, spent_s=spent, step=step, step_s=step_s, max_total=max_total,
-                           eval_steps=eval_steps, eval_s=eval_s, final_s=final_s)
+                           eval_steps=eval_steps, eval_s=eval_s, final_s=final_s, cost=budget.cost)
     budget.begin(step)  # the next fit times the steps from here: a machine's speed of late, not its first minutes
     budget.fit_every = max(MIN_FIT_EVERY, round(FIT_EVERY * budget.seconds / step_s))  # the same on every rank
     first, budget.fits = budget.fits == 0, budget.fits + 1
     if first or abs(total - run.total) >= 0.01 * run.total:  # every length is logged; a message where it moved 1%
-        end = spent + (total - step) * step_s
+        end = spent + (total - step if budget.cost is None else budget.cost(step, total, total)) * step_s
         warm = f"; it ends within the warmup ({run.warmup} steps), before the learning rate decays" \
             if total < run.warmup else ""
         bar.message(f"time budget {budget.seconds:.0f} s: {step_s * 1e3:.0f} ms a step over {timed} steps, "
@@ -248,6 +249,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     result: dict = {"model": run_model_name(cfg), "interrupted": False}
     last_eval: tuple[int, dict] = (-1, {})  # (step, {"model": EvalResult, "ema": EvalResult}) of the latest evaluation
     stream = run.pruner.batches() if run.pruner is not None else None  # one stream across the epochs
+    # progressive resizing: the size of the latest step, and the step after which a new one was first trained
+    size_was, size_changed = (run.resizer.size(step, run.total), -1) if run.resizer is not None else (None, -1)
     try:
         while step < limit:
             epoch, in_epoch = divmod(step, run.steps_per_epoch)
@@ -267,9 +270,13 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                 if run.pruner is not None:
                     for event in run.pruner.pop_events():
                         logger.log(event)
+                if run.resizer is not None and run.resizer.size(step - 1, run.total) != size_was:
+                    size_was, size_changed = run.resizer.size(step - 1, run.total), step
                 if budget is not None and step < limit:
                     if budget.mark is None and step >= first_step + FIRST_TIMED_STEP:
                         budget.begin(step)  # this process's first steps compile and warm the caches: not timed
+                    elif budget.mark is not None and step == size_changed + 1:
+                        budget.begin(step)  # a new size's first two steps compile it (run.compile): spent, not a step's rate
                     if budget.due(step, run.warmup):
                         _fit_to_budget(run, budget, step, max_total, eval_steps, logger, bar)
                         limit = min(run.total, max_steps) if max_steps is not None else run.total
@@ -280,6 +287,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                     rec = {"step": step, "epoch": step / run.steps_per_epoch, "lr": lr, "loss": loss_all / max(seen_all, 1),
                            "train_acc": correct_all / max(seen_all, 1), "img_per_s": ips,
                            "time": elapsed + now - t_start, "skipped_images": int(skipped_all)}
+                    if run.resizer is not None:  # progressive resizing: the size this step trained at
+                        rec["size"] = list(run.resizer.size(step - 1, run.total))
                     logger.log(rec)
                     bar.update(step, epoch, rec["loss"], rec["train_acc"], ips, (limit - step) * per_step / max(ips, 1e-9), lr)
                     t_log, loss_log, correct_log, seen_log = now, 0.0, 0.0, 0.0

@@ -136,7 +136,9 @@ class Budget:
     eval_views: int
     images_per_step: int
     mark: tuple[int, float] | None = None  # (step, clock) where the current measurement began
-    paused: float = 0.0  # seconds of evaluation inside the measurement, not step time
+    paused: float = 0.0  # seconds of evaluation (and `exclude`d steps) inside the measurement, not step time
+    excluded: float = 0.0  # whole steps' worth of `exclude`d steps inside the measurement
+    new_size_s: float = 0.0  # seconds of the slowest `exclude`d step: a size's first (its compile), to come again
     eval_measured: float | None = None  # seconds the latest periodic evaluation took
     fits: int = 0  # how many times the length was fixed
     fit_every: int = MIN_FIT_EVERY  # steps between fits after the first: ~FIT_EVERY of the budget
@@ -155,15 +157,26 @@ class Budget:
 
     def begin(self, step: int) -> None:
         """Time steps from the end of step `step` on."""
-        self.mark, self.paused = (step, clock()), 0.0
+        self.mark, self.paused, self.excluded = (step, clock()), 0.0, 0.0
 
-    def step_time(self, step: int, total: int = 0) -> float | None:
+    def step_time(self, step: int, total: int) -> float | None:
         """Seconds per step since `begin` (a whole step's, where `cost` counts smaller ones: `total` is the length
-        those steps ran under), evaluations excluded; None before enough steps."""
+        those steps ran under), evaluations and `excluded` steps left out; None before enough steps."""
         if self.mark is None or step - self.mark[0] < MIN_MEASURED_STEPS:
             return None
-        steps = step - self.mark[0] if self.cost is None else self.cost(self.mark[0], step, total)
-        return max(clock() - self.mark[1] - self.paused, 1e-9) / max(steps, 1e-9)
+        steps = (step - self.mark[0] if self.cost is None else self.cost(self.mark[0], step, total)) - self.excluded
+        if steps <= 0:
+            return None
+        return max(clock() - self.mark[1] - self.paused, 1e-9) / steps
+
+    def exclude(self, seconds: float, steps: float) -> None:
+        """A step that took `seconds` and counts `steps` whole ones is not the machine's rate (progressive resizing's
+        first step at a new size compiles it): its seconds are spent, not measured, and what such a step costs is
+        kept (`new_size_s`: the largest seen) for the sizes still to come."""
+        self.new_size_s = max(self.new_size_s, seconds)
+        if self.mark is not None:
+            self.paused += seconds
+            self.excluded += steps
 
     def evaluated(self, seconds: float) -> None:
         """A periodic evaluation took `seconds`: measured, and not step time."""

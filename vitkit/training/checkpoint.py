@@ -57,6 +57,8 @@ def config_differences(before: dict, now: dict) -> list[str]:
         f.update({k: v for k, v in defaults.items() if k not in f})
     if b.get("run.precision") == "auto" and resolved_precision(before):
         a["run.precision"] = "auto"  # auto resumes in what the saved run computed in: the same steps
+    if a.get("schedule.resize_from") is None and b.get("schedule.resize_from") is None:
+        a.pop("schedule.resize_until", None), b.pop("schedule.resize_until", None)  # no resizing: it means nothing
     return [f"{k}: {a.get(k, '(unset)')!r} -> {b.get(k, '(unset)')!r}" for k in sorted(set(a) | set(b))
             if k not in RESUME_SAFE and a.get(k) != b.get(k)]
 

@@ -23,6 +23,7 @@ from .distill import distilled_loss
 from .distributed import full_state_dict, gradient_sync
 from .logs import MetricsLog, Progress
 from .optim import lr_factor, set_lr
+from .resize import as_built
 from .setup import Run, TrainingError
 
 
@@ -143,12 +144,13 @@ def write_checkpoint(run: Run, step: int, best: float, elapsed: float, extra: di
     if run.dist.any(bool(bad)):
         raise TrainingError(f"the weights became non-finite by step {step} ({bad[:3]} ...); the run stopped and the last "
                             f"good checkpoint is intact: {last_good(run)}. Try a lower optim.lr or optim.clip_grad.")
-    meta = {"best": best, "elapsed": elapsed, "config": run.cfg.to_dict(), "model_config": run.model.config.to_dict(),
-            "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None, **(extra or {})}
-    tensors = None
-    if run.pruner is not None:  # data.prune's scores and pass in hand: an exact resume
-        meta["prune"], tensors = run.pruner.state_meta(), {"prune": run.pruner.state_tensors()}
-    checkpoint.save(run.out, step, run.model, run.opt, run.ema, meta, run.dist, tensors)
+    with as_built(run.resizer, run.model, run.ema):  # progressive resizing's dynamic_img_size is not the model's
+        meta = {"best": best, "elapsed": elapsed, "config": run.cfg.to_dict(), "model_config": run.model.config.to_dict(),
+                "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None, **(extra or {})}
+        tensors = None
+        if run.pruner is not None:  # data.prune's scores and pass in hand: an exact resume
+            meta["prune"], tensors = run.pruner.state_meta(), {"prune": run.pruner.state_tensors()}
+        checkpoint.save(run.out, step, run.model, run.opt, run.ema, meta, run.dist, tensors)
 
 
 def save_weights(run: Run, module: nn.Module, path: Path, metadata: dict | None = None) -> None:
@@ -158,7 +160,8 @@ def save_weights(run: Run, module: nn.Module, path: Path, metadata: dict | None 
     if sd is not None and lora_layers(run.model):
         sd = merged_state_dict(run.model, sd)
     if run.dist.main:
-        save(run.model, path, metadata=metadata, state_dict=sd)
+        with as_built(run.resizer, run.model):
+            save(run.model, path, metadata=metadata, state_dict=sd)
 
 
 def evaluate_on(run: Run, module: nn.Module, data) -> EvalResult:

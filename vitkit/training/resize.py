@@ -16,6 +16,7 @@ it). Evaluation is at the model's size.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -31,26 +32,37 @@ def full_size(model: nn.Module) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def stride(model: nn.Module) -> int:
-    """The pixels a token covers along a side: a size's multiple (the patch size; a hybrid's is its whole stride)."""
+def stride(model: nn.Module) -> tuple[int, int]:
+    """The pixels a token covers along each side (H, W): a size's multiples (the patch size; a hybrid's is its whole
+    stride)."""
     p = model.config.patch_size
-    return int(p[0] if isinstance(p, (tuple, list)) else p)
+    ph, pw = (p[0], p[1]) if isinstance(p, (tuple, list)) else (p, p)
+    return int(ph), int(pw)
 
 
 class Resizer:
     """The training size of each step of a run of progressive resizing.
 
-    full: the model's size (H, W); start: the first height (pixels, a multiple of `step_px`, below H); until: the
-    share of the run's steps at which the size reaches `full`; step_px: the size's multiple."""
+    full: the model's size (H, W); start: the first height (pixels, a multiple of the height's step, below H); until:
+    the share of the run at which the size reaches `full` (its last step is always at `full`); step_px: the
+    multiples of the height and of the width (an int: both)."""
 
-    def __init__(self, full: tuple[int, int], start: int, until: float, step_px: int) -> None:
-        self.full, self.start, self.until, self.step_px = full, start, until, step_px
+    def __init__(self, full: tuple[int, int], start: int, until: float, step_px: int | tuple[int, int]) -> None:
+        self.full, self.start, self.until = full, start, until
+        self.step_px, self.step_w = step_px if isinstance(step_px, tuple) else (step_px, step_px)
         # the heights it trains at, smallest first; the full one last
-        self.heights = list(range(start, full[0], step_px)) + [full[0]]
+        self.heights = list(range(start, full[0], self.step_px)) + [full[0]]
+        self.built_dynamic = False  # the model's dynamic_img_size before the run set it (`as_built`)
+        self.seen: set[tuple[int, int]] = set()  # the sizes this process has trained at (each compiled once)
+
+    def _ramp(self, total: int) -> float:
+        """The step from which a `total`-step run trains at the model's size: `until` of the way from its first
+        step to its last, so that the last is always at the model's size."""
+        return self.until * (total - 1)
 
     def height(self, step: int, total: int) -> int:
         """The height step `step` (0-based) of a `total`-step run trains at."""
-        ramp = self.until * total
+        ramp = self._ramp(total)
         if step >= ramp:
             return self.full[0]
         h = self.start + (self.full[0] - self.start) * step / ramp
@@ -64,7 +76,7 @@ class Resizer:
         """(H, W) at height `h`: the width in the image's aspect ratio, at the size's multiple."""
         if h == self.full[0]:
             return self.full
-        w = max(self.step_px, round(self.full[1] * h / self.full[0] / self.step_px) * self.step_px)
+        w = max(self.step_w, round(self.full[1] * h / self.full[0] / self.step_w) * self.step_w)
         return h, min(w, self.full[1])
 
     def cost(self, step: int, total: int) -> float:
@@ -76,12 +88,18 @@ class Resizer:
         """The first step of a `total`-step run that trains at `height` or more (sizes only rise with the step)."""
         if height <= self.start:
             return 0
-        s = min(total, math.ceil((height - self.start) * self.until * total / (self.full[0] - self.start)))
+        s = min(total, max(0, math.ceil((height - self.start) * self._ramp(total) / (self.full[0] - self.start))))
         while s > 0 and self.height(s - 1, total) >= height:  # the float arithmetic's last step, made exact
             s -= 1
         while s < total and self.height(s, total) < height:
             s += 1
         return s
+
+    def sizes_to_come(self, step: int, total: int) -> int:
+        """How many sizes the steps from `step` on train at that this process has not trained at yet (each a
+        compile under run.compile): those above step `step`'s, the model's own last."""
+        h = self.height(step, total)
+        return sum(1 for hh in self.heights if hh > h and self._size_of(hh) not in self.seen)
 
     def costs(self, start: int, end: int, total: int) -> float:
         """What steps `start` to `end - 1` of a `total`-step run cost, in whole steps at the model's size (steps past
@@ -108,7 +126,8 @@ def resizer_for(cfg, model: nn.Module) -> Resizer | None:
     """The run's Resizer (None without schedule.resize_from), its settings checked against the model and the
     rest of the config: said before any work."""
     s = cfg.schedule
-    if not (isinstance(s.resize_until, (int, float)) and 0.0 < s.resize_until <= 1.0):
+    if not (isinstance(s.resize_until, (int, float)) and not isinstance(s.resize_until, bool)
+            and 0.0 < s.resize_until <= 1.0):
         raise UsageError(f"schedule.resize_until={s.resize_until!r}: the share of the run's steps at which the size "
                          "reaches the model's, in (0, 1]")
     if s.resize_from is None:
@@ -123,11 +142,30 @@ def resizer_for(cfg, model: nn.Module) -> Resizer | None:
     if cfg.distill.teacher or getattr(c, "distilled", False) or cfg.model.objective != "classify":
         raise UsageError("schedule.resize_from trains classifiers without a teacher (no distillation, no "
                          "model.objective=mpp): unset schedule.resize_from")
-    full, px = full_size(model), stride(model)
+    full, (ph, pw) = full_size(model), stride(model)
     start = s.resize_from
-    if not (isinstance(start, int) and not isinstance(start, bool) and px <= start < full[0] and start % px == 0):
-        raise UsageError(f"schedule.resize_from={start!r}: the first training height in pixels, a multiple of the "
-                         f"model's patch size {px} below its size {full[0]} (e.g. "
-                         f"{max(px, (full[0] * 2 // 3) // px * px)})")
+    if not (isinstance(start, int) and not isinstance(start, bool) and ph <= start < full[0] and start % ph == 0):
+        raise UsageError(f"schedule.resize_from={start!r}: the first training height in pixels, a whole multiple of "
+                         f"the model's patch height {ph} below its height {full[0]} (e.g. "
+                         f"{max(ph, (full[0] * 2 // 3) // ph * ph)})")
+    resizer = Resizer(full, start, float(s.resize_until), (ph, pw))
+    resizer.built_dynamic = bool(c.dynamic_img_size)
     model.set_dynamic_img_size(True)  # any grid of patches; evaluation stays at the model's size
-    return Resizer(full, start, float(s.resize_until), px)
+    return resizer
+
+
+@contextlib.contextmanager
+def as_built(resizer: Resizer | None, *modules: nn.Module | None):
+    """The modules' configs as the run built them while they are saved: progressive resizing's `dynamic_img_size`
+    is the training's, not the model's (a saved fixed-size model stays one)."""
+    if resizer is None:
+        yield
+        return
+    configs = [m.config for m in modules if m is not None and hasattr(m, "config")]
+    for c in configs:
+        c.dynamic_img_size = resizer.built_dynamic
+    try:
+        yield
+    finally:
+        for c in configs:
+            c.dynamic_img_size = True

@@ -153,6 +153,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     dist.check_same("data", {"train": len(spec.train), "test": len(spec.test), "classes": spec.classes,
                              "labels": int(spec.train.labels.sum())})
     model = build_model_for(cfg, spec).to(device)
+    resizer = resizer_for(cfg, model)  # checked before the probes; from here the model takes any grid of patches
     mc = model.config
     if cfg.model.checkpoint:
         cfg.model.loaded = checkpoint_model_name(cfg.model.checkpoint, mc)
@@ -185,7 +186,6 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     data = prepare(mc, train=spec.train, val=spec.val, test=spec.test, max_patches=d.max_patches, aug=cfg.aug, seed=r.seed)
     check_prune(cfg, data.train, model)
     check_alternate_flip(cfg, data.train)
-    resizer = resizer_for(cfg, model)  # before the EMA's copy and the compile: the model takes any grid from here
     steps_per_epoch = len(data.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     last = total if max_steps is None else min(total, max_steps)

@@ -146,6 +146,8 @@ def _fit_to_budget(run, budget: Budget, step: int, max_total: int, eval_steps: i
     step_s, spent, eval_s = (v / run.dist.world for v in run.dist.sum([step_s, budget.spent(), budget.eval_time(step_s)]))
     final_s = eval_s * len(run.data.test) / max(len(run.data.val), 1) / (2 if run.ema is not None else 1) \
         if run.data.val is not None else 0.0  # the test set's one evaluation after the held-out split's
+    if run.resizer is not None:  # progressive resizing: the sizes still to come each cost a first step (a compile)
+        final_s += run.resizer.sizes_to_come(step, run.total) * run.dist.sum([budget.new_size_s])[0] / run.dist.world
     total = budgeted_total(budget_s=budget.seconds, spent_s=spent, step=step, step_s=step_s, max_total=max_total,
                            eval_steps=eval_steps, eval_s=eval_s, final_s=final_s, cost=budget.cost)
     budget.begin(step)  # the next fit times the steps from here: a machine's speed of late, not its first minutes
@@ -249,8 +251,6 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
     result: dict = {"model": run_model_name(cfg), "interrupted": False}
     last_eval: tuple[int, dict] = (-1, {})  # (step, {"model": EvalResult, "ema": EvalResult}) of the latest evaluation
     stream = run.pruner.batches() if run.pruner is not None else None  # one stream across the epochs
-    # progressive resizing: the size of the latest step, and the step after which a new one was first trained
-    size_was, size_changed = (run.resizer.size(step, run.total), -1) if run.resizer is not None else (None, -1)
     try:
         while step < limit:
             epoch, in_epoch = divmod(step, run.steps_per_epoch)
@@ -264,19 +264,21 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                 g.manual_seed(r.seed * 1_000_033 + step + dist.rank * 1_000_000_007)
                 if governor is not None:
                     governor.step()
+                t_step = budgeting.clock()
+                size = run.resizer.size(step, run.total) if run.resizer is not None else None  # before a fit moves it
                 loss_s, correct, seen, skipped, lr = train_step(run, batches, step, g)
+                if size is not None and size not in run.resizer.seen:
+                    run.resizer.seen.add(size)
+                    if budget is not None:  # a new size's first step compiles it (run.compile): spent, not a rate
+                        budget.exclude(budgeting.clock() - t_step, run.resizer.cost(step, run.total))
                 loss_log, correct_log, seen_log, skipped_total = loss_log + loss_s, correct_log + correct, seen_log + seen, skipped_total + skipped
                 step += 1
                 if run.pruner is not None:
                     for event in run.pruner.pop_events():
                         logger.log(event)
-                if run.resizer is not None and run.resizer.size(step - 1, run.total) != size_was:
-                    size_was, size_changed = run.resizer.size(step - 1, run.total), step
                 if budget is not None and step < limit:
                     if budget.mark is None and step >= first_step + FIRST_TIMED_STEP:
                         budget.begin(step)  # this process's first steps compile and warm the caches: not timed
-                    elif budget.mark is not None and step == size_changed + 1:
-                        budget.begin(step)  # a new size's first two steps compile it (run.compile): spent, not a step's rate
                     if budget.due(step, run.warmup):
                         _fit_to_budget(run, budget, step, max_total, eval_steps, logger, bar)
                         limit = min(run.total, max_steps) if max_steps is not None else run.total
@@ -287,8 +289,8 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
                     rec = {"step": step, "epoch": step / run.steps_per_epoch, "lr": lr, "loss": loss_all / max(seen_all, 1),
                            "train_acc": correct_all / max(seen_all, 1), "img_per_s": ips,
                            "time": elapsed + now - t_start, "skipped_images": int(skipped_all)}
-                    if run.resizer is not None:  # progressive resizing: the size this step trained at
-                        rec["size"] = list(run.resizer.size(step - 1, run.total))
+                    if size is not None:  # progressive resizing: the size this step trained at
+                        rec["size"] = list(size)
                     logger.log(rec)
                     bar.update(step, epoch, rec["loss"], rec["train_acc"], ips, (limit - step) * per_step / max(ips, 1e-9), lr)
                     t_log, loss_log, correct_log, seen_log = now, 0.0, 0.0, 0.0

@@ -79,6 +79,12 @@ def evaluations_from(first: int, total: int, eval_steps: int) -> int:
     return periodic + (0 if eval_steps > 0 and total % eval_steps == 0 else 1)
 
 
+def weighed(cost: Callable[[int, int, int], float] | None, start: int, end: int, total: int) -> float:
+    """Steps `start` to `end - 1` of a `total`-step run in whole steps: `cost(start, end, total)` (progressive
+    resizing's smaller steps), or one each without a cost."""
+    return end - start if cost is None else cost(start, end, total)
+
+
 def budgeted_total(*, budget_s: float, spent_s: float, step: int, step_s: float, max_total: int, eval_steps: int,
                    eval_s: float, final_s: float = 0.0, cost: Callable[[int, int, int], float] | None = None) -> int:
     """The most optimizer steps (at least `step`, at most `max_total`) whose run ends within `budget_s`.
@@ -94,8 +100,7 @@ def budgeted_total(*, budget_s: float, spent_s: float, step: int, step_s: float,
     left = budget_s * (1 - RESERVE) - RESERVE_S - spent_s - final_s
 
     def fits(total: int) -> bool:
-        steps = (total - step) if cost is None else cost(step, total, total)
-        return steps * step_s + evaluations_from(step, total, eval_steps) * eval_s <= left
+        return weighed(cost, step, total, total) * step_s + evaluations_from(step, total, eval_steps) * eval_s <= left
 
     lo, hi = step, max(step, max_total)  # fits(lo) may be false: the budget is spent; the run then ends at `step`
     while lo < hi:  # the largest total that fits: its cost grows with the total
@@ -164,7 +169,7 @@ class Budget:
         those steps ran under), evaluations and `excluded` steps left out; None before enough steps."""
         if self.mark is None or step - self.mark[0] < MIN_MEASURED_STEPS:
             return None
-        steps = (step - self.mark[0] if self.cost is None else self.cost(self.mark[0], step, total)) - self.excluded
+        steps = weighed(self.cost, self.mark[0], step, total) - self.excluded
         if steps <= 0:
             return None
         return max(clock() - self.mark[1] - self.paused, 1e-9) / steps

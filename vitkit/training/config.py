@@ -149,10 +149,11 @@ class ScheduleConfig:
         the run measures its step time and trains the most steps that fit, at most `epochs` (vitkit.training.budget:
         the length is fixed at the warmup's end and again at every epoch's end). None: `epochs`, however long.
     resize_from: progressive resizing (vitkit.training.resize): the first steps train on the images made smaller,
-        this many pixels high (a multiple of the model's patch size), the size rising linearly with the step to the
+        this many pixels high (a multiple of the model's patch height), the size rising linearly with the step to the
         model's at `resize_until` of the run; a smaller step costs about its pixels' share, and a time budget counts
         it so. ViTs (plain or hybrid) only. None: every step at the model's size.
-    resize_until: the share of the run's steps at which progressive resizing reaches the model's size, in (0, 1].
+    resize_until: how far from the run's first step to its last progressive resizing reaches the model's size, in
+        (0, 1]; the last step is always at the model's size.
     """
 
     epochs: float = 10

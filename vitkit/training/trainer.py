@@ -154,7 +154,7 @@ def _fit_to_budget(run, budget: Budget, step: int, max_total: int, eval_steps: i
     budget.fit_every = max(MIN_FIT_EVERY, round(FIT_EVERY * budget.seconds / step_s))  # the same on every rank
     first, budget.fits = budget.fits == 0, budget.fits + 1
     if first or abs(total - run.total) >= 0.01 * run.total:  # every length is logged; a message where it moved 1%
-        end = spent + (total - step if budget.cost is None else budget.cost(step, total, total)) * step_s
+        end = spent + budgeting.weighed(budget.cost, step, total, total) * step_s
         warm = f"; it ends within the warmup ({run.warmup} steps), before the learning rate decays" \
             if total < run.warmup else ""
         bar.message(f"time budget {budget.seconds:.0f} s: {step_s * 1e3:.0f} ms a step over {timed} steps, "

@@ -1,20 +1,20 @@
-"""Progressive resizing (`schedule.resize_from`): the first part of a run trains on the images made smaller, the rest
-at the model's size, so that the early steps, whose coarse features do not need every pixel, cost less and the
-run fits more of them (FFCV's ResNet recipes, Leclerc et al. 2023; fast.ai's DAWNBench runs). A ViT takes the
-smaller grid of patches with its position embedding resampled to it (`dynamic_img_size`).
+"""Progressive resizing (`schedule.resize_from`): the first part of a run trains on the images made smaller, the rest at
+the model's size, so that the early steps, whose coarse features do not need every pixel, cost less and the run fits
+more of them (FFCV's ResNet recipes, Leclerc et al. 2023; fast.ai's DAWNBench runs). A ViT takes the smaller grid of
+patches with its position embedding resampled to it (`dynamic_img_size`).
 
 The size rises linearly with the step from `resize_from` pixels (the image's height; the width keeps the image's
 aspect ratio) to the model's size at `resize_until` of the way from the run's first step to its last (the last is
 always at the model's size), the height held at a multiple of the model's patch height and the width at one of its
-patch width (a hybrid's patch is its whole stride, the ResNet's included), never below `resize_from`. It is a
-function of (step, the run's length) alone: every rank trains at the same size, and a resumed run continues where
-it was. A smaller step costs about its pixels' share of a whole one (a step at 20 x 20 of 28 x 28 takes 0.50x in fp32 and
-0.58x in bf16 for fashion-mnist-fast's hybrid on a 2-core Zen 4, benchmarks/NOTES.md section 59); a time budget
-(`vitkit.training.budget`) counts steps by that share, and each size's first step (its compile under run.compile)
-as spent time, not as the rate.
+patch width (a hybrid's patch is its whole stride, the ResNet's included), never below `resize_from`. It is a function
+of (step, the run's length) alone: every rank trains at the same size, and a resumed run continues where it was. A
+smaller step costs about its pixels' share of a whole one (a step at 20 x 20 of 28 x 28 takes 0.50x in fp32 and 0.58x
+in bf16 for fashion-mnist-fast's hybrid on a 2-core Zen 4, benchmarks/NOTES.md section 59); a time budget
+(`vitkit.training.budget`) counts steps by that share, and each size's first step (its compile under run.compile) as
+spent time, not as the rate.
 
-Each batch is resized after its augmentation (bilinear with antialiasing: the whole image, smaller, not a crop of
-it). Evaluation is at the model's size, and the saved model keeps the fixed size it was built with (`as_built`).
+Each batch is resized after its augmentation (bilinear with antialiasing: the whole image, smaller, not a crop of it).
+Evaluation is at the model's size, and the saved model keeps the fixed size it was built with (`as_built`).
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
 """One preprocessing per checkpoint (timm's eval transform), bad and oversized images, verified dataset downloads."""
+import gzip
+import importlib.util
 import json
 import struct
 import zlib
@@ -180,3 +182,34 @@ def test_dataset_downloads_are_verified(tmp_path, monkeypatch):
     with pytest.raises(datasets.DatasetError, match="checksum mismatch.*md5 bef4ecab320f06d8554ea6380940ec79"):
         datasets.load_fashion_mnist("test")
     assert not list((tmp_path / "cache").rglob("*.gz"))
+
+
+def test_digits_read_without_scikit_learn_are_scikit_learns_own(tmp_path, monkeypatch):
+    """The digits come from scikit-learn's installed csv without importing it (its import is ~1.3 s of every run's
+    start): the same images and labels as `sklearn.datasets.load_digits`, and a csv not of its form is left to it."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    from vitkit.data import datasets
+
+    datasets._digits_arrays.cache_clear()
+    images, target = datasets._digits_arrays()
+    d = sk_digits()
+    assert np.array_equal(images, d.images) and np.array_equal(target, d.target)
+    train, test = datasets.load_digits("train"), datasets.load_digits("test")
+    assert len(train) == 1500 and len(test) == 297
+    assert sorted(torch.cat([train.labels, test.labels]).tolist()) == sorted(d.target.tolist())
+
+    # a package whose csv is truncated: scikit-learn's loader decides (here, the real one's data)
+    fake = tmp_path / "sklearn"
+    (fake / "datasets" / "data").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    with gzip.open(fake / "datasets" / "data" / "digits.csv.gz", "wt") as f:
+        f.write("0,1,2\n")
+    spec = importlib.util.spec_from_file_location("sklearn", fake / "__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "sklearn" else None)
+    datasets._digits_arrays.cache_clear()
+    try:
+        images2, target2 = datasets._digits_arrays()
+    finally:
+        datasets._digits_arrays.cache_clear()
+    assert np.array_equal(images2, d.images) and np.array_equal(target2, d.target)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import functools
 import gzip
+import importlib.util
 import io
 import logging
 import math
@@ -600,15 +602,33 @@ def _mean_std(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...
 DIGITS_CLASSES = [str(i) for i in range(10)]
 
 
-def load_digits(split: str = "train", n_train: int = 1500) -> InMemoryDataset:
-    """scikit-learn's 8x8 handwritten digits (1797 images): the first 1500 (fixed shuffle) train, the rest test."""
+@functools.lru_cache(maxsize=1)
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as (images (1797, 8, 8) in 0..16, targets (1797,)). Its installed digits.csv.gz is read
+    as it is (64 pixels, then the label, on each row) without importing scikit-learn, whose import is ~1.3 s of a
+    process's start; a file not found or not of that form is left to `sklearn.datasets.load_digits`."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        raise DatasetError("the 'digits' dataset needs scikit-learn (pip install scikit-learn)")
+    path = Path(spec.origin or "").parent / "datasets" / "data" / "digits.csv.gz"
+    with contextlib.suppress(OSError, ValueError):
+        with gzip.open(path, "rt") as f:
+            rows = np.loadtxt(f, delimiter=",", ndmin=2)
+        if rows.shape == (1797, 65) and ((rows >= 0) & (rows <= 16) & (rows == rows.round())).all():
+            return rows[:, :64].reshape(-1, 8, 8), rows[:, 64].astype(np.int64)
     try:
-        from sklearn.datasets import load_digits as sk_digits  # optional: scikit-learn, for this dataset only
+        from sklearn.datasets import load_digits as sk_digits  # this scikit-learn keeps its digits elsewhere
     except ImportError as e:
         raise DatasetError("the 'digits' dataset needs scikit-learn (pip install scikit-learn)") from e
     d = sk_digits()
-    x = torch.from_numpy((d.images * 16).clip(0, 255).astype(np.uint8))[:, None]  # (N, 1, 8, 8), 0..16 -> 0..255
-    y = torch.from_numpy(d.target.astype(np.int64))
+    return d.images, d.target.astype(np.int64)
+
+
+def load_digits(split: str = "train", n_train: int = 1500) -> InMemoryDataset:
+    """scikit-learn's 8x8 handwritten digits (1797 images): the first 1500 (fixed shuffle) train, the rest test."""
+    images, target = _digits_arrays()
+    x = torch.from_numpy((images * 16).clip(0, 255).astype(np.uint8))[:, None]  # (N, 1, 8, 8), 0..16 -> 0..255
+    y = torch.from_numpy(target)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     idx = order[:n_train] if split == "train" else order[n_train:]
     return InMemoryDataset(x[idx], y[idx], list(DIGITS_CLASSES), "digits")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .resnet import ResNetV2, ResNetV2Config
 from .samvit import SamViTConfig, SamVisionTransformer
@@ -336,12 +337,31 @@ def _check_fields(cls: type, overrides: dict) -> None:
                          f"create_model keywords where they map: docs/timm.md)")
 
 
+# In-place initialisation that leaves a tensor's shape as it is: on a meta tensor it has nothing to fill
+_FILLS = frozenset({"normal_", "uniform_", "trunc_normal_", "fill_", "zero_", "zeros_", "ones_", "constant_",
+                    "exponential_", "random_", "bernoulli_", "erfinv_", "mul_", "div_", "add_", "sub_", "clamp_",
+                    "copy_"})
+
+
+class _SkipFillsOnMeta(TorchFunctionMode):
+    """Sizing a model on the meta device skips its initialisation's fills of meta tensors (`nn.init.normal_` and
+    the like): there they compute nothing, but run torch's Python decompositions, whose first call imports
+    torch._dynamo (~1.5 s of every command's start on a 2-core CPU)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # nn.init passes its tensor by keyword
+        if getattr(func, "__name__", None) in _FILLS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
 def build_model(config: ViTConfig | ResNetV2Config | SwinConfig) -> nn.Module:
     """The model a config describes, with random initialisation. A config whose model would not fit in this
     process's memory (a hostile or mistyped size) is refused before anything is allocated."""
     build = ARCHS[config.arch][1]
     if torch.get_default_device().type != "meta":
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipFillsOnMeta():
             shell = build(config)
         nbytes = sum(t.numel() * t.element_size() for t in itertools.chain(shell.parameters(), shell.buffers()))
         params = sum(p.numel() for p in shell.parameters())

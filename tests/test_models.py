@@ -864,3 +864,70 @@ def test_layer_decay_scales_follow_timm_s_groups(name):
     for gid, names in groups.items():
         assert {scale[n] for n in names} == {0.5 ** (top - gid)}
     assert len(groups) > 3
+
+
+def test_building_a_model_imports_no_compiler_and_initialises_as_before():
+    """`build_model` sizes a model on the meta device before allocating it; there it skips the initialisation's
+    fills, whose meta decompositions import torch._dynamo (~1.5 s of `vitkit predict`'s start). Checked in a fresh
+    process; the real model is still initialised (the paper's normal(0.02) position embedding, timm's trunc-normal
+    weights), and the shell's sizes are the model's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import sys, torch, vitkit
+from vitkit.models.registry import _SkipFillsOnMeta
+m = vitkit.create_model("vit_ti16", num_classes=10)
+with torch.device("meta"), _SkipFillsOnMeta():
+    shell = vitkit.create_model("vit_ti16", num_classes=10)
+same = [(n, p.shape) for n, p in m.named_parameters()] == [(n, p.shape) for n, p in shell.named_parameters()]
+pos = m.pos_embed.weight if hasattr(m.pos_embed, "weight") else m.pos_embed
+print("torch._dynamo" in sys.modules, same, round(pos.std().item(), 3), m.blocks[0].attn.qkv.weight.abs().max().item() > 0)
+"""
+    repo = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    dynamo, same, pos_std, qkv = res.stdout.split()
+    assert (dynamo, same, qkv) == ("False", "True", "True") and abs(float(pos_std) - 0.02) < 0.002, res.stdout
+
+
+def _one_per_family() -> list[str]:
+    """A registered name per family: its architecture, name prefix and options (registers, RoPE, SwiGLU, ...)."""
+    import re
+
+    from vitkit.models import get_entry, list_models
+
+    families = {}
+    for n in list_models():
+        e = get_entry(n)
+        options = tuple(sorted(set(e.kwargs) - {"embed_dim", "depth", "num_heads", "mlp_dim", "patch_size", "img_size"}))
+        families.setdefault((e.arch, re.split("_", n)[0], options), n)
+    return sorted(families.values())
+
+
+@pytest.mark.parametrize("name", _one_per_family())
+def test_flops_counted_with_alike_blocks_once_are_every_blocks(name):
+    """`count_flops` runs a block that prints as an earlier sibling (with arguments of the same shapes) once and
+    adds its FLOPs again: the same count as running every block, for each family, on the CPU (the trainer's count)
+    and at its real size on the meta device (`vitkit models`)."""
+    import torch
+
+    from vitkit.models import get_entry
+    from vitkit.models.registry import build_model
+    from vitkit.models.stats import count_flops
+
+    entry = get_entry(name)
+    kw = tiny_kwargs(name)
+    if entry.arch == "resnetv2":
+        kw.update(layers=(2, 3, 1, 1))
+    elif entry.arch == "vit":
+        kw.update(depth=3, **({"hybrid_layers": (2,)} if entry.kwargs.get("hybrid_layers") else {}))
+    m = vitkit.create_model(name, **kw)
+    size = m.config.img_size
+    assert count_flops(m, size, m.config.in_chans) == count_flops(m, size, m.config.in_chans, alike_once=False) > 0
+    config = entry.default_config()
+    with torch.device("meta"):
+        big = build_model(config)
+    flops = count_flops(big, config.img_size, config.in_chans)
+    assert flops == count_flops(big, config.img_size, config.in_chans, alike_once=False) > 0

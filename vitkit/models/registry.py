@@ -356,13 +356,18 @@ class _SkipFillsOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def build_on_meta(config: ViTConfig | ResNetV2Config | SwinConfig) -> nn.Module:
+    """The model a config describes on the meta device, uninitialised: its shapes, no memory."""
+    with torch.device("meta"), _SkipFillsOnMeta():
+        return ARCHS[config.arch][1](config)
+
+
 def build_model(config: ViTConfig | ResNetV2Config | SwinConfig) -> nn.Module:
     """The model a config describes, with random initialisation. A config whose model would not fit in this
     process's memory (a hostile or mistyped size) is refused before anything is allocated."""
     build = ARCHS[config.arch][1]
     if torch.get_default_device().type != "meta":
-        with torch.device("meta"), _SkipFillsOnMeta():
-            shell = build(config)
+        shell = build_on_meta(config)
         nbytes = sum(t.numel() * t.element_size() for t in itertools.chain(shell.parameters(), shell.buffers()))
         params = sum(p.numel() for p in shell.parameters())
         check_alloc(nbytes, f"the {config.arch} model of this config ({params:,} parameters)", UsageError)

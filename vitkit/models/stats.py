@@ -69,6 +69,27 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
     return (counter.get_total_flops() + skipped[0]) // batch
 
 
+def _fingerprint(m: torch.nn.Module) -> tuple:
+    """What a module's count can depend on, beyond its printed form: its type, every plain attribute (a window size,
+    a shift, a flag), its parameters' and buffers' shapes and dtypes, and its children's fingerprints."""
+    parts: list = [type(m).__qualname__]
+    for k, v in sorted(vars(m).items()):
+        if k in ("_parameters", "_buffers"):
+            parts.append((k, *((n, None if t is None else (tuple(t.shape), t.dtype)) for n, t in v.items())))
+        elif k == "_modules":
+            parts.append((k, *((n, None if c is None else _fingerprint(c)) for n, c in v.items())))
+        elif "hook" in k:  # the hooks' dicts: a counter's or a user's, not the block's arithmetic
+            continue
+        elif isinstance(v, torch.Tensor):
+            parts.append((k, tuple(v.shape), v.dtype))
+        elif v is None or isinstance(v, (bool, int, float, str)) or \
+                (isinstance(v, tuple) and all(u is None or isinstance(u, (bool, int, float, str)) for u in v)):
+            parts.append((k, v))
+        else:
+            parts.append((k, type(v).__qualname__))
+    return tuple(parts)
+
+
 def _signature(v) -> object:
     """What a block's count can depend on in an argument: a tensor's shape, dtype, strides and device; any other
     value as it prints."""
@@ -83,14 +104,15 @@ def _signature(v) -> object:
 
 @contextlib.contextmanager
 def _alike_blocks_counted_once(model: torch.nn.Module, counter: FlopCounterMode, skipped: list[int], on: bool):
-    """While counting, a block of a ModuleList or Sequential that prints as an earlier sibling and takes arguments of
-    the same signature is counted from that sibling's call instead of run: its FLOPs added, its output returned. A
+    """While counting, a block of a ModuleList or Sequential that prints as an earlier sibling, holds the same
+    attributes (`_fingerprint`: SAM's windowed and global blocks print alike) and takes arguments of the same
+    signature is counted from that sibling's call instead of run: its FLOPs added, its output returned. A
     ViT's L blocks then run once (`vitkit models` counts 85 models ~4x faster); the count is unchanged, as
     `tests/test_models.py` checks against counting every block."""
     seen: dict[tuple, tuple[int, object]] = {}
     wrapped: list[torch.nn.Module] = []
 
-    def wrap(block: torch.nn.Module, text: str) -> None:
+    def wrap(block: torch.nn.Module, text: tuple) -> None:
         run = block.forward
 
         def forward(*args, **kwargs):
@@ -110,7 +132,7 @@ def _alike_blocks_counted_once(model: torch.nn.Module, counter: FlopCounterMode,
     if on:
         for seq in model.modules():
             if isinstance(seq, (torch.nn.ModuleList, torch.nn.Sequential)) and len(seq) > 1:
-                texts = [repr(b) for b in seq]
+                texts = [(repr(b), _fingerprint(b)) for b in seq]
                 for b, text in zip(seq, texts):
                     if texts.count(text) > 1 and "forward" not in b.__dict__:
                         wrap(b, text)

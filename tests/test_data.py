@@ -1,5 +1,6 @@
 """One preprocessing per checkpoint (timm's eval transform), bad and oversized images, verified dataset downloads."""
 import gzip
+import importlib.machinery
 import importlib.util
 import json
 import struct
@@ -185,31 +186,58 @@ def test_dataset_downloads_are_verified(tmp_path, monkeypatch):
 
 
 def test_digits_read_without_scikit_learn_are_scikit_learns_own(tmp_path, monkeypatch):
-    """The digits come from scikit-learn's installed csv without importing it (its import is ~1.3 s of every run's
-    start): the same images and labels as `sklearn.datasets.load_digits`, and a csv not of its form is left to it."""
-    from sklearn.datasets import load_digits as sk_digits
+    """The digits come from scikit-learn's installed csv without importing it: the same images and labels as
+    `sklearn.datasets.load_digits`; a csv not of its form (truncated, corrupt, empty, another shape) or a package
+    without a folder of its own is left to scikit-learn's loader, and nothing outside the package is read."""
+    import subprocess
+    import sys
+
+    import sklearn.datasets
 
     from vitkit.data import datasets
 
+    code = "import sys; from vitkit.data.datasets import load_digits; load_digits(); print('sklearn' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0 and res.stdout.split() == ["False"], res.stderr[-2000:]  # the fast path ran
+
     datasets._digits_arrays.cache_clear()
     images, target = datasets._digits_arrays()
-    d = sk_digits()
+    d = sklearn.datasets.load_digits()
     assert np.array_equal(images, d.images) and np.array_equal(target, d.target)
     train, test = datasets.load_digits("train"), datasets.load_digits("test")
     assert len(train) == 1500 and len(test) == 297
     assert sorted(torch.cat([train.labels, test.labels]).tolist()) == sorted(d.target.tolist())
 
-    # a package whose csv is truncated: scikit-learn's loader decides (here, the real one's data)
-    fake = tmp_path / "sklearn"
+    calls = []
+    real = sklearn.datasets.load_digits
+    monkeypatch.setattr(sklearn.datasets, "load_digits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fake = tmp_path / "pkg" / "sklearn"
     (fake / "datasets" / "data").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
-    with gzip.open(fake / "datasets" / "data" / "digits.csv.gz", "wt") as f:
-        f.write("0,1,2\n")
-    spec = importlib.util.spec_from_file_location("sklearn", fake / "__init__.py")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "sklearn" else None)
-    datasets._digits_arrays.cache_clear()
+    good = gzip.compress(b"\n".join(b",".join([b"3"] * 64 + [b"7"]) for _ in range(1797)) + b"\n")
+    planted = {"truncated": good[: len(good) // 2], "corrupt deflate": good[:20] + b"\xff" * 200 + good[220:],
+               "empty": gzip.compress(b""), "another shape": gzip.compress(b"0,1,2\n")}
+    monkeypatch.chdir(tmp_path)  # a csv where a package without an origin would have pointed
+    (tmp_path / "datasets" / "data").mkdir(parents=True)
+    (tmp_path / "datasets" / "data" / "digits.csv.gz").write_bytes(good)
+    specs = {name: importlib.util.spec_from_file_location("sklearn", fake / "__init__.py") for name in planted}
+    specs["a package without an origin"] = importlib.machinery.ModuleSpec("sklearn", None)
     try:
-        images2, target2 = datasets._digits_arrays()
+        for name, spec in specs.items():
+            if name in planted:
+                (fake / "datasets" / "data" / "digits.csv.gz").write_bytes(planted[name])
+            monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, spec=spec: spec if n == "sklearn" else None)
+            datasets._digits_arrays.cache_clear()
+            calls.clear()
+            images2, target2 = datasets._digits_arrays()
+            assert calls == [1] and np.array_equal(images2, d.images) and np.array_equal(target2, d.target), name
+        # the form it expects, planted: read as it is, scikit-learn's loader not called
+        (fake / "datasets" / "data" / "digits.csv.gz").write_bytes(good)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: specs["truncated"] if n == "sklearn" else None)
+        datasets._digits_arrays.cache_clear()
+        calls.clear()
+        images3, target3 = datasets._digits_arrays()
+        assert calls == [] and (images3 == 3).all() and (target3 == 7).all()
     finally:
         datasets._digits_arrays.cache_clear()
-    assert np.array_equal(images2, d.images) and np.array_equal(target2, d.target)

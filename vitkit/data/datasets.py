@@ -26,6 +26,7 @@ import random
 import signal
 import struct
 import tarfile
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -604,20 +605,24 @@ DIGITS_CLASSES = [str(i) for i in range(10)]
 
 @functools.lru_cache(maxsize=1)
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits as (images (1797, 8, 8) in 0..16, targets (1797,)). Its installed digits.csv.gz is read
-    as it is (64 pixels, then the label, on each row) without importing scikit-learn, whose import is ~1.3 s of a
-    process's start; a file not found or not of that form is left to `sklearn.datasets.load_digits`."""
-    spec = importlib.util.find_spec("sklearn")
-    if spec is None:
-        raise DatasetError("the 'digits' dataset needs scikit-learn (pip install scikit-learn)")
-    path = Path(spec.origin or "").parent / "datasets" / "data" / "digits.csv.gz"
-    with contextlib.suppress(OSError, ValueError):
-        with gzip.open(path, "rt") as f:
-            rows = np.loadtxt(f, delimiter=",", ndmin=2)
-        if rows.shape == (1797, 65) and ((rows >= 0) & (rows <= 16) & (rows == rows.round())).all():
-            return rows[:, :64].reshape(-1, 8, 8), rows[:, 64].astype(np.int64)
+    """scikit-learn's digits as (images (1797, 8, 8) in 0..16, targets (1797,)). The digits.csv.gz inside the
+    installed scikit-learn package is read as it is (64 pixels, then the label, on each row) without importing
+    scikit-learn, whose import is most of a small run's data time (benchmarks/NOTES.md section 60); a file missing
+    or not of that form is left to `sklearn.datasets.load_digits`."""
     try:
-        from sklearn.datasets import load_digits as sk_digits  # this scikit-learn keeps its digits elsewhere
+        spec = importlib.util.find_spec("sklearn")
+    except (ImportError, ValueError):  # a module planted in sys.modules without a spec
+        spec = None
+    if spec is not None and spec.origin:  # a regular package: its own folder, never a relative path
+        path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+        with contextlib.suppress(OSError, ValueError, EOFError, zlib.error), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # numpy's warning on an empty file: falls back below
+            with gzip.open(path, "rt") as f:
+                rows = np.loadtxt(f, delimiter=",", ndmin=2)
+            if rows.shape == (1797, 65) and ((rows >= 0) & (rows <= 16) & (rows == rows.round())).all():
+                return rows[:, :64].reshape(-1, 8, 8), rows[:, 64].astype(np.int64)
+    try:
+        from sklearn.datasets import load_digits as sk_digits  # optional: scikit-learn, for this dataset only
     except ImportError as e:
         raise DatasetError("the 'digits' dataset needs scikit-learn (pip install scikit-learn)") from e
     d = sk_digits()

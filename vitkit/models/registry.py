@@ -346,7 +346,7 @@ _FILLS = frozenset({"normal_", "uniform_", "trunc_normal_", "fill_", "zero_", "z
 class _SkipFillsOnMeta(TorchFunctionMode):
     """Sizing a model on the meta device skips its initialisation's fills of meta tensors (`nn.init.normal_` and
     the like): there they compute nothing, but run torch's Python decompositions, whose first call imports
-    torch._dynamo (~1.5 s of every command's start on a 2-core CPU)."""
+    torch._dynamo (a second or more of a command's start: benchmarks/NOTES.md section 60)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

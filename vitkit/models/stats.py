@@ -54,6 +54,8 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
     alone (`model.last_block_cls_only`), whose saving then shows as speed, not as fewer FLOPs.
     Counted in eval mode (the same matmuls), the modules' modes restored after: a train-mode forward of this probe
     would move a BatchNorm's running statistics (a conv stem's) by an input that is not data.
+    alike_once: on the meta device (`vitkit models`), a block alike an earlier sibling is counted from that
+    sibling's call instead of run again (`_alike_blocks_counted_once`); the same count, fewer ops traced.
     """
     x = torch.zeros(batch, in_chans, *img_size, device=next(model.parameters()).device)
     modes = [(m, m.training) for m in model.modules()]
@@ -61,7 +63,7 @@ def count_flops(model: torch.nn.Module, img_size: tuple[int, int], in_chans: int
     skipped = [0]
     try:
         with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter, torch.no_grad(), \
-                _alike_blocks_counted_once(model, counter, skipped, alike_once):
+                _alike_blocks_counted_once(model, counter, skipped, alike_once and x.is_meta):
             model.forward_head(model.forward_features(x))
     finally:
         for m, training in modes:
@@ -82,19 +84,28 @@ def _fingerprint(m: torch.nn.Module) -> tuple:
             continue
         elif isinstance(v, torch.Tensor):
             parts.append((k, tuple(v.shape), v.dtype))
-        elif v is None or isinstance(v, (bool, int, float, str)) or \
-                (isinstance(v, tuple) and all(u is None or isinstance(u, (bool, int, float, str)) for u in v)):
-            parts.append((k, v))
         else:
-            parts.append((k, type(v).__qualname__))
+            parts.append((k, _plain(v)))
     return tuple(parts)
+
+
+def _plain(v) -> object:
+    """A value as a fingerprint holds it: numbers, strings and None as they are, containers of them item by item,
+    anything else by its type."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, *map(_plain, v))
+    if isinstance(v, dict):
+        return ("dict", *sorted(((repr(k), _plain(u)) for k, u in v.items()), key=repr))
+    return ("object", type(v).__qualname__)
 
 
 def _signature(v) -> object:
     """What a block's count can depend on in an argument: a tensor's shape, dtype, strides and device; any other
     value as it prints."""
     if isinstance(v, torch.Tensor):
-        return ("tensor", tuple(v.shape), v.dtype, v.stride(), v.device.type)
+        return ("tensor", tuple(v.shape), v.dtype, v.stride(), str(v.device))
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, *map(_signature, v))
     if isinstance(v, dict):
@@ -106,9 +117,9 @@ def _signature(v) -> object:
 def _alike_blocks_counted_once(model: torch.nn.Module, counter: FlopCounterMode, skipped: list[int], on: bool):
     """While counting, a block of a ModuleList or Sequential that prints as an earlier sibling, holds the same
     attributes (`_fingerprint`: SAM's windowed and global blocks print alike) and takes arguments of the same
-    signature is counted from that sibling's call instead of run: its FLOPs added, its output returned. A
-    ViT's L blocks then run once (`vitkit models` counts 85 models ~4x faster); the count is unchanged, as
-    `tests/test_models.py` checks against counting every block."""
+    signature is counted from that sibling's call instead of run: its FLOPs (with those of any alike blocks inside
+    it) added, its output returned. A ViT's L blocks then run once. Meant for meta tensors, which hold no values
+    a block could depend on; `tests/test_models.py` checks the count against running every block."""
     seen: dict[tuple, tuple[int, object]] = {}
     wrapped: list[torch.nn.Module] = []
 
@@ -121,9 +132,9 @@ def _alike_blocks_counted_once(model: torch.nn.Module, counter: FlopCounterMode,
                 flops, out = seen[key]
                 skipped[0] += flops
                 return out
-            before = counter.get_total_flops()
+            before = counter.get_total_flops() + skipped[0]  # alike blocks inside this one add to skipped
             out = run(*args, **kwargs)
-            seen[key] = (counter.get_total_flops() - before, out)
+            seen[key] = (counter.get_total_flops() + skipped[0] - before, out)
             return out
 
         block.forward = forward
@@ -144,9 +155,10 @@ def _alike_blocks_counted_once(model: torch.nn.Module, counter: FlopCounterMode,
 
 
 def model_stats(entry: ModelEntry, num_classes: int = 1000) -> dict:
-    """Params, GFLOPs, tokens and resolution of a registry entry at its default resolution. Counted once per entry
-    in a process (`vitkit models` counts 85 models' FLOPs on the meta device: ~12 s on a 2-core CPU)."""
-    key = (entry.name, entry.paper_name, entry.arch, json.dumps(entry.kwargs, sort_keys=True, default=repr), num_classes)
+    """Params, GFLOPs, tokens and resolution of a registry entry at its default resolution, counted once per entry
+    in a process."""
+    kwargs = json.dumps(entry.kwargs, sort_keys=True, default=repr)
+    key = (entry.name, entry.paper_name, entry.arch, kwargs, num_classes)
     if key not in _STATS:
         _STATS[key] = _model_stats(entry, num_classes)
     return dict(_STATS[key])

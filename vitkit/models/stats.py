@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 
 import torch
@@ -155,19 +154,7 @@ def _alike_blocks_counted_once(model: torch.nn.Module, counter: FlopCounterMode,
 
 
 def model_stats(entry: ModelEntry, num_classes: int = 1000) -> dict:
-    """Params, GFLOPs, tokens and resolution of a registry entry at its default resolution, counted once per entry
-    in a process."""
-    kwargs = json.dumps(entry.kwargs, sort_keys=True, default=repr)
-    key = (entry.name, entry.paper_name, entry.arch, kwargs, num_classes)
-    if key not in _STATS:
-        _STATS[key] = _model_stats(entry, num_classes)
-    return dict(_STATS[key])
-
-
-_STATS: dict[tuple, dict] = {}
-
-
-def _model_stats(entry: ModelEntry, num_classes: int) -> dict:
+    """Params, GFLOPs, tokens and resolution of a registry entry at its default resolution."""
     config = entry.default_config()
     config.num_classes = num_classes
     model = build_on_meta(config)

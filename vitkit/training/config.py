@@ -85,6 +85,9 @@ class ModelConfig:
         (attention output), mlp (fc1 and fc2; SwiGLU's fc1_g, fc1_x and fc2).
     loaded: written by the run that starts from a checkpoint: the architecture it holds (timm's name from a timm
         folder, else the registered name of its size, `vitkit.models.registry.name_of`), as printed; not read.
+    stem_init: "random"; "pca": the first conv of a convolutional stem (a hybrid's ResNet stem, a conv_stem) set to
+        the leading principal components of the training images' patches, each beside its negative (airbench's
+        first layer; `vitkit.training.stem_init`); "pca-frozen": the same, and that conv never trains.
     """
 
     name: str = "vit_ti16"
@@ -98,6 +101,7 @@ class ModelConfig:
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q", "v"])
     loaded: str | None = None
+    stem_init: str = "random"
 
 
 @dataclass

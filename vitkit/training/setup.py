@@ -33,6 +33,7 @@ from .distributed import Dist, resolve_strategy, wrap_model
 from .optim import build_optimizer, schedule_steps
 from .prune import Pruner
 from .resize import Resizer, resizer_for
+from .stem_init import apply_stem_init, check_stem_init
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
                              "labels": int(spec.train.labels.sum())})
     model = build_model_for(cfg, spec).to(device)
     resizer = resizer_for(cfg, model)  # checked before the probes; from here the model takes any grid of patches
+    check_stem_init(cfg, model)
     mc = model.config
     if cfg.model.checkpoint:
         cfg.model.loaded = checkpoint_model_name(cfg.model.checkpoint, mc)
@@ -186,6 +188,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     data = prepare(mc, train=spec.train, val=spec.val, test=spec.test, max_patches=d.max_patches, aug=cfg.aug, seed=r.seed)
     check_prune(cfg, data.train, model)
     check_alternate_flip(cfg, data.train)
+    apply_stem_init(cfg, model, data, dist)  # before the compile probe, the EMA's copy, the wrapping and the optimizer
     steps_per_epoch = len(data.train) // (d.batch_size * r.accumulate)
     total, warmup = schedule_steps(cfg.schedule, steps_per_epoch)
     last = total if max_steps is None else min(total, max_steps)

@@ -8,10 +8,11 @@ from safetensors.torch import load_file
 from sklearn.decomposition import PCA
 
 import vitkit
+from vitkit.data.datasets import InMemoryDataset
 from vitkit.data.splits import prepare, training_data
 from vitkit.errors import UsageError
 from vitkit.training import train
-from vitkit.training.stem_init import principal_filters
+from vitkit.training.stem_init import MAX_IMAGES, components, patch_moments, principal_filters
 
 from test_distributed import _max_diff, _train as _train_procs
 from test_training import _write_png_folder, tiny_cfg
@@ -47,6 +48,37 @@ def test_the_filters_are_scikit_learns_principal_components_each_beside_its_nega
     # a fixed sign: each component's entry of largest magnitude is positive
     p = principal_filters(torch.from_numpy(x), 64, False)[0].numpy()[0::2]
     assert (p[np.arange(len(p)), np.abs(p).argmax(1)] > 0).all()
+    # patches that never vary give no component (the stem keeps its random start), not an error
+    pairs, share = components(torch.zeros(49, 49, dtype=torch.float64), 64)
+    assert pairs.shape == (0, 49) and share == 0.0
+
+
+def test_patches_are_drawn_from_4096_images_and_200000_positions_by_the_runs_seed_alone():
+    """5,000 random 28-px images, a 7x7/2 conv (121 positions each): 4,096 images, 49 positions in each (200,704
+    patches, summed chunk by chunk); the same seed draws the same patches, another seed others; the run's global
+    random stream is untouched."""
+    g = torch.Generator().manual_seed(0)
+    ds = InMemoryDataset(torch.randint(0, 256, (5000, 1, 28, 28), dtype=torch.uint8, generator=g),
+                         torch.zeros(5000, dtype=torch.long), ["a"])
+    conv = torch.nn.Conv2d(1, 64, 7, 2)
+    state = torch.get_rng_state()
+    a, n = patch_moments(ds, lambda x: x.float() / 255, conv, True, seed=0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert n == MAX_IMAGES == 4096 and a.n == 4096 * 49
+    b, _ = patch_moments(ds, lambda x: x.float() / 255, conv, True, seed=0)
+    c, _ = patch_moments(ds, lambda x: x.float() / 255, conv, True, seed=1)
+    assert torch.equal(a.outer, b.outer) and not torch.equal(a.outer, c.outer)
+    every = InMemoryDataset(ds.images[:3000], ds.labels[:3000], ["a"])  # every image: the seed draws positions alone
+    d0, n = patch_moments(every, lambda x: x.float() / 255, conv, True, seed=0)
+    d1, _ = patch_moments(every, lambda x: x.float() / 255, conv, True, seed=1)
+    assert n == 3000 and d0.n == 3000 * 67  # ceil(200,000 / 3,000) of 121 positions
+    assert not torch.allclose(d0.outer, d1.outer, rtol=1e-6)  # other positions (not the sums of another order)
+    small = InMemoryDataset(ds.images[:100], ds.labels[:100], ["a"])  # 12,100 positions in all: every one
+    m, n = patch_moments(small, lambda x: x.float() / 255, conv, False, seed=0)
+    p = torch.nn.functional.unfold(small.images.float() / 255, 7, stride=2).transpose(1, 2).reshape(-1, 49).double()
+    assert n == 100 and m.n == 12_100
+    torch.testing.assert_close(m.outer, p.T @ p, rtol=1e-10, atol=1e-9)  # summed in chunks: another order
+    torch.testing.assert_close(m.sum, p.sum(0), rtol=1e-10, atol=1e-9)
 
 
 def _digit_patches(cfg, model_config) -> np.ndarray:
@@ -97,6 +129,37 @@ def test_a_run_starts_from_its_training_patches_components_and_pca_frozen_keeps_
     assert torch.equal(runs["pca-frozen", 1][STEM], runs["pca-frozen", 0][STEM])  # frozen: kept
     assert not torch.equal(runs["pca-frozen", 1]["head.weight"], runs["pca-frozen", 0]["head.weight"])  # it trained
     assert (runs["pca", 1][STEM] - runs["pca", 0][STEM]).abs().max() > 1e-4  # not frozen: the stem trained
+
+
+def test_a_conv_stems_first_conv_takes_the_windows_components_without_taking_each_ones_mean_out(tmp_path):
+    """A ViT with a conv stem (2x2/2 conv, BatchNorm, GELU, then a 1x1 layer; not weight-standardised): the first
+    conv's 16 filters are the 4 components of every 2x2 window (centred on the windows' mean only), each with its
+    negative, and 8 random."""
+    stem = {"conv_stem": [16, 16], "conv_stem_kernels": [2, 1], "conv_stem_strides": [2, 1]}
+    runs = {}
+    for mode in ("pca", "random"):
+        train(tiny_cfg(tmp_path / mode, **{"model.stem_init": mode, "model.overrides": stem}), max_steps=0)
+        runs[mode] = load_file(tmp_path / mode / "final.safetensors")["patch_embed.backbone.0.conv.weight"]
+    model = vitkit.load(tmp_path / "pca" / "final.safetensors")
+    spec = training_data(tiny_cfg(tmp_path / "x").data)
+    data = prepare(model.config, train=spec.train)
+    x = data.transform(data.train)(spec.train.images).double().numpy()  # (N, 1, 16, 16)
+    windows = x.reshape(len(x), 8, 2, 8, 2).transpose(0, 1, 3, 2, 4).reshape(-1, 4)  # every 2x2/2 window
+    comps = PCA().fit(windows).components_  # 4 of them
+    w = runs["pca"].double().flatten(1).numpy()  # (16, 4)
+    d = w[:8] / np.linalg.norm(w[:8], axis=1, keepdims=True)
+    np.testing.assert_allclose(d[1::2], -d[0::2], atol=1e-6)
+    np.testing.assert_allclose(_aligned(d[0::2], comps), 1.0, atol=1e-5)
+    assert torch.equal(runs["pca"][8:], runs["random"][8:])
+
+
+def test_a_frozen_stem_before_groupnorm_trains_rgb_images(tmp_path):
+    """Grey digits read as RGB: the stem's output is channels-last, and torch's CPU GroupNorm backward crashed on a
+    channels-last input needing no gradient (a frozen stem before the trained norm); the backbone now hands it NCHW."""
+    out = tmp_path / "rgb"
+    res = train(tiny_cfg(out, **{"model.stem_init": "pca-frozen", "model.overrides": {**HYBRID, "in_chans": 3}}),
+                max_steps=3)
+    assert res["step"] == 3 and load_file(out / "final.safetensors")[STEM].shape == (64, 3, 7, 7)
 
 
 def test_a_pca_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path):

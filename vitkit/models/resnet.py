@@ -150,7 +150,11 @@ class ResNetBackbone(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.stem.norm(self.stem.conv(x)))  # (B, C, H, W) -> (B, w, H/2, W/2)
+        x = self.stem.conv(x)  # (B, C, H, W) -> (B, w, H/2, W/2)
+        if self.norm_kind == "group" and not is_fx_tracing() and x.device.type == "cpu" and torch.is_grad_enabled() \
+                and not x.requires_grad:  # a frozen stem (model.stem_init=pca-frozen) before a trained GroupNorm:
+            x = x.contiguous()  # torch's CPU GroupNorm backward crashes on a channels-last input needing no gradient
+        x = F.relu(self.stem.norm(x))
         if self.stem_pool:
             x = self._max_pool(x)  # (B, w, H/4, W/4)
         return self.stages(x)  # (B, C', H/s, W/s)

@@ -33,7 +33,7 @@ from .distributed import Dist, resolve_strategy, wrap_model
 from .optim import build_optimizer, schedule_steps
 from .prune import Pruner
 from .resize import Resizer, resizer_for
-from .stem_init import apply_stem_init, check_stem_init
+from .stem_init import apply_stem_init, check_stem_init, check_stem_init_config
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     if d.batch_size % dist.world:
         raise UsageError(f"data.batch_size {d.batch_size} (the global batch) does not split over {dist.world} processes")
     check_lora(cfg, strategy)
+    check_stem_init_config(cfg)
     dist.check_same("config", cfg.to_dict())
     torch.manual_seed(r.seed)
 
@@ -155,7 +156,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
                              "labels": int(spec.train.labels.sum())})
     model = build_model_for(cfg, spec).to(device)
     resizer = resizer_for(cfg, model)  # checked before the probes; from here the model takes any grid of patches
-    check_stem_init(cfg, model)
+    check_stem_init(cfg, model, spec.train)  # on every rank, before the probes and any collective
     mc = model.config
     if cfg.model.checkpoint:
         cfg.model.loaded = checkpoint_model_name(cfg.model.checkpoint, mc)

@@ -76,7 +76,8 @@ def fashion_mnist_fast() -> TrainConfig:
     seeds; 93.45 +- 0.12% before `data.prune`). On the same CPU uncapped, where `run.precision=auto` takes bf16:
     94.14 +- 0.35% (seeds 0, 1 and 2: 94.00%, 93.88% and 94.54% in 25.4, 18.0 and 28.2 epochs, the VM's speed drifting
     between them) in 1765 +- 14 s; on a 2-core AMD EPYC Zen 4 (CPU family 25, bf16 without AMX) 20.5-20.9
-    epochs: 93.98 +- 0.16% in 1770 +- 15 s; before `data.prune` 94.09 +- 0.14% (24-27 epochs) and, on a slower day,
+    epochs: 93.98 +- 0.16% in 1770 +- 15 s, and in fp32 under the same caps 14.1-14.5 epochs: 93.70 +- 0.02% in
+    1771 +- 9 s; before `data.prune` 94.09 +- 0.14% (24-27 epochs) and, on a slower day,
     93.80 +- 0.07% (19-22 epochs); under the AVX2 caps (eager, before `data.prune`) one seed trained 7.3 epochs: 92.25%. The
     choices, made on a held-out split of the training images: benchmarks/NOTES.md, sections 44 to 56; `python
     benchmarks/time_to_accuracy.py run --presets fashion-mnist-fast --seeds 0 1 2`."""

@@ -153,22 +153,19 @@ def patch_moments(train, transform, conv: nn.Conv2d, standardised: bool, seed: i
     idx = torch.randperm(len(train), generator=g)[:n]
     per_image = math.ceil(MAX_PATCHES / n)
     kernel, stride = conv.kernel_size, conv.stride
-    moments, chunk = None, None
-    start = 0
-    while start < n:
-        if chunk is None:  # sized from the first image's patches
-            x, _ = train.batch(idx[:1], torch.device("cpu"))
-            p = F.unfold(transform(x).float(), kernel, stride=stride)  # (1, C*kh*kw, L)
-            chunk = max(1, min(256, CHUNK_ELEMENTS // max(p.numel(), 1)))
-            moments = Moments(p.shape[1], standardised)
-        x, _ = train.batch(idx[start:start + chunk], torch.device("cpu"))
-        p = F.unfold(transform(x).float(), kernel, stride=stride)  # (b, C*kh*kw, L): resized, normalised, channels
-        b, d, positions = p.shape  # replicated as the model reads them
+
+    def patches(i: torch.Tensor) -> torch.Tensor:  # (b, C*kh*kw, L): resized, normalised, channels as the model reads
+        return F.unfold(transform(train.batch(i, torch.device("cpu"))[0]).float(), kernel, stride=stride)
+
+    first = patches(idx[:1])  # sizes the chunks: ~CHUNK_ELEMENTS of patches at a time
+    moments = Moments(first.shape[1], standardised)
+    for chunk in idx.split(max(1, min(256, CHUNK_ELEMENTS // max(first.numel(), 1)))):
+        p = patches(chunk)
+        b, d, positions = p.shape
         if positions > per_image:  # a draw of positions in each image
             keep = torch.rand(b, positions, generator=g).argsort(1)[:, :per_image]  # (b, m)
             p = p.gather(2, keep.unsqueeze(1).expand(b, d, per_image))
         moments.add(p.transpose(1, 2).reshape(-1, d))  # (b*m, C*kh*kw)
-        start += chunk
     return moments, n
 
 

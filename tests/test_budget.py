@@ -203,3 +203,13 @@ def test_an_ample_budget_trains_the_epochs_and_counts_from_the_command(tmp_path,
     assert res["step"] == 4 * (1500 // 64)  # schedule.epochs=4 of digits' 1500 training images: the most it trains
     assert [(r["step"], r["total"]) for r in _records(out, "budget")] == [(24, 92)]  # the first fit is logged
     assert res["budget_spent_s"] == pytest.approx(5 + 92 * STEP_S + EVAL_S, abs=1)
+
+
+def test_a_tta_cascade_is_budgeted_at_its_share_of_the_views(tmp_path, virtual_clock):
+    """Before any evaluation has been measured, the final one is estimated from its views: 18 a held-out image for
+    flip-shift2, and with a cascade (run.tta_margin) the mirror pair and CASCADE_SHARE of the other 16."""
+    cfg = {"schedule.time_budget": 1, "run.tta": "flip-shift2", "aug.hflip": True}
+    train(tiny_cfg(tmp_path / "all", **cfg))
+    train(tiny_cfg(tmp_path / "cascade", **cfg, **{"run.tta_margin": 0.8}))
+    every, cascade = (_records(tmp_path / name, "budget")[0]["eval_s"] for name in ("all", "cascade"))
+    assert every > 0 and cascade / every == pytest.approx((2 + 16 * budgeting.CASCADE_SHARE) / 18, rel=1e-3)

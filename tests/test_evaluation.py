@@ -89,3 +89,96 @@ def test_trainer_rejects_a_bad_tta_before_training(tmp_path):
     with pytest.raises(ValueError, match="set aug.hflip=true or run.tta=none"):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+class CountingTopVsBottom(nn.Module):
+    """Logits (top-half mean, bottom-half mean) * scale: mirror-invariant, moved by the shifted views; it keeps the
+    batch size of every call."""
+
+    def __init__(self, scale: float = 4.0):
+        super().__init__()
+        self.scale, self.calls = scale, []
+
+    def forward(self, x):
+        self.calls.append(len(x))
+        h = x.shape[-2] // 2
+        return self.scale * torch.stack([x[..., :h, :].mean((1, 2, 3)), x[..., h:, :].mean((1, 2, 3))], 1)
+
+
+def _rows(brightness):
+    """Images (B, 1, 6, 6) with a bright row at row 2 of each (just above the middle): the moved views change how far
+    above it lies, so every view answers differently; `brightness` sets each image's confidence."""
+    x = torch.zeros(len(brightness), 1, 6, 6)
+    x[:, 0, 2, :] = torch.tensor(brightness)[:, None]
+    return x
+
+
+@pytest.mark.parametrize("mode", ["flip-shift", "flip-shift2"])
+def test_a_tta_cascade_sends_on_only_the_images_its_mirror_pair_leaves_unsure(mode):
+    x = _rows([0.05, 3.0, 0.1, 6.0, 0.02])  # faint rows: unsure; bright rows: sure
+    model = CountingTopVsBottom()
+    everything = tta_log_probs(model, x, mode)  # every image in every view
+    pair = tta_log_probs(model, x, "flip")
+    top2 = pair.exp().topk(2, -1).values
+    gap = top2[:, 0] - top2[:, 1]
+    margin = 0.5
+    unsure = gap < margin
+    assert unsure.tolist() == [True, False, True, False, True]  # the test's images span both sides of the margin
+    model.calls.clear()
+    got = tta_log_probs(model, x, mode, margin=margin)
+    views = len(tta_views(x, mode))
+    assert model.calls == [5, 5] + [3] * (views - 2)  # the pair for all, the other views for the three unsure only
+    assert torch.equal(got[~unsure], pair[~unsure])  # the sure ones: their pair's mean, exactly
+    assert torch.allclose(got[unsure], everything[unsure], atol=1e-6)  # the unsure ones: every view's mean
+    assert not torch.allclose(everything[unsure], pair[unsure], atol=1e-3)  # and the other views did move them
+    # margin 0: the pair answers for every image; margin 1: every image in every view
+    model.calls.clear()
+    assert torch.equal(tta_log_probs(model, x, mode, margin=0.0), pair) and model.calls == [5, 5]
+    assert torch.allclose(tta_log_probs(model, x, mode, margin=1.0), everything, atol=1e-6)
+    # no image unsure: no second stage, unless every call must run the same forwards (FSDP2's ranks): then one image
+    sure = _rows([3.0, 6.0])
+    model.calls.clear()
+    assert torch.equal(tta_log_probs(model, sure, mode, margin=margin), tta_log_probs(model, sure, "flip"))
+    assert model.calls == [2, 2, 2, 2]
+    model.calls.clear()
+    assert torch.equal(tta_log_probs(model, sure, mode, margin=margin, lockstep=True),
+                       tta_log_probs(model, sure, "flip"))
+    assert model.calls == [2, 2] + [1] * (views - 2) + [2, 2]
+
+
+def test_evaluate_with_a_cascade_counts_every_image_once():
+    rows = (torch.rand(40) * 4).tolist()  # confidences spread across the margin
+    images = (_rows(rows) * 255 / 4).round().to(torch.uint8)
+    data = InMemoryDataset(images, torch.zeros(40, dtype=torch.long), ["top", "bottom"])
+    to_float = lambda x: x.float() / 255 * 4  # noqa: E731
+    full = evaluate(CountingTopVsBottom(), data, to_float, batch_size=16, tta="flip-shift2")
+    model = CountingTopVsBottom()
+    cascade = evaluate(model, data, to_float, batch_size=16, tta="flip-shift2", tta_margin=0.3)
+    assert cascade.n == 40 and cascade.acc1 == full.acc1
+    assert sum(model.calls) < 18 * 40 / 2  # under half of every view's forwards
+    with pytest.raises(ValueError, match="with TTA flip-shift or flip-shift2, not 'flip'"):
+        evaluate(model, data, to_float, tta="flip", tta_margin=0.5)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5", float("nan")])
+def test_a_tta_margin_outside_0_to_1_is_refused(bad):
+    from vitkit.evaluation import check_tta_margin
+
+    with pytest.raises(ValueError, match=r"must be a number in \[0, 1\]"):
+        check_tta_margin(bad, "flip-shift2", "run.tta_margin")
+    assert check_tta_margin(None, "none") is None and check_tta_margin(1, "flip-shift") == 1.0
+
+
+def test_the_trainer_and_the_cli_refuse_a_margin_without_shifted_views_before_any_work(tmp_path, capsys):
+    from vitkit import cli
+    from vitkit.training import apply_overrides, get_preset, train
+
+    cfg = get_preset("fashion-mnist", smoke=True)
+    apply_overrides(cfg, {"run.tta": "flip", "run.tta_margin": 0.8, "run.out_dir": str(tmp_path / "run"),
+                          "data.dataset": "digits"})
+    with pytest.raises(ValueError, match="run.tta_margin chooses which images get the shifted views"):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    missing = tmp_path / "no-such.safetensors"
+    assert cli.main(["eval", str(missing), "--tta", "flip-shift2", "--tta-margin", "2"]) == 2  # before the model loads
+    assert "--tta-margin must be a number in [0, 1]" in capsys.readouterr().err

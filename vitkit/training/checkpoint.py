@@ -34,8 +34,8 @@ from ..checkpoints.io import read_meta
 CKPT_DIR = "checkpoints"
 # Settings that do not change what a training step computes: a run may resume with them changed.
 RESUME_SAFE = {"preset", "data.data_dir", "data.num_workers", "data.eval_batch_size", "run.out_dir", "run.device",
-               "run.threads", "run.progress", "run.log_every", "run.ckpt_every", "run.eval_every", "run.tta", "run.compile",
-               "run.strategy", "run.activation_checkpointing", "run.precision_choice",
+               "run.threads", "run.progress", "run.log_every", "run.ckpt_every", "run.eval_every", "run.tta", "run.tta_margin",
+               "run.compile", "run.strategy", "run.activation_checkpointing", "run.precision_choice",
                "run.compile_choice", "model.loaded",
                "schedule.time_budget"}  # a run resumed under another budget fits its length anew
 RUN_FILES = (CKPT_DIR, "last.ckpt", "best.safetensors", "final.safetensors", "metrics.jsonl", "result.json", "config.yaml", "tb",

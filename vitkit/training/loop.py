@@ -170,7 +170,7 @@ def evaluate_on(run: Run, module: nn.Module, data) -> EvalResult:
         return _evaluate_mpp(run, module, data)
     # the model itself, not DDP around it (no collectives in an evaluation); FSDP2's shards all run every forward
     return evaluate(module, data, run.data.transform(data), batch_size=run.cfg.data.eval_batch_size, device=run.device,
-                    precision=run.precision, tta=run.cfg.run.tta, dist=run.dist,
+                    precision=run.precision, tta=run.cfg.run.tta, tta_margin=run.cfg.run.tta_margin, dist=run.dist,
                     lockstep=run.strategy == "fsdp" and module is run.model)
 
 

@@ -19,7 +19,7 @@ from ..data.datasets import DataSpec, load_dataset
 from ..data.image import replicate_channels
 from ..data.splits import Splits, prepare, training_data
 from ..errors import UsageError, VitkitError
-from ..evaluation import check_tta
+from ..evaluation import check_tta, check_tta_margin
 from ..machine import precision as precision_mod
 from ..machine.cpu import inductor_cache_for_caps
 from . import compile as compile_mod
@@ -139,6 +139,7 @@ def prepare_run(cfg: TrainConfig, dist: Dist, resumed_precision: str | None = No
     if check_tta(r.tta, "run.tta") != "none" and not cfg.aug.hflip:
         raise UsageError(f"run.tta={r.tta} averages over mirrored images, for models trained with flips: "
                          "set aug.hflip=true or run.tta=none")
+    check_tta_margin(r.tta_margin, r.tta, "run.tta_margin")
     compile_mod.normalize(r.compile)  # on every rank, before any collective: a bad value ends every rank alike
     strategy = resolve_strategy(r.strategy, dist)
     if strategy == "fsdp" and r.ema:

@@ -39,7 +39,7 @@ from ..machine.device import resolve_device
 from ..machine.threads import Governor
 from . import budget as budgeting
 from . import checkpoint
-from .budget import FIRST_TIMED_STEP, FIT_EVERY, MIN_FIT_EVERY, Budget, budgeted_total, run_start, saved_state
+from .budget import CASCADE_SHARE, FIRST_TIMED_STEP, FIT_EVERY, MIN_FIT_EVERY, Budget, budgeted_total, run_start, saved_state
 from .config import TrainConfig
 from .distributed import Dist
 from .logs import MetricsLog, Progress
@@ -128,8 +128,10 @@ def _budget(run, meta: dict, called_at: float) -> tuple[Budget | None, int | Non
     seconds = float(cfg.schedule.time_budget)
     total, spent = saved_state(meta, seconds, run.total) if meta else (None, 0.0)
     views = len(tta_views(torch.zeros(1, 1, 4, 4), cfg.run.tta)) if cfg.model.objective != "mpp" else 1
+    if cfg.run.tta_margin is not None and views > 2:  # a cascade: the two first views of all, the others of a share
+        views = 2 + (views - 2) * CASCADE_SHARE
     periodic = run.data.val if run.data.val is not None else run.data.test
-    return Budget(seconds, run_start(called_at), spent, eval_views=len(periodic) * views * (2 if run.ema is not None else 1),
+    return Budget(seconds, run_start(called_at), spent, eval_views=round(len(periodic) * views * (2 if run.ema is not None else 1)),
                   images_per_step=cfg.data.batch_size * cfg.run.accumulate,
                   cost=run.resizer.costs if run.resizer is not None else None), total
 

@@ -211,5 +211,7 @@ def test_a_tta_cascade_is_budgeted_at_its_share_of_the_views(tmp_path, virtual_c
     cfg = {"schedule.time_budget": 1, "run.tta": "flip-shift2", "aug.hflip": True}
     train(tiny_cfg(tmp_path / "all", **cfg))
     train(tiny_cfg(tmp_path / "cascade", **cfg, **{"run.tta_margin": 0.8}))
-    every, cascade = (_records(tmp_path / name, "budget")[0]["eval_s"] for name in ("all", "cascade"))
+    train(tiny_cfg(tmp_path / "zero", **cfg, **{"run.tta_margin": 0.0}))  # 0 is a margin too
+    every, cascade, zero = (_records(tmp_path / name, "budget")[0]["eval_s"] for name in ("all", "cascade", "zero"))
     assert every > 0 and cascade / every == pytest.approx((2 + 16 * budgeting.CASCADE_SHARE) / 18, rel=1e-3)
+    assert zero == cascade

@@ -146,6 +146,42 @@ def test_a_tta_cascade_sends_on_only_the_images_its_mirror_pair_leaves_unsure(mo
     assert model.calls == [2, 2] + [1] * (views - 2) + [2, 2]
 
 
+class Lopsided(nn.Module):
+    """Logits (mean + left-half mean - right-half mean, 0) * 8: an image and its mirror image answer differently."""
+
+    def forward(self, x):
+        w = x.shape[-1] // 2
+        d = x.mean((1, 2, 3)) + x[..., :w].mean((1, 2, 3)) - x[..., w:].mean((1, 2, 3))
+        return 8 * torch.stack([d, torch.zeros_like(d)], 1)
+
+
+def test_the_cascade_decides_on_the_mirror_pairs_mean_and_keeps_it_for_the_sure_images():
+    """A model that is not mirror-invariant: the pair's mean differs from either view's, the first view alone would be
+    sure where the pair is not, and an image exactly `margin` apart stays with its pair ("by the margin or more")."""
+    x = torch.zeros(3, 1, 4, 4)
+    x[0, ..., :2] = 1.0  # bright on the left: the image is sure of class 0, its mirror of class 1; the pair unsure
+    x[1, ..., :1] = 1.0
+    x[1, ..., 3:] = 0.2  # a little of both: the pair leans to class 0 by a gap that sets the margin
+    # image 2 dark: both classes at one half in every view
+    model = Lopsided()
+    pair = tta_log_probs(model, x, "flip")
+    first = model(x).float().log_softmax(-1)
+    assert not torch.allclose(pair, first, atol=1e-3)  # the mirror view counts
+    gap = (pair.exp()[:, 0] - pair.exp()[:, 1]).abs()
+    margin = float(gap[1])
+    assert gap[0] < margin and (first.exp()[0, 0] - first.exp()[0, 1]) > margin  # unsure as a pair, sure alone
+    model = CountingTopVsBottom()  # logits from the lopsided model, batch sizes counted
+    lopsided = Lopsided()
+
+    def counted(v):
+        model.calls.append(len(v))
+        return lopsided(v)
+    got = tta_log_probs(counted, x, "flip-shift2", margin=margin)
+    assert model.calls == [3, 3] + [2] * 16  # images 0 and 2 go on; image 1, exactly the margin apart, does not
+    assert torch.equal(got[1], pair[1])  # the pair's mean, not the first view twice
+    assert torch.allclose(got[[0, 2]], tta_log_probs(lopsided, x, "flip-shift2")[[0, 2]], atol=1e-6)
+
+
 def test_evaluate_with_a_cascade_counts_every_image_once():
     rows = (torch.rand(40) * 4).tolist()  # confidences spread across the margin
     images = (_rows(rows) * 255 / 4).round().to(torch.uint8)
@@ -154,10 +190,22 @@ def test_evaluate_with_a_cascade_counts_every_image_once():
     full = evaluate(CountingTopVsBottom(), data, to_float, batch_size=16, tta="flip-shift2")
     model = CountingTopVsBottom()
     cascade = evaluate(model, data, to_float, batch_size=16, tta="flip-shift2", tta_margin=0.3)
-    assert cascade.n == 40 and cascade.acc1 == full.acc1
+    flip = evaluate(CountingTopVsBottom(), data, to_float, batch_size=16, tta="flip")
+    # the unsure images' every view, the rest's pair: a loss between the two
+    assert cascade.n == 40 and min(full.loss, flip.loss) < cascade.loss < max(full.loss, flip.loss)
     assert sum(model.calls) < 18 * 40 / 2  # under half of every view's forwards
+    model.calls.clear()
     with pytest.raises(ValueError, match="with TTA flip-shift or flip-shift2, not 'flip'"):
         evaluate(model, data, to_float, tta="flip", tta_margin=0.5)
+    assert model.calls == []  # before any forward
+    # lockstep (FSDP2's ranks): every batch runs the second stage, on one image where none of it is unsure
+    sure = InMemoryDataset((_rows([4.0] * 8) * 255 / 4).round().to(torch.uint8), torch.zeros(8, dtype=torch.long),
+                           ["top", "bottom"])
+    evaluate(model, sure, to_float, batch_size=4, tta="flip-shift2", tta_margin=0.3)
+    assert model.calls == [4, 4] * 2
+    model.calls.clear()
+    evaluate(model, sure, to_float, batch_size=4, tta="flip-shift2", tta_margin=0.3, lockstep=True)
+    assert model.calls == ([4, 4] + [1] * 16) * 2
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5", float("nan")])
@@ -182,3 +230,32 @@ def test_the_trainer_and_the_cli_refuse_a_margin_without_shifted_views_before_an
     missing = tmp_path / "no-such.safetensors"
     assert cli.main(["eval", str(missing), "--tta", "flip-shift2", "--tta-margin", "2"]) == 2  # before the model loads
     assert "--tta-margin must be a number in [0, 1]" in capsys.readouterr().err
+
+
+def test_the_trainer_evaluates_with_its_margin_reports_it_and_resumes_with_another(tmp_path):
+    """A run stopped with one margin resumes with another (no --force); its test evaluation at margin 0 is the
+    mirror pair's, as `vitkit eval --tta flip` finds on its final weights, not every view's; both reports say so."""
+    import json
+
+    from test_training import tiny_cfg
+
+    from vitkit import cli
+    from vitkit.training import train
+
+    out = tmp_path / "run"
+    cfg = {"run.tta": "flip-shift2", "aug.hflip": True, "schedule.epochs": 1}
+    train(tiny_cfg(out, **cfg, **{"run.tta_margin": 0.5}), max_steps=5)
+    res = train(tiny_cfg(out, **cfg, **{"run.tta_margin": 0.0}))
+    assert res["step"] > 5
+    trained = json.loads((out / "test_report.json").read_text())
+    assert trained["tta"] == "flip-shift2" and trained["tta_margin"] == 0.0
+    losses = {}
+    for name, args in {"pair": ["--tta", "flip"], "every": ["--tta", "flip-shift2"],
+                       "cascade": ["--tta", "flip-shift2", "--tta-margin", "0"]}.items():
+        assert cli.main(["eval", str(out / "final.safetensors"), "--data", "digits", "--batch-size", "500",
+                         "--precision", "fp32", "--out", str(tmp_path / name), *args]) == 0
+        losses[name] = json.loads((tmp_path / name / "eval_report.json").read_text())
+    assert losses["cascade"]["tta_margin"] == 0.0 and losses["pair"]["tta_margin"] is None
+    assert trained["loss"] == pytest.approx(losses["pair"]["loss"], abs=1e-6)
+    assert losses["cascade"]["loss"] == pytest.approx(losses["pair"]["loss"], abs=1e-6)
+    assert abs(losses["every"]["loss"] - losses["pair"]["loss"]) > 1e-4

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def check_tta_margin(margin: float | None, mode: str, what: str = "the TTA margi
     UsageError naming `what`."""
     if margin is None:
         return None
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0.0 <= margin <= 1.0:
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0.0 <= margin <= 1.0:
         raise UsageError(f"{what} must be a number in [0, 1] (a difference of two probabilities), got {margin!r}")
     if mode not in ("flip-shift", "flip-shift2"):
         raise UsageError(f"{what} chooses which images get the shifted views: with TTA flip-shift or flip-shift2, "
@@ -101,14 +102,16 @@ def tta_log_probs(model: nn.Module, x: torch.Tensor, mode: str = "none", margin:
 
     margin: a cascade (flip-shift and flip-shift2): every image is first seen with its mirror image; where the two
         views' mean probabilities put the first class ahead of the second by `margin` or more, that mean is the
-        answer, and only the other images are seen in all the views. On Fashion-MNIST's held-out split, 0.8 sent
-        21-22% of the images on and gave the same predictions as every view for all of them (benchmarks/NOTES.md
-        section 62), at under a third of the views' cost. The confident images' loss and top-5 are their two
-        views'. lockstep: every call runs the same forwards (FSDP2's ranks): the second stage runs on one image
-        where no image goes on.
+        answer, and only the other images are seen in all the views (None: every image in every view; 1 is not
+        quite that, as a pair whose probabilities saturate to one class keeps its answer). On Fashion-MNIST's
+        held-out split, 0.8 with flip-shift2 sent 21-22% of the images on and gave the same predictions as every
+        view for all of them (benchmarks/NOTES.md section 62), at under a third of the 18 views' cost. The confident
+        images' loss and top-5 are their two views'. lockstep: every call runs the same forwards (FSDP2's ranks):
+        the second stage runs on one image where no image goes on.
     """
     if isinstance(x, PackedBatch):  # images at their own sizes: the identity and, for "flip", the mirror images
         check_tta(mode, packed=True)
+        check_tta_margin(margin, mode)
 
         views = [x] if mode == "none" else [x, hflip_packed(x, model.config.patch_size)]
         return _mean_log_probs(torch.stack([model(v).float().log_softmax(-1) for v in views]))  # (V, B, K) -> (B, K)
@@ -135,8 +138,8 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 256, device
     """Accuracy of `model` on `data` (an in-memory or file dataset); `transform` maps uint8 batches to model inputs.
 
     tta: test-time augmentation (`tta_views`): the prediction is the mean of the views' probabilities.
-    tta_margin: a cascade over those views (`tta_log_probs`): images whose first two views agree by this margin
-        are not seen in the others.
+    tta_margin: a cascade over those views (`tta_log_probs`): an image whose mirror pair's mean probabilities put
+        the first class ahead of the second by this margin or more is not seen in the other views.
     dist: a `vitkit.training.distributed.Dist`: each rank evaluates its own contiguous part and the counts are summed, so
         every sample counts exactly once; every rank gets the whole result. lockstep: every rank runs the same
         number of forward passes (a model sharded with FSDP2).

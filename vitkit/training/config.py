@@ -203,9 +203,10 @@ class RunConfig:
         (also moved by one pixel each way: 10 views) or "flip-shift2" (by one and by two pixels: 18 views); the mean
         of the views' probabilities is the prediction.
     tta_margin: with flip-shift or flip-shift2, a cascade: an image whose two first views (it and its mirror image)
-        put the first class ahead of the second by this margin of probability is answered by them, the others by all
-        the views (`vitkit.evaluation.tta_log_probs`; 0.8: the same predictions as every view on Fashion-MNIST's
-        held-out split, at under a third of their cost). None: every image in every view.
+        put, in their mean probabilities, the first class ahead of the second by this margin or more is answered by
+        them, the others by all the views (`vitkit.evaluation.tta_log_probs`; 0.8 with flip-shift2: the same
+        predictions as every view on Fashion-MNIST's held-out split, at under a third of its cost). None: every image
+        in every view (1 is not quite that: a pair whose probabilities saturate to one class keeps its answer).
     ckpt_every: write the resumable checkpoint every this many steps (and at every epoch end and the end; 0: only there).
     log_every: log every this many steps, and at the end (0: only there).
     fewshot: a dataset (fashion-mnist, digits, a folder, ...) on which every evaluation also measures few-shot
@@ -289,7 +290,7 @@ NUMBER_BOUNDS = {
     "optim.betas": (0.0, 0.999999),
     "aug.pad": (0, 4096), "aug.scale": (1e-6, 1.0), "aug.ratio": (1e-6, 1e6), "aug.mixup": (0.0, 1e6),
     "aug.cutmix": (0.0, 1e6), "aug.mix_prob": (0.0, 1.0), "aug.label_smoothing": (0.0, 1.0),
-    "aug.random_erasing": (0.0, 1.0),
+    "aug.random_erasing": (0.0, 1.0), "run.tta_margin": (0.0, 1.0),
 }
 
 

@@ -349,6 +349,7 @@ def _train(cfg: TrainConfig, dist: Dist, resume: bool, max_steps: int | None, fo
         if final_eval.classes:  # the final weights' test evaluation, as `vitkit eval` reports it: no second pass needed
             write_report(final_eval, out / "test_report.json", {"checkpoint": str(out / "final.safetensors"),
                                                                 "data": cfg.data.dataset, "tta": cfg.run.tta,
+                                                                "tta_margin": cfg.run.tta_margin,
                                                                 "precision": run.precision})
             try:
                 save_confusion_png(final_eval, out / "test_confusion.png")

@@ -435,7 +435,7 @@ def evaluate(
             trained with flips.
         tta_margin: with flip-shift or flip-shift2, a cascade: an image whose mirror pair puts its first class ahead
             of the second by this margin of probability (0 to 1) is answered by those two views, the rest by all
-            (0.8 with flip-shift2: the same predictions as every view on Fashion-MNIST's held-out split, at under a
+            (0.75 with flip-shift2: the same predictions as every view on Fashion-MNIST's held-out split, at under a
             third of the 18 views' cost; the confident images' loss and top-5 are their two views'). Default: every
             image in every view.
         device: auto (a GPU if there is one) | cpu | cuda | cuda:N.

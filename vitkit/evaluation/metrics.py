@@ -104,8 +104,9 @@ def tta_log_probs(model: nn.Module, x: torch.Tensor, mode: str = "none", margin:
         views' mean probabilities put the first class ahead of the second by `margin` or more, that mean is the
         answer, and only the other images are seen in all the views (None: every image in every view; 1 is not
         quite that, as a pair whose probabilities saturate to one class keeps its answer). On Fashion-MNIST's
-        held-out split, 0.8 with flip-shift2 sent 21-22% of the images on and gave the same predictions as every
-        view for all of them (benchmarks/NOTES.md section 62), at under a third of the 18 views' cost. The confident
+        held-out split, 0.75 with flip-shift2 sent 15-19% of the images on and gave the same predictions as every
+        view for all of them (six runs; benchmarks/NOTES.md section 62), at under a third of the 18 views' cost. How
+        many go on depends on how confident the model is: label smoothing 0.2 sent 27%. The confident
         images' loss and top-5 are their two views'. lockstep: every call runs the same forwards (FSDP2's ranks):
         the second stage runs on one image where no image goes on.
     """

@@ -26,7 +26,7 @@ from .. import env
 
 EVAL_VIEW_COST = 1 / 3  # an evaluated view costs about a third of a trained image (the forward alone, no backward)
 # a TTA cascade (run.tta_margin) sees every image in two views and a share of them in the others: that share, before an
-# evaluation has measured it (fashion-mnist-fast at 0.8: 21-22% of the held-out images; above it the first evaluation
+# evaluation has measured it (fashion-mnist-fast at 0.75: 18-19% of the held-out images; above it the first evaluation
 # may overrun its estimate, by at most (1 - share) of the other views)
 CASCADE_SHARE = 1 / 3
 MIN_MEASURED_STEPS = 8  # a length is fixed only from at least this many timed steps

@@ -204,7 +204,7 @@ class RunConfig:
         of the views' probabilities is the prediction.
     tta_margin: with flip-shift or flip-shift2, a cascade: an image whose two first views (it and its mirror image)
         put, in their mean probabilities, the first class ahead of the second by this margin or more is answered by
-        them, the others by all the views (`vitkit.evaluation.tta_log_probs`; 0.8 with flip-shift2: the same
+        them, the others by all the views (`vitkit.evaluation.tta_log_probs`; 0.75 with flip-shift2: the same
         predictions as every view on Fashion-MNIST's held-out split, at under a third of its cost). None: every image
         in every view (1 is not quite that: a pair whose probabilities saturate to one class keeps its answer).
     ckpt_every: write the resumable checkpoint every this many steps (and at every epoch end and the end; 0: only there).

@@ -71,15 +71,17 @@ def fashion_mnist_fast() -> TrainConfig:
     time the run measures, so a slower machine trains fewer), InfoBatch's pruned passes (`data.prune=0.5`: each pass
     leaves out half of the images whose last loss is below the mean, the rest of them weighed up), raw weights (no
     EMA: at this length it lags), one evaluation at the end over 18 views (flips, and shifts by one and two pixels:
-    `run.tta=flip-shift2`) for the images their mirror pair leaves unsure (`run.tta_margin=0.75`: about a fifth). In fp32 on a CPU without bf16 (emulated: a 2-core Intel Xeon, CPU family 6, model 167,
-    with oneDNN capped to Cascade Lake's ISA; compiled) it trains 15-17 epochs: 93.87 +- 0.05% in 1764 +- 8 s (3
+    `run.tta=flip-shift2`) for the images their mirror pair leaves unsure (`run.tta_margin=0.75`: about a fifth;
+    28-30 s instead of 102-119 s in fp32 on a Zen 4, NOTES 62). In fp32 on a CPU without bf16 (emulated: a 2-core
+    Intel Xeon, CPU family 6, model 167, with oneDNN capped to Cascade Lake's ISA; compiled) it trains 15-17 epochs: 93.87 +- 0.05% in 1764 +- 8 s (3
     seeds; 93.45 +- 0.12% before `data.prune`). On the same CPU uncapped, where `run.precision=auto` takes bf16:
     94.14 +- 0.35% (seeds 0, 1 and 2: 94.00%, 93.88% and 94.54% in 25.4, 18.0 and 28.2 epochs, the VM's speed drifting
     between them) in 1765 +- 14 s; on a 2-core AMD EPYC Zen 4 (CPU family 25, bf16 without AMX) 20.5-20.9
     epochs: 93.98 +- 0.16% in 1770 +- 15 s, and in fp32 under the same caps 14.1-14.5 epochs: 93.70 +- 0.02% in
-    1771 +- 9 s; before `data.prune` 94.09 +- 0.14% (24-27 epochs) and, on a slower day,
+    1771 +- 9 s, with the cascade 14.6-15.1 epochs: 93.61 +- 0.08% in 1763 +- 4 s (the seeds before it ran every
+    image in every view); before `data.prune` 94.09 +- 0.14% (24-27 epochs) and, on a slower day,
     93.80 +- 0.07% (19-22 epochs); under the AVX2 caps (eager, before `data.prune`) one seed trained 7.3 epochs: 92.25%. The
-    choices, made on a held-out split of the training images: benchmarks/NOTES.md, sections 44 to 56; `python
+    choices, made on a held-out split of the training images: benchmarks/NOTES.md, sections 44 to 62; `python
     benchmarks/time_to_accuracy.py run --presets fashion-mnist-fast --seeds 0 1 2`."""
     cfg = fashion_mnist_long()
     cfg.preset = "fashion-mnist-fast"

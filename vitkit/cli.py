@@ -451,7 +451,7 @@ def evaluate(
             package is refused.
     """
     check_tta(tta, packed=bool(max_patches))  # before the model loads
-    check_tta_margin(tta_margin, tta, "--tta-margin")
+    tta_margin = check_tta_margin(tta_margin, tta, "--tta-margin")
     for f in ("eval_report.json", "confusion.png"):  # the outputs' folder and files checked before the work
         check_output(output_dir(Path(out) if out else Path(checkpoint).parent, make=False) / f)
     model, backend = load_for_inference(checkpoint, backend, trust_package)
@@ -468,7 +468,7 @@ def evaluate(
                     tta_margin=tta_margin, device=dev, precision=prec)
     out_dir = Path(out) if out else Path(checkpoint).parent
     write_report(res, out_dir / "eval_report.json", {"checkpoint": str(checkpoint), "data": data, "tta": tta,
-                                                     "tta_margin": check_tta_margin(tta_margin, tta),
+                                                     "tta_margin": tta_margin,
                                                      "precision": reason, "backend": backend,
                                                      "max_patches": max_patches})
     save_confusion_png(res, out_dir / "confusion.png")

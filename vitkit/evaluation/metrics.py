@@ -112,12 +112,10 @@ def tta_log_probs(model: nn.Module, x: torch.Tensor, mode: str = "none", margin:
     """
     if isinstance(x, PackedBatch):  # images at their own sizes: the identity and, for "flip", the mirror images
         check_tta(mode, packed=True)
-        check_tta_margin(margin, mode)
-
         views = [x] if mode == "none" else [x, hflip_packed(x, model.config.patch_size)]
-        return _mean_log_probs(torch.stack([model(v).float().log_softmax(-1) for v in views]))  # (V, B, K) -> (B, K)
-    views = tta_views(x, mode)
-    if check_tta_margin(margin, mode) is None:
+    else:
+        views = tta_views(x, mode)
+    if check_tta_margin(margin, mode) is None:  # packed batches have no shifted views: refused with a margin
         return _mean_log_probs(torch.stack([model(v).float().log_softmax(-1) for v in views]))  # (V, B, K) -> (B, K)
     first = torch.stack([model(v).float().log_softmax(-1) for v in views[:2]])  # (2, B, K): the image, its mirror
     logp = _mean_log_probs(first)  # (B, K)
@@ -160,7 +158,8 @@ def evaluate(model: nn.Module, data, transform, *, batch_size: int = 256, device
             skipped += s if counts else 0
             continue
         with autocast(precision, dev):
-            logits = tta_log_probs(model, transform(x), tta, tta_margin, lockstep)  # log-probabilities: top-k and the loss as from logits
+            # log-probabilities: top-k and the loss as from logits
+            logits = tta_log_probs(model, transform(x), tta, tta_margin, lockstep)
         if not counts:
             continue
         skipped += s

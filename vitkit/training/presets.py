@@ -73,8 +73,8 @@ def fashion_mnist_fast() -> TrainConfig:
     EMA: at this length it lags), one evaluation at the end over 18 views (flips, and shifts by one and two pixels:
     `run.tta=flip-shift2`) for the images their mirror pair leaves unsure (`run.tta_margin=0.75`: about a fifth;
     28-30 s instead of 102-119 s in fp32 on a Zen 4, NOTES 62). In fp32 on a CPU without bf16 (emulated: a 2-core
-    Intel Xeon, CPU family 6, model 167, with oneDNN capped to Cascade Lake's ISA; compiled) it trains 15-17 epochs: 93.87 +- 0.05% in 1764 +- 8 s (3
-    seeds; 93.45 +- 0.12% before `data.prune`). On the same CPU uncapped, where `run.precision=auto` takes bf16:
+    Intel Xeon, CPU family 6, model 167, with oneDNN capped to Cascade Lake's ISA; compiled) it trains 15-17 epochs:
+    93.87 +- 0.05% in 1764 +- 8 s (3 seeds; 93.45 +- 0.12% before `data.prune`). On the same CPU uncapped, where `run.precision=auto` takes bf16:
     94.14 +- 0.35% (seeds 0, 1 and 2: 94.00%, 93.88% and 94.54% in 25.4, 18.0 and 28.2 epochs, the VM's speed drifting
     between them) in 1765 +- 14 s; on a 2-core AMD EPYC Zen 4 (CPU family 25, bf16 without AMX) 20.5-20.9
     epochs: 93.98 +- 0.16% in 1770 +- 15 s, and in fp32 under the same caps 14.1-14.5 epochs: 93.70 +- 0.02% in

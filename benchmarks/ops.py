@@ -1,7 +1,7 @@
-"""Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 to 48): the patch embedding's op, foreach vs fused AdamW,
+"""Single-op choices on a CPU (NOTES.md, sections 8, 20, 44 to 48, 63): the patch embedding's op, foreach vs fused AdamW,
 Muon's cost in a step, the GEMM paths for the Linear shapes, attention's fused kernel against explicit matmuls, the
 evaluation's batch, the hybrid's ResNet stages at 14x14, the parts of a training step, a batch split over two
-Python threads, and token dropping.
+Python threads, token dropping, and the compiled step against this CPU's GEMM peak.
 
     python benchmarks/ops.py patch-embed   # conv (kernel = stride = P) vs unfold-by-reshape + matmul, fwd / fwd+bwd
     python benchmarks/ops.py adamw         # one AdamW step over ViT-S/16 and ViT-B/16 parameters: single-tensor, foreach, fused
@@ -13,6 +13,7 @@ Python threads, and token dropping.
     python benchmarks/ops.py step-parts    # fashion-mnist-fast's step: forward+backward, + clipping, + Muon or AdamW (NOTES 47)
     python benchmarks/ops.py split-batch   # its forward+backward at 1 and 2 threads, and as two Python threads of one (NOTES 47)
     python benchmarks/ops.py patch-drop    # its whole step with token dropping (patch_drop_rate 0 to 0.75) and at batch 256 (NOTES 48)
+    python benchmarks/ops.py roofline      # its compiled step's GEMMs, convolutions and the rest against this CPU's GEMM peak (NOTES 63)
 
 Rounds alternate between the candidates; each number is the median over rounds, in ms (eval-batch: views/s).
 """
@@ -335,14 +336,117 @@ def attention() -> None:
               f"explicit {res['explicit']:6.2f} ms", flush=True)
 
 
+def roofline() -> None:
+    """fashion-mnist-fast's compiled forward and backward (batch 128, the ResNet channels-last as it runs itself,
+    torch's thread count) against this CPU's float32 GEMM peak: the peak (`mm` at 2048^3 and at the model's Linear
+    shapes), then torch.profiler's self time of 5 steps grouped as the Linear GEMMs, the convolutions, attention and
+    the rest (the fused element-wise kernels, copies, autograd), each with the FLOPs it does (counted from the
+    layers' shapes: forward, and twice that backward, the first conv's input gradient left out) and the share of
+    the peak it reaches; and Muon's step, whose Newton-Schulz products are FLOPs of their own (NOTES 63)."""
+    import math
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from vitkit.training.config import OptimConfig
+    from vitkit.training.optim import build_optimizer, muon_names
+
+    def gemm_rate(m, k, n):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        ms = compare({"mm": lambda: a @ b}, rounds=3, n=max(3, int(2e10 / (2 * m * k * n))))["mm"]
+        return 2 * m * k * n / ms / 1e6
+
+    peak = gemm_rate(2048, 2048, 2048)
+    print(f"float32 GEMM peak (mm at 2048^3): {peak:.0f} GFLOP/s")
+    rows = 128 * 49
+    for k, n, what in ((192, 576, "qkv"), (192, 192, "proj"), (192, 384, "fc1"), (384, 192, "fc2"), (64, 64, "64 -> 64")):
+        print(f"  mm {rows} x {k} x {n} ({what}): {gemm_rate(rows, k, n):.0f} GFLOP/s")
+
+    model, x, y = _fast_model()
+    model.train()
+    flops = {"Linear GEMMs": 0.0, "convolutions": 0.0, "attention": 0.0}
+    first_conv = True
+
+    def count(mod, inp, out):
+        nonlocal first_conv
+        if isinstance(mod, torch.nn.Linear):
+            flops["Linear GEMMs"] += 3 * 2 * inp[0].numel() // inp[0].shape[-1] * mod.in_features * mod.out_features
+        elif isinstance(mod, torch.nn.Conv2d):
+            fwd = 2 * out.numel() * mod.in_channels // mod.groups * math.prod(mod.kernel_size)
+            flops["convolutions"] += fwd * (2 if first_conv else 3)  # the image needs no gradient
+            first_conv = False
+
+    fired, tokens_out = set(), []
+
+    def seen(mod, inp, out):  # returns None: a hook's return value would replace the output
+        fired.add(mod)
+        count(mod, inp, out)
+
+    hooks = [m.register_forward_hook(seen) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    hooks.append(model.patch_embed.register_forward_hook(lambda mod, i, o: tokens_out.append(o.shape) and None))
+    model(x)
+    for h in hooks:
+        h.remove()
+    proj = model.patch_embed.proj
+    if proj not in fired:  # eager CPU calls embed patches as a matmul of proj's weight; compiled, proj runs as a conv
+        b, n, _ = tokens_out[0]
+        flops["convolutions"] += 3 * 2 * b * n * proj.in_channels * proj.out_channels * math.prod(proj.kernel_size)
+    cfg = model.config
+    tokens, heads = 49, cfg.num_heads
+    flops["attention"] = 3 * 2 * 2 * 128 * heads * tokens * tokens * (cfg.embed_dim // heads) * cfg.depth
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True  # the fused kernels by name in the profile, not inside the graph's call
+    compiled = torch.compile(model)
+
+    def fb():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(compiled(x), y, label_smoothing=0.1).backward()
+
+    for _ in range(3):
+        fb()
+    whole = compare({"step": fb}, rounds=3, n=5)["step"]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            fb()
+    groups = {"Linear GEMMs": ("aten::mm", "aten::addmm"),
+              "convolutions": ("aten::mkldnn_convolution", "aten::convolution_backward"),
+              "attention": ("flash_attention",)}
+    ms = dict.fromkeys([*groups, "the rest"], 0.0)
+    for ev in prof.key_averages():
+        if ev.key.startswith(("## Call", "Torch-Compiled", "CompiledFunction", "autograd::", "ProfilerStep")):
+            continue  # wrappers: their self time is their own bookkeeping, counted in the rest
+        group = next((g for g, keys in groups.items() if any(k in ev.key for k in keys)), "the rest")
+        ms[group] += ev.self_cpu_time_total / 1e3 / 5
+    print(f"compiled forward + backward, batch 128: {whole:.1f} ms a step unprofiled, "
+          f"{sum(ms.values()):.1f} ms profiled ({sum(flops.values()) / 1e9:.1f} GFLOP)")
+    for g, t in ms.items():
+        f = flops.get(g)
+        rate = f"{f / 1e9:5.2f} GFLOP, {f / t / 1e6:4.0f} GFLOP/s ({f / t / 1e6 / peak:.0%} of the peak)" if f else ""
+        print(f"  {g:<14} {t:6.1f} ms {rate}")
+    ideal = sum(flops.values()) / peak / 1e6
+    print(f"  every FLOP at the peak: {ideal:.0f} ms ({ideal / whole:.0%} of the step)")
+
+    names = muon_names(model)
+    ns = 0
+    for n, p in model.named_parameters():
+        if n in names:
+            a, b = sorted((p.shape[0], p.numel() // p.shape[0]))
+            ns += 5 * 2 * (2 * a * a * b + a ** 3)  # five iterations: x x^T, gram @ gram, (.) @ x
+    opt = build_optimizer(model, OptimConfig(name="muon", lr=1e-9, weight_decay=0.0))
+    fb()
+    t = compare({"muon": opt.step}, rounds=3, n=10)["muon"]
+    print(f"Muon's step: {t:.1f} ms, its Newton-Schulz products {ns / 1e9:.2f} GFLOP "
+          f"({ns / 1e6 / peak:.0f} ms at the peak)")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=["patch-embed", "adamw", "muon", "gemm", "attention", "eval-batch", "stem-pool",
-                                        "step-parts", "split-batch", "patch-drop"])
+                                        "step-parts", "split-batch", "patch-drop", "roofline"])
     args = ap.parse_args()
     from vitkit.machine.cpu import cpu_model
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu_model()}")
     {"patch-embed": patch_embed, "adamw": adamw, "muon": muon, "gemm": gemm_paths, "attention": attention,
      "eval-batch": eval_batch, "stem-pool": stem_pool, "step-parts": step_parts, "split-batch": split_batch,
-     "patch-drop": patch_drop}[args.what]()
+     "patch-drop": patch_drop, "roofline": roofline}[args.what]()

@@ -81,7 +81,7 @@ def fashion_mnist_fast() -> TrainConfig:
     1771 +- 9 s, with the cascade 14.6-15.1 epochs: 93.61 +- 0.08% in 1763 +- 4 s (the seeds before it ran every
     image in every view); before `data.prune` 94.09 +- 0.14% (24-27 epochs) and, on a slower day,
     93.80 +- 0.07% (19-22 epochs); under the AVX2 caps (eager, before `data.prune`) one seed trained 7.3 epochs: 92.25%. The
-    choices, made on a held-out split of the training images: benchmarks/NOTES.md, sections 44 to 62; `python
+    choices, made on a held-out split of the training images: benchmarks/NOTES.md, sections 44 to 63; `python
     benchmarks/time_to_accuracy.py run --presets fashion-mnist-fast --seeds 0 1 2`."""
     cfg = fashion_mnist_long()
     cfg.preset = "fashion-mnist-fast"

@@ -341,17 +341,16 @@ def roofline() -> None:
     torch's thread count) against this CPU's float32 GEMM peak (the fastest of `mm` at 2048^3 and at the model's
     Linear shapes, timed in the same run: the VM's speed drifts). torch.profiler's self time of 5 steps is grouped as
     the Linear GEMMs, the convolutions, attention, the rest (Inductor's fused element-wise kernels, by name; copies)
-    and the wrappers (the compiled graphs' calls, autograd's nodes, buffer allocation), each with the FLOPs it does,
-    counted from the layers' shapes as model FLOPs: the forward, twice that backward where the input needs a
-    gradient (not for the image), a conv's padding taps included (18% of a 3x3 conv's at 7x7), attention's backward
-    recomputing its scores not. Then the optimizer's step (Muon and its AdamW half), whose Newton-Schulz products
-    are FLOPs of their own (NOTES 63). Under Inductor's `conv_1x1_as_mm` or `max_autotune` 1x1 convs would move into
-    the GEMMs' row: refused."""
-    import math
-
+    and the wrappers (the compiled graphs' calls, autograd's nodes, buffer allocation), each with the FLOPs it does
+    in one forward and backward as `vitkit models` counts them (torch's FlopCounterMode: a conv's padding taps
+    included, 18% of a 3x3 conv's at 7x7; attention's backward 2.5x its forward). Then the optimizer's step (Muon
+    and its AdamW half), whose Newton-Schulz products are FLOPs of their own (NOTES 63). Under Inductor's
+    `conv_1x1_as_mm` or `max_autotune` 1x1 convs would move into the GEMMs' row: refused."""
     import torch._inductor.config as inductor_config
     from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
 
+    from vitkit.models.stats import CPU_FLOPS
     from vitkit.training.config import OptimConfig
     from vitkit.training.optim import build_optimizer, muon_names
 
@@ -374,36 +373,25 @@ def roofline() -> None:
 
     model, x, y = _fast_model()
     model.train()
-    flops = {"Linear GEMMs": 0.0, "convolutions": 0.0, "attention": 0.0}
-    fired, tokens_out, attn_in = set(), [], []
+    # FLOPs as `vitkit models` counts them (torch's FlopCounterMode with vitkit's CPU kernels), over one eager forward
+    # and backward; eager CPU calls embed the hybrid's patches as a matmul of proj's weight, compiled proj runs as a
+    # conv: its FLOPs move to the convolutions
+    with FlopCounterMode(display=False, custom_mapping=CPU_FLOPS) as counter:
+        F.cross_entropy(model(x), y, label_smoothing=0.1).backward()
+    per = counter.get_flop_counts()
+    ops_of = {"Linear GEMMs": ("aten.mm", "aten.addmm", "aten.bmm"),
+              "convolutions": ("aten.convolution", "aten.convolution_backward"),
+              "attention": ("aten._scaled_dot_product_flash_attention_for_cpu",
+                            "aten._scaled_dot_product_flash_attention_for_cpu_backward")}
 
-    def count(mod, inp, out) -> None:  # returns None: a hook's return value would replace the output
-        fired.add(mod)
-        passes = 3 if inp[0].requires_grad else 2  # forward, the weight's gradient, and the input's where it needs one
-        if isinstance(mod, torch.nn.Linear):
-            flops["Linear GEMMs"] += passes * 2 * inp[0].numel() // inp[0].shape[-1] * mod.in_features * mod.out_features
-        elif isinstance(mod, torch.nn.Conv2d):
-            flops["convolutions"] += passes * 2 * out.numel() * mod.in_channels // mod.groups * math.prod(mod.kernel_size)
+    def total(scope: str, group: str) -> float:
+        return sum(v for op, v in per.get(scope, {}).items() if str(op) in ops_of[group])
 
-    def record(store):
-        def hook(mod, inp, out) -> None:
-            store.append((inp[0].shape, out.shape, inp[0].requires_grad))
-        return hook
-
-    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
-    hooks.append(model.patch_embed.register_forward_hook(record(tokens_out)))
-    hooks += [blk.attn.register_forward_hook(record(attn_in)) for blk in model.blocks]
-    model(x)
-    for h in hooks:
-        h.remove()
-    proj = model.patch_embed.proj
-    if proj not in fired:  # eager CPU calls embed the patches as a matmul of proj's weight; compiled, proj runs as a conv
-        b, n, _ = tokens_out[0][1]
-        backbone = model.patch_embed.backbone  # its output, proj's input, needs a gradient where it trains
-        passes = 3 if tokens_out[0][2] or (backbone is not None and any(p.requires_grad for p in backbone.parameters())) else 2
-        flops["convolutions"] += passes * 2 * b * n * proj.in_channels * proj.out_channels * math.prod(proj.kernel_size)
-    for (b, t, d), _, _ in attn_in:  # each block's (B, T, D) tokens: q k^T and the weights' @ v, per head
-        flops["attention"] += 3 * 2 * 2 * b * t * t * d  # heads x head_dim = D
+    flops = {g: total("Global", g) for g in ops_of}
+    pe = f"{type(model).__name__}.patch_embed"
+    moved = total(pe, "Linear GEMMs") - total(f"{pe}.backbone", "Linear GEMMs")
+    flops["Linear GEMMs"] -= moved
+    flops["convolutions"] += moved
     inductor_config.cpp.enable_kernel_profile = True  # the fused kernels by name in the profile, not inside the graph's call
     compiled = torch.compile(model)
 
@@ -447,6 +435,7 @@ def roofline() -> None:
     t = compare({"opt": opt.step}, rounds=3, n=10)["opt"]
     print(f"the optimizer's step (Muon and its AdamW half): {t:.1f} ms; Muon's {steps} Newton-Schulz iterations "
           f"{ns / 1e9:.2f} GFLOP ({ns / 1e6 / peak:.0f} ms at the peak)")
+
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
